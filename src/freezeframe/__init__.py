@@ -1,0 +1,71 @@
+"""freezeframe: trace once, split, compile per shape, capture CUDA graphs per padded batch size.
+
+Importing the package has no side effects: it touches no CUDA state and patches nothing. The
+public names are resolved lazily so ``import freezeframe`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "BatchDescriptor": "freezeframe.batch",
+    "CUDAGraphMode": "freezeframe.config",
+    "CompilationConfig": "freezeframe.config",
+    "CompilationMode": "freezeframe.config",
+    "Range": "freezeframe.sizes",
+    "ForwardContext": "freezeframe.context",
+    "forward_context": "freezeframe.context",
+    "get_forward_context": "freezeframe.context",
+    "Stats": "freezeframe.stats",
+    "compile": "freezeframe.compile",
+    "CompiledModel": "freezeframe.compile",
+    "GraphRunner": "freezeframe.runtime",
+    "Dispatcher": "freezeframe.runtime",
+    "FreezeframeError": "freezeframe.errors",
+    "ConfigError": "freezeframe.errors",
+    "CompileError": "freezeframe.errors",
+    "CaptureError": "freezeframe.errors",
+    "ShapeOutOfRangeError": "freezeframe.errors",
+    "InputMismatchError": "freezeframe.errors",
+    "FallbackError": "freezeframe.errors",
+    "CacheError": "freezeframe.errors",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:  # pragma: no cover
+    from freezeframe.batch import BatchDescriptor
+    from freezeframe.compile import CompiledModel, compile
+    from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from freezeframe.context import ForwardContext, forward_context, get_forward_context
+    from freezeframe.errors import (
+        CacheError,
+        CaptureError,
+        CompileError,
+        ConfigError,
+        FallbackError,
+        FreezeframeError,
+        InputMismatchError,
+        ShapeOutOfRangeError,
+    )
+    from freezeframe.runtime import Dispatcher, GraphRunner
+    from freezeframe.sizes import Range
+    from freezeframe.stats import Stats
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'freezeframe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,471 @@
+"""Compilation modes, CUDA-graph modes and the frozen, validated :class:`CompilationConfig`.
+
+Field names follow vLLM's ``CompilationConfig`` for everything we support, so a vLLM
+compilation-config JSON with those fields is accepted as it is. The config resolves every
+derived value (capture sizes, compile sizes, graph mode after the splitting-op rules) once, in
+``__post_init__``; later code reads resolved values and never re-derives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from freezeframe.errors import ConfigError
+from freezeframe.sizes import (
+    Range,
+    compile_ranges,
+    default_capture_sizes,
+    default_max_capture_size,
+    padded_size,
+    round_sizes_for_spec_decode,
+)
+
+__all__ = ["CUDAGraphMode", "CompilationConfig", "CompilationMode", "Range"]
+
+logger = logging.getLogger(__name__)
+
+
+class CompilationMode(enum.IntEnum):
+    """How much of the compile pipeline runs.
+
+    NONE: the module itself. STOCK_TORCH_COMPILE: plain ``torch.compile`` (guards, recompiles).
+    DYNAMO_TRACE_ONCE: one Dynamo trace reused for every size, whole graph to the compiler.
+    PIECEWISE: one trace, split at splitting ops, each piece compiled per range/size
+    (vLLM calls this VLLM_COMPILE; that name is accepted).
+    """
+
+    NONE = 0
+    STOCK_TORCH_COMPILE = 1
+    DYNAMO_TRACE_ONCE = 2
+    PIECEWISE = 3
+
+    @classmethod
+    def parse(cls, value: CompilationMode | int | str) -> CompilationMode:
+        if isinstance(value, CompilationMode):
+            return value
+        if isinstance(value, bool):
+            raise ConfigError(f"mode: expected a CompilationMode, int or name, got {value!r}")
+        if isinstance(value, int):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        elif isinstance(value, str):
+            name = value.strip().upper()
+            if name == "VLLM_COMPILE":
+                return cls.PIECEWISE
+            if name.isdigit():
+                return cls.parse(int(name))
+            if name in cls.__members__:
+                return cls[name]
+        valid = ", ".join(f"{m.name} ({m.value})" for m in cls)
+        raise ConfigError(f"mode: unknown compilation mode {value!r}; valid modes are {valid}")
+
+
+class CUDAGraphMode(enum.Enum):
+    """Which graphs to capture. A tuple value is a *separate routine*: its first element is the
+    mode for uniform-decode batches, its second the mode for mixed batches."""
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    @classmethod
+    def parse(cls, value: CUDAGraphMode | str | int) -> CUDAGraphMode:
+        if isinstance(value, CUDAGraphMode):
+            return value
+        if isinstance(value, str):
+            name = value.strip().upper()
+            if name in cls.__members__:
+                return cls[name]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            for member in (cls.NONE, cls.PIECEWISE, cls.FULL):
+                if member.value == value:
+                    return member
+        valid = ", ".join(m.name for m in cls)
+        raise ConfigError(
+            f"cudagraph_mode: unknown CUDA-graph mode {value!r}; valid modes are {valid} "
+            "(any case)"
+        )
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def decode_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        if mode.separate_routine():
+            raise ValueError(f"has_mode takes a runtime mode, got {mode.name}")
+        return mode in (self.decode_mode(), self.mixed_mode())
+
+    def requires_piecewise_compilation(self) -> bool:
+        return self.has_mode(CUDAGraphMode.PIECEWISE)
+
+    def max_cudagraph_mode(self) -> CUDAGraphMode:
+        if self.separate_routine():
+            return CUDAGraphMode(max(self.value))
+        return self
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.max_cudagraph_mode() is CUDAGraphMode.FULL
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return self.requires_piecewise_compilation()
+
+    @staticmethod
+    def valid_runtime_modes() -> frozenset[CUDAGraphMode]:
+        return frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
+
+
+_BACKENDS = ("eager", "inductor")
+_GRAPH_BACKENDS = ("auto", "cuda", "emulated")
+CAPTURE_SIZES_TOKEN = "cudagraph_capture_sizes"
+
+# Fields that do not change compiled code and so stay out of cache_key().
+_NOT_IN_CACHE_KEY = frozenset({"cache_dir", "debug", "use_cache", "graph_backend",
+                               "cudagraph_num_of_warmups"})
+
+# Accepted spellings from vLLM configs that map onto our field names.
+_ALIASES = {"level": "mode", "max_num_batched_tokens": "max_num_tokens"}
+
+
+def _seq(value: Any, field: str) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(f"{field}: expected a list, got {value!r}")
+    return tuple(value)
+
+
+def _positive_int(value: Any, field: str, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field}: expected an int, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ConfigError(f"{field}: must be {bound}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class CompilationConfig:
+    """Everything that decides how a model is compiled and captured.
+
+    Given values are validated and the derived ones resolved in ``__post_init__``; after that
+    each field holds its *resolved* value (``cudagraph_capture_sizes`` is the sorted tuple of
+    sizes actually captured, ``cudagraph_mode`` the mode after the splitting-op rules).
+    """
+
+    # -- compilation ---------------------------------------------------------------------
+    mode: CompilationMode | int | str = CompilationMode.PIECEWISE
+    backend: str = "inductor"
+    """The compiler for each piece: "eager" (no code generation) or "inductor"."""
+    splitting_ops: Sequence[str] | None = None
+    """Ops the graph is split at. ``None``: no split (one piece). ``[]`` explicitly asks for
+    no split and turns PIECEWISE graphs off (see the splitting-op rules)."""
+    compile_sizes: Sequence[int | str] | None = None
+    compile_ranges_endpoints: Sequence[int] | None = None
+    inductor_compile_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inductor_passes: Mapping[str, str | Callable[..., Any]] = dataclasses.field(
+        default_factory=dict)
+    # -- CUDA graphs ---------------------------------------------------------------------
+    cudagraph_mode: CUDAGraphMode | str | None = None
+    cudagraph_capture_sizes: Sequence[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    cudagraph_num_of_warmups: int = 0
+    cudagraph_copy_inputs: bool = False
+    cudagraph_specialize_lora: bool = True
+    graph_backend: str = "auto"
+    """How graphs are captured: "cuda" (torch.cuda.CUDAGraph), "emulated" (a faithful CPU
+    stand-in for tests and CI) or "auto" (cuda when available, else graphs off)."""
+    # -- batch limits the size rules need ------------------------------------------------
+    max_num_tokens: int = 8192
+    max_num_seqs: int = 256
+    num_speculative_tokens: int = 0
+    max_loras: int = 0
+    # -- micro-batching ------------------------------------------------------------------
+    micro_batching: bool = False
+    num_micro_batches: int = 2
+    micro_batch_decode_threshold: int = 32
+    micro_batch_prefill_threshold: int = 512
+    # -- cache and debugging -------------------------------------------------------------
+    cache_dir: str = ""
+    use_cache: bool = True
+    debug: bool = False
+
+    # ------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        mode = CompilationMode.parse(self.mode)
+        set_(self, "mode", mode)
+
+        backend = (self.backend or "inductor").strip().lower()
+        if backend not in _BACKENDS:
+            raise ConfigError(
+                f"backend: unknown compiler {self.backend!r}; use one of {list(_BACKENDS)}")
+        set_(self, "backend", backend)
+        graph_backend = str(self.graph_backend).strip().lower()
+        if graph_backend not in _GRAPH_BACKENDS:
+            raise ConfigError(f"graph_backend: unknown graph backend {self.graph_backend!r}; "
+                              f"use one of {list(_GRAPH_BACKENDS)}")
+        set_(self, "graph_backend", graph_backend)
+
+        for name in ("max_num_tokens", "max_num_seqs", "num_micro_batches"):
+            _positive_int(getattr(self, name), name)
+        for name in ("num_speculative_tokens", "max_loras", "cudagraph_num_of_warmups",
+                     "micro_batch_decode_threshold", "micro_batch_prefill_threshold"):
+            _positive_int(getattr(self, name), name, allow_zero=True)
+        for name in ("cudagraph_copy_inputs", "cudagraph_specialize_lora", "use_cache", "debug",
+                     "micro_batching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.cache_dir, str):
+            raise ConfigError(f"cache_dir: expected a path string, got {self.cache_dir!r}")
+
+        if not isinstance(self.inductor_compile_config, Mapping):
+            raise ConfigError("inductor_compile_config: expected a mapping of Inductor config "
+                              f"names to values, got {self.inductor_compile_config!r}")
+        set_(self, "inductor_compile_config",
+             MappingProxyType(dict(self.inductor_compile_config)))
+        if not isinstance(self.inductor_passes, Mapping):
+            raise ConfigError("inductor_passes: expected a mapping of names to callables or "
+                              f"qualified names, got {self.inductor_passes!r}")
+        set_(self, "inductor_passes", MappingProxyType(dict(self.inductor_passes)))
+
+        self._resolve_splitting_ops_and_graph_mode()
+        self._resolve_capture_sizes()
+        self._resolve_compile_sizes()
+        self._resolve_compile_ranges()
+        if self.micro_batching and self.num_micro_batches < 2:
+            raise ConfigError("num_micro_batches: micro-batching needs at least 2 micro-batches, "
+                              f"got {self.num_micro_batches}")
+
+    # -- resolution steps ----------------------------------------------------------------
+    def _resolve_splitting_ops_and_graph_mode(self) -> None:
+        set_ = object.__setattr__
+        ops: tuple[str, ...] | None = None
+        if self.splitting_ops is not None:
+            ops = _seq(self.splitting_ops, "splitting_ops")
+            for op in ops:
+                if not isinstance(op, str) or "::" not in op:
+                    raise ConfigError(
+                        f"splitting_ops: {op!r} is not an op name; write 'namespace::op' (all "
+                        "overloads) or 'namespace::op.overload' (one overload), e.g. "
+                        "'silly::attention'")
+        if self.cudagraph_mode is None:
+            graph_mode = (CUDAGraphMode.PIECEWISE if self.mode is CompilationMode.PIECEWISE
+                          else CUDAGraphMode.NONE)
+        else:
+            graph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+
+        if self.mode is not CompilationMode.PIECEWISE:
+            ops = ops if ops is not None else ()
+        elif ops is not None and len(ops) == 0:
+            if graph_mode is CUDAGraphMode.PIECEWISE:
+                logger.warning("splitting_ops=[] with cudagraph_mode PIECEWISE: nothing is split, "
+                               "so piecewise graphs are off; cudagraph_mode is now NONE")
+                graph_mode = CUDAGraphMode.NONE
+            elif graph_mode is CUDAGraphMode.FULL_AND_PIECEWISE:
+                logger.warning("splitting_ops=[] with cudagraph_mode FULL_AND_PIECEWISE: nothing "
+                               "is split, so only full graphs are captured; cudagraph_mode is "
+                               "now FULL")
+                graph_mode = CUDAGraphMode.FULL
+        if (graph_mode.requires_piecewise_compilation()
+                and self.mode is not CompilationMode.PIECEWISE):
+            raise ConfigError(
+                f"cudagraph_mode {graph_mode.name} captures piecewise graphs, which needs "
+                f"mode PIECEWISE, but mode is {self.mode.name}; set mode='piecewise' or choose "
+                "cudagraph_mode FULL, FULL_DECODE_ONLY or NONE")
+        set_(self, "splitting_ops", ops if ops is None else tuple(ops))
+        set_(self, "cudagraph_mode", graph_mode)
+
+    def _resolve_capture_sizes(self) -> None:
+        set_ = object.__setattr__
+        assert isinstance(self.cudagraph_mode, CUDAGraphMode)
+        user_list = self.cudagraph_capture_sizes
+        user_max = self.max_cudagraph_capture_size
+        if user_max is not None:
+            _positive_int(user_max, "max_cudagraph_capture_size", allow_zero=True)
+        if user_list is not None:
+            for s in _seq(user_list, "cudagraph_capture_sizes"):
+                _positive_int(s, "cudagraph_capture_sizes entry")
+        if self.cudagraph_mode is CUDAGraphMode.NONE:
+            set_(self, "cudagraph_capture_sizes", ())
+            set_(self, "max_cudagraph_capture_size", 0)
+            return
+
+        if user_max is not None:
+            max_size = min(user_max, self.max_num_tokens)
+        else:
+            max_size = default_max_capture_size(self.max_num_seqs, self.num_speculative_tokens,
+                                                self.max_num_tokens)
+        if max_size < 1:
+            raise ConfigError(
+                f"max_cudagraph_capture_size: {user_max} leaves no size to capture while "
+                f"cudagraph_mode is {self.cudagraph_mode.name}; set it to at least 1 or set "
+                "cudagraph_mode='none'")
+        if user_list is not None:
+            sizes = sorted({s for s in user_list if s <= self.max_num_tokens})
+            if not sizes:
+                raise ConfigError(
+                    f"cudagraph_capture_sizes: {list(user_list)} leaves no size to capture (sizes "
+                    f"above max_num_tokens={self.max_num_tokens} are dropped) while "
+                    f"cudagraph_mode is {self.cudagraph_mode.name}; give at least one size or "
+                    "set cudagraph_mode='none'")
+        else:
+            sizes = default_capture_sizes(max_size)
+        valid_max = sizes[-1]
+        if user_max is not None and user_max != valid_max:
+            if user_list is not None:
+                raise ConfigError(
+                    f"max_cudagraph_capture_size={user_max} disagrees with the largest of "
+                    f"cudagraph_capture_sizes={sizes} ({valid_max}); give only one of the two or "
+                    "make them agree")
+            logger.warning("Truncating max_cudagraph_capture_size from %d to %d, the largest "
+                           "size of the capture ladder under it", user_max, valid_max)
+        if user_list is not None and len(sizes) < len(set(user_list)):
+            logger.warning("cudagraph_capture_sizes above max_num_tokens=%d were dropped: %s",
+                           self.max_num_tokens, sorted(set(user_list) - set(sizes)))
+        if self.num_speculative_tokens > 0:
+            multiple = 1 + self.num_speculative_tokens
+            try:
+                sizes = round_sizes_for_spec_decode(sizes, multiple, valid_max)
+            except ValueError as exc:
+                raise ConfigError(f"cudagraph_capture_sizes: {exc}") from None
+        set_(self, "cudagraph_capture_sizes", tuple(sizes))
+        set_(self, "max_cudagraph_capture_size", sizes[-1])
+
+    def _resolve_compile_sizes(self) -> None:
+        if self.compile_sizes is None:
+            object.__setattr__(self, "compile_sizes", ())
+            return
+        out: set[int] = set()
+        for s in _seq(self.compile_sizes, "compile_sizes"):
+            if s == CAPTURE_SIZES_TOKEN:
+                out.update(self.cudagraph_capture_sizes or ())
+            elif isinstance(s, str):
+                raise ConfigError(f"compile_sizes: unknown entry {s!r}; entries are ints or the "
+                                  f"string {CAPTURE_SIZES_TOKEN!r}")
+            else:
+                out.add(_positive_int(s, "compile_sizes entry"))
+        sizes = sorted(out)
+        if self.cudagraph_mode is not CUDAGraphMode.NONE:
+            capture = list(self.cudagraph_capture_sizes or ())
+            for s in sizes:
+                padded = padded_size(s, capture)
+                if padded is not None and padded != s:
+                    raise ConfigError(
+                        f"compile_sizes: size {s} would be padded to {padded} by the capture "
+                        f"sizes {capture}, so its compiled code would never run under a graph; "
+                        f"add {s} to cudagraph_capture_sizes or compile {padded} instead")
+        object.__setattr__(self, "compile_sizes", tuple(sizes))
+
+    def _resolve_compile_ranges(self) -> None:
+        if self.compile_ranges_endpoints is None:
+            object.__setattr__(self, "compile_ranges_endpoints", ())
+            return
+        ends = _seq(self.compile_ranges_endpoints, "compile_ranges_endpoints")
+        for e in ends:
+            _positive_int(e, "compile_ranges_endpoints entry")
+            if e > self.max_num_tokens:
+                raise ConfigError(
+                    f"compile_ranges_endpoints: endpoint {e} is above max_num_tokens="
+                    f"{self.max_num_tokens}; ranges end at max_num_tokens anyway, so drop it or "
+                    "raise max_num_tokens")
+        object.__setattr__(self, "compile_ranges_endpoints", tuple(sorted(set(ends))))
+
+    # -- derived views -------------------------------------------------------------------
+    def compile_ranges(self) -> list[Range]:
+        """The symbolic-shape compile ranges, e.g. ``[1,8] [9,32] [33,8192]``."""
+        return compile_ranges(self.compile_ranges_endpoints or (), self.max_num_tokens)
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The capture size a batch of ``num_tokens`` pads to, or ``None`` (no graph)."""
+        return padded_size(num_tokens, list(self.cudagraph_capture_sizes or ()))
+
+    # -- (de)serialisation ---------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompilationConfig:
+        """Build from a mapping, such as a vLLM compilation-config JSON object."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a compilation config must be a JSON object, got {data!r}")
+        valid = set(cls.field_names())
+        kwargs: dict[str, Any] = {}
+        unknown = []
+        for key, value in data.items():
+            name = _ALIASES.get(key, key)
+            if name not in valid:
+                unknown.append(key)
+                continue
+            if name in kwargs:
+                raise ConfigError(f"{key}: given twice (once under its alias); keep one")
+            kwargs[name] = value
+        if unknown:
+            raise ConfigError(
+                f"unknown compilation-config field(s) {sorted(unknown)}; valid fields are "
+                f"{sorted(valid)} (aliases: {sorted(_ALIASES)})")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> CompilationConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"compilation config is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain JSON-able values; ``from_dict`` of it is equal."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, enum.Enum):
+                value = value.name.lower()
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Mapping):
+                value = {k: _qualname(v) for k, v in value.items()}
+            out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def cache_key(self) -> str:
+        """A stable hash of the fields that change compiled code (not cache_dir, debug, ...)."""
+        data = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_CACHE_KEY}
+        blob = json.dumps(data, sort_keys=True, default=repr).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def replace(self, **changes: Any) -> CompilationConfig:
+        """A copy with ``changes`` applied and everything re-validated."""
+        data = self.to_dict()
+        data.update(changes)
+        # Resolved sizes are given back as user input; drop the max so it is re-derived
+        # from the list when the list changes.
+        if "cudagraph_capture_sizes" in changes and "max_cudagraph_capture_size" not in changes:
+            data["max_cudagraph_capture_size"] = None
+        return CompilationConfig.from_dict(data)
+
+
+def _qualname(value: Any) -> Any:
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', value)}"
+    return value

@@ -1,0 +1,82 @@
+"""The forward context: what the current step is, visible to every graph wrapper it reaches.
+
+A :class:`contextvars.ContextVar` rather than vLLM's module global, so that each micro-batch
+thread (and each asyncio task) sees its own step without locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from freezeframe.batch import BatchDescriptor
+from freezeframe.config import CUDAGraphMode
+
+__all__ = ["ForwardContext", "forward_context", "get_forward_context"]
+
+_RUNTIME_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+    """One step's runtime mode, padded batch descriptor and user extras.
+
+    ``extras`` carries whatever a model needs to read during the step (attention metadata,
+    micro-batch slices, ...); it is read-only.
+    """
+
+    mode: CUDAGraphMode = CUDAGraphMode.NONE
+    batch_descriptor: BatchDescriptor | None = None
+    extras: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if self.mode not in _RUNTIME_MODES:
+            raise ValueError(
+                f"forward context mode must be a runtime mode (NONE, PIECEWISE or FULL), got "
+                f"{self.mode.name}; dispatch a config mode such as FULL_AND_PIECEWISE to a "
+                "runtime mode first (Dispatcher.dispatch does this)"
+            )
+        if self.mode is not CUDAGraphMode.NONE and self.batch_descriptor is None:
+            raise ValueError(
+                f"forward context mode {self.mode.name} needs a batch descriptor: graphs are "
+                "stored per descriptor; pass batch_descriptor=BatchDescriptor(num_tokens=...)"
+            )
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "freezeframe_forward_context", default=None
+)
+
+
+def get_forward_context() -> ForwardContext | None:
+    """The context of the step being run in this thread/task, or ``None`` outside any step."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def forward_context(
+    batch_descriptor: BatchDescriptor | int | None = None,
+    mode: CUDAGraphMode | str = CUDAGraphMode.NONE,
+    **extras: Any,
+) -> Iterator[ForwardContext]:
+    """Run the ``with`` block as one step with the given runtime mode and descriptor.
+
+    ``batch_descriptor`` may be an int, meaning ``BatchDescriptor(num_tokens=n)``. Contexts nest:
+    the inner one wins until it exits, then the outer one is back.
+    """
+    if isinstance(batch_descriptor, int) and not isinstance(batch_descriptor, bool):
+        batch_descriptor = BatchDescriptor(num_tokens=batch_descriptor)
+    ctx = ForwardContext(
+        mode=CUDAGraphMode.parse(mode),
+        batch_descriptor=batch_descriptor,
+        extras=MappingProxyType(dict(extras)),
+    )
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
