@@ -68,11 +68,17 @@ def forward_context(
     ``batch_descriptor`` may be an int, meaning ``BatchDescriptor(num_tokens=n)``. Contexts nest:
     the inner one wins until it exits, then the outer one is back.
     """
-    if isinstance(batch_descriptor, int) and not isinstance(batch_descriptor, bool):
-        batch_descriptor = BatchDescriptor(num_tokens=batch_descriptor)
+    desc: BatchDescriptor | None
+    if isinstance(batch_descriptor, bool):
+        raise TypeError(
+            f"batch_descriptor: expected a BatchDescriptor or int, got {batch_descriptor!r}")
+    if isinstance(batch_descriptor, int):
+        desc = BatchDescriptor(num_tokens=batch_descriptor)
+    else:
+        desc = batch_descriptor
     ctx = ForwardContext(
         mode=CUDAGraphMode.parse(mode),
-        batch_descriptor=batch_descriptor,
+        batch_descriptor=desc,
         extras=MappingProxyType(dict(extras)),
     )
     token = _CURRENT.set(ctx)

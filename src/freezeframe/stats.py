@@ -26,6 +26,10 @@ class Stats:
     """
 
     __slots__ = ("_counts", "_lock", "_parents")
+    # Declared for type checkers: __getattr__ below would otherwise type them as int.
+    _counts: dict[str, int]
+    _lock: threading.Lock
+    _parents: list[Stats]
 
     def __init__(self, initial: Mapping[str, int] | None = None) -> None:
         object.__setattr__(self, "_counts", dict(initial or {}))
