@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -47,9 +48,12 @@ class CompilationMode(enum.IntEnum):
     PIECEWISE = 3
 
     @classmethod
-    def parse(cls, value: CompilationMode | int | str) -> CompilationMode:
+    def parse(cls, value: CompilationMode | int | str | None) -> CompilationMode:
+        """Ints 0-3, names in any case, vLLM's names; ``None`` (vLLM's "default") is PIECEWISE."""
         if isinstance(value, CompilationMode):
             return value
+        if value is None:
+            return cls.PIECEWISE
         if isinstance(value, bool):
             raise ConfigError(f"mode: expected a CompilationMode, int or name, got {value!r}")
         if isinstance(value, int):
@@ -59,14 +63,25 @@ class CompilationMode(enum.IntEnum):
                 pass
         elif isinstance(value, str):
             name = value.strip().upper()
-            if name == "VLLM_COMPILE":
-                return cls.PIECEWISE
+            if name in _MODE_ALIASES:
+                return cls[_MODE_ALIASES[name]]
             if name.isdigit():
                 return cls.parse(int(name))
             if name in cls.__members__:
                 return cls[name]
         valid = ", ".join(f"{m.name} ({m.value})" for m in cls)
-        raise ConfigError(f"mode: unknown compilation mode {value!r}; valid modes are {valid}")
+        raise ConfigError(
+            f"mode: unknown compilation mode {value!r}; valid modes are {valid}, in any case "
+            f"(aliases: {', '.join(sorted(_MODE_ALIASES))})")
+
+
+# vLLM spellings of the modes: today's VLLM_COMPILE and the older CompilationLevel names.
+_MODE_ALIASES = {
+    "VLLM_COMPILE": "PIECEWISE",
+    "NO_COMPILATION": "NONE",
+    "DYNAMO_AS_IS": "STOCK_TORCH_COMPILE",
+    "DYNAMO_ONCE": "DYNAMO_TRACE_ONCE",
+}
 
 
 class CUDAGraphMode(enum.Enum):
@@ -141,6 +156,32 @@ _NOT_IN_CACHE_KEY = frozenset({"cache_dir", "debug", "use_cache", "graph_backend
 # Accepted spellings from vLLM configs that map onto our field names.
 _ALIASES = {"level": "mode", "max_num_batched_tokens": "max_num_tokens"}
 
+# vLLM compilation-config fields freezeframe does not implement; named in the error so a user
+# pasting a vLLM JSON learns the field is known but unsupported rather than misspelt.
+_VLLM_UNSUPPORTED = frozenset({
+    "debug_dump_path", "custom_ops", "use_inductor", "use_cudagraph", "full_cuda_graph",
+    "pass_config", "compile_cache_save_format", "use_inductor_graph_partition",
+    "dynamic_shapes_config", "compile_mm_encoder", "cudagraph_mm_encoder", "local_cache_dir",
+    "fast_moe_cold_start", "max_capture_size", "compile_ranges_split_points",
+})
+
+
+def _normalise_op_name(op: Any) -> str:
+    """``"ns::op"`` / ``"ns::op.overload"`` as given; torch's printed form ``"ns.op"`` /
+    ``"ns.op.overload"`` (what older vLLM configs use) is rewritten to the ``::`` form."""
+    if isinstance(op, str):
+        op = op.strip()
+        if "::" in op:
+            ns, _, rest = op.partition("::")
+            if ns and rest and "::" not in rest:
+                return op
+        elif op.count(".") in (1, 2) and all(op.split(".")):
+            ns, _, rest = op.partition(".")
+            return f"{ns}::{rest}"
+    raise ConfigError(
+        f"splitting_ops: {op!r} is not an op name; write 'namespace::op' (all overloads) or "
+        "'namespace::op.overload' (one overload), e.g. 'silly::attention'")
+
 
 def _seq(value: Any, field: str) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
@@ -206,6 +247,11 @@ class CompilationConfig:
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        # The raw inputs, kept so replace() re-derives everything from what the user asked for
+        # (not from resolved values, which would pin the old ladder); also used for pickling.
+        set_(self, "_given", {
+            f.name: (dict(v) if isinstance(v, Mapping) else v)
+            for f in dataclasses.fields(self) for v in (getattr(self, f.name),)})
         mode = CompilationMode.parse(self.mode)
         set_(self, "mode", mode)
 
@@ -253,22 +299,18 @@ class CompilationConfig:
     # -- resolution steps ----------------------------------------------------------------
     def _resolve_splitting_ops_and_graph_mode(self) -> None:
         set_ = object.__setattr__
+        mode = CompilationMode.parse(self.mode)
         ops: tuple[str, ...] | None = None
         if self.splitting_ops is not None:
-            ops = _seq(self.splitting_ops, "splitting_ops")
-            for op in ops:
-                if not isinstance(op, str) or "::" not in op:
-                    raise ConfigError(
-                        f"splitting_ops: {op!r} is not an op name; write 'namespace::op' (all "
-                        "overloads) or 'namespace::op.overload' (one overload), e.g. "
-                        "'silly::attention'")
+            ops = tuple(dict.fromkeys(_normalise_op_name(op)
+                                      for op in _seq(self.splitting_ops, "splitting_ops")))
         if self.cudagraph_mode is None:
-            graph_mode = (CUDAGraphMode.PIECEWISE if self.mode is CompilationMode.PIECEWISE
+            graph_mode = (CUDAGraphMode.PIECEWISE if mode is CompilationMode.PIECEWISE
                           else CUDAGraphMode.NONE)
         else:
             graph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
 
-        if self.mode is not CompilationMode.PIECEWISE:
+        if mode is not CompilationMode.PIECEWISE:
             ops = ops if ops is not None else ()
         elif ops is not None and len(ops) == 0:
             if graph_mode is CUDAGraphMode.PIECEWISE:
@@ -281,10 +323,10 @@ class CompilationConfig:
                                "now FULL")
                 graph_mode = CUDAGraphMode.FULL
         if (graph_mode.requires_piecewise_compilation()
-                and self.mode is not CompilationMode.PIECEWISE):
+                and mode is not CompilationMode.PIECEWISE):
             raise ConfigError(
                 f"cudagraph_mode {graph_mode.name} captures piecewise graphs, which needs "
-                f"mode PIECEWISE, but mode is {self.mode.name}; set mode='piecewise' or choose "
+                f"mode PIECEWISE, but mode is {mode.name}; set mode='piecewise' or choose "
                 "cudagraph_mode FULL, FULL_DECODE_ONLY or NONE")
         set_(self, "splitting_ops", ops if ops is None else tuple(ops))
         set_(self, "cudagraph_mode", graph_mode)
@@ -359,6 +401,11 @@ class CompilationConfig:
             else:
                 out.add(_positive_int(s, "compile_sizes entry"))
         sizes = sorted(out)
+        too_big = [s for s in sizes if s > self.max_num_tokens]
+        if too_big:
+            raise ConfigError(
+                f"compile_sizes: {too_big} exceed max_num_tokens={self.max_num_tokens}, so no "
+                "batch would ever run them; drop them or raise max_num_tokens")
         if self.cudagraph_mode is not CUDAGraphMode.NONE:
             capture = list(self.cudagraph_capture_sizes or ())
             for s in sizes:
@@ -382,7 +429,13 @@ class CompilationConfig:
                     f"compile_ranges_endpoints: endpoint {e} is above max_num_tokens="
                     f"{self.max_num_tokens}; ranges end at max_num_tokens anyway, so drop it or "
                     "raise max_num_tokens")
-        object.__setattr__(self, "compile_ranges_endpoints", tuple(sorted(set(ends))))
+        if 1 in ends:
+            # A range [1, 1] would be compiled with a symbolic size that Dynamo specialises
+            # anyway (0/1 specialisation); vLLM ignores this endpoint too.
+            logger.warning("compile_ranges_endpoints: endpoint 1 ignored (the first range "
+                           "always starts at 1; use compile_sizes=[1] for a size-1 compile)")
+        kept = sorted({e for e in ends if e > 1})
+        object.__setattr__(self, "compile_ranges_endpoints", tuple(kept))
 
     # -- derived views -------------------------------------------------------------------
     def compile_ranges(self) -> list[Range]:
@@ -403,6 +456,11 @@ class CompilationConfig:
         """Build from a mapping, such as a vLLM compilation-config JSON object."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a compilation config must be a JSON object, got {data!r}")
+        return cls(**cls._normalise_keys(data))
+
+    @classmethod
+    def _normalise_keys(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Map aliases onto field names; reject unknown keys, listing the valid ones."""
         valid = set(cls.field_names())
         kwargs: dict[str, Any] = {}
         unknown = []
@@ -415,10 +473,13 @@ class CompilationConfig:
                 raise ConfigError(f"{key}: given twice (once under its alias); keep one")
             kwargs[name] = value
         if unknown:
+            known_vllm = sorted(k for k in unknown if k in _VLLM_UNSUPPORTED)
+            note = (f" ({known_vllm} are vLLM fields freezeframe does not support; remove them)"
+                    if known_vllm else "")
             raise ConfigError(
-                f"unknown compilation-config field(s) {sorted(unknown)}; valid fields are "
-                f"{sorted(valid)} (aliases: {sorted(_ALIASES)})")
-        return cls(**kwargs)
+                f"unknown compilation-config field(s) {sorted(map(str, unknown))}{note}; valid "
+                f"fields are {sorted(valid)} (aliases: {sorted(_ALIASES)})")
+        return kwargs
 
     @classmethod
     def from_json(cls, text: str) -> CompilationConfig:
@@ -446,26 +507,60 @@ class CompilationConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     def cache_key(self) -> str:
-        """A stable hash of the fields that change compiled code (not cache_dir, debug, ...)."""
-        data = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_CACHE_KEY}
+        """A stable hash of the fields that change compiled code (not cache_dir, debug, ...).
+
+        Equal configs give equal keys in every process; a callable pass counts by its qualified
+        name and its source (or its own ``uuid()``), so editing a pass changes the key.
+        """
+        data = {f.name: _fingerprint(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in _NOT_IN_CACHE_KEY}
         blob = json.dumps(data, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def __hash__(self) -> int:
-        return hash(self.to_json())
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=repr))
 
     def replace(self, **changes: Any) -> CompilationConfig:
-        """A copy with ``changes`` applied and everything re-validated."""
-        data = self.to_dict()
-        data.update(changes)
-        # Resolved sizes are given back as user input; drop the max so it is re-derived
-        # from the list when the list changes.
-        if "cudagraph_capture_sizes" in changes and "max_cudagraph_capture_size" not in changes:
-            data["max_cudagraph_capture_size"] = None
-        return CompilationConfig.from_dict(data)
+        """A copy with ``changes`` applied to the values the user gave, everything re-derived
+        and re-validated (so ``replace(max_num_seqs=8)`` gets the ladder for 8 sequences)."""
+        given: dict[str, Any] = dict(getattr(self, "_given", None) or self.to_dict())
+        given.update(self._normalise_keys(changes))
+        return CompilationConfig(**given)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # MappingProxyType fields cannot be pickled or deep-copied; rebuild from the inputs.
+        return (_rebuild, (dict(getattr(self, "_given", None) or self.to_dict()),))
+
+
+def _rebuild(given: dict[str, Any]) -> CompilationConfig:
+    return CompilationConfig(**given)
 
 
 def _qualname(value: Any) -> Any:
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', value)}"
     return value
+
+
+def _fingerprint(value: Any) -> Any:
+    """A JSON-able value that is equal across processes for equal inputs."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, Mapping):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return {str(k): _fingerprint(v) for k, v in items}
+    if isinstance(value, (list, tuple)):
+        return [_fingerprint(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if callable(value):
+        uuid = getattr(value, "uuid", None)
+        if callable(uuid):
+            return f"uuid:{uuid()}"
+        try:
+            source = inspect.getsource(value)
+        except (OSError, TypeError):
+            source = ""
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        return f"{_qualname(value)}#{digest}"
+    return f"{type(value).__qualname__}:{value!r}"

@@ -15,6 +15,7 @@ __all__ = [
     "default_capture_sizes",
     "default_max_capture_size",
     "padded_size",
+    "padding_intervals",
     "padding_table",
     "round_sizes_for_spec_decode",
 ]
@@ -105,12 +106,26 @@ def padding_table(capture_sizes: Sequence[int]) -> list[int]:
     return table
 
 
+def padding_intervals(capture_sizes: Sequence[int]) -> list[tuple[Range, int]]:
+    """The padding table run-length encoded: ``(Range(lo, hi), size)`` for each capture size,
+    meaning every batch of ``lo..hi`` tokens pads to ``size``. Batches above the last ``hi``
+    run without a graph."""
+    out, prev = [], 0
+    for size in capture_sizes:
+        out.append((Range(prev + 1, size), size))
+        prev = size
+    return out
+
+
 def compile_ranges(endpoints: Iterable[int], max_num_tokens: int) -> list[Range]:
     """Consecutive inclusive ranges ending at each endpoint and at ``max_num_tokens``.
 
-    Endpoints ``[8, 32]`` with ``max_num_tokens`` 8192 give ``[1,8] [9,32] [33,8192]``.
+    Endpoints ``[8, 32]`` with ``max_num_tokens`` 8192 give ``[1,8] [9,32] [33,8192]``;
+    endpoints at or above ``max_num_tokens`` add nothing.
     """
-    ends = sorted({e for e in endpoints if 1 <= e < max_num_tokens} | {max_num_tokens})
+    # Endpoint 1 adds nothing: the first range starts at 1, and a symbolic [1, 1] is
+    # specialised by Dynamo anyway (vLLM drops it too).
+    ends = sorted({e for e in endpoints if 1 < e < max_num_tokens} | {max_num_tokens})
     ranges, prev = [], 0
     for end in ends:
         ranges.append(Range(prev + 1, end))
