@@ -54,9 +54,7 @@ class CompilationMode(enum.IntEnum):
             return value
         if value is None:
             return cls.PIECEWISE
-        if isinstance(value, bool):
-            raise ConfigError(f"mode: expected a CompilationMode, int or name, got {value!r}")
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             try:
                 return cls(value)
             except ValueError:
