@@ -1,0 +1,22 @@
+"""Graph capture and replay: backends (cuda, emulated) and the wrapper that uses them.
+
+The compile path obtains every graph wrapper through this package:
+``resolve_backend(config)`` picks the backend (or ``None`` when graphs are off) and
+``GraphWrapper(runnable, mode, backend, GraphOptions(...), stats=..., window=...)`` wraps a piece
+or the whole forward. ``freezeframe.graphs.emulated.opaque`` marks compiled kernels that an
+emulated capture must record as one unit.
+"""
+
+from __future__ import annotations
+
+from freezeframe.graphs.backend import CapturedGraph, GraphBackend, resolve_backend
+from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
+
+__all__ = [
+    "CaptureWindow",
+    "CapturedGraph",
+    "GraphBackend",
+    "GraphOptions",
+    "GraphWrapper",
+    "resolve_backend",
+]

@@ -1,0 +1,352 @@
+"""The ``emulated`` graph backend: a faithful CPU stand-in for a CUDA graph.
+
+It exists so that tests (ours and users' CI) can exercise capture and replay without a GPU, and
+so that they fail in the same ways a real CUDA graph fails. It is not a speed feature.
+
+How it works. A *capture* runs the region once under a :class:`~torch.utils._python_dispatch.
+TorchDispatchMode` that records every ATen operation the region performs, together with the
+exact tensor objects it read and wrote — the static inputs, the weights and every intermediate
+allocated during the capture (those intermediates are the graph's private "pool": the graph
+keeps them alive and reuses them on every replay). A *replay* re-executes only the recorded
+operations on those same tensors and writes each result into the tensor the capture produced,
+so the outputs a replay leaves behind are the very tensor objects the capture returned.
+
+That reproduces what makes CUDA graphs hard:
+
+* Python code inside the captured region does not run again on replay (a counter incremented
+  by a custom op's Python body stays put), because only ATen operations were recorded;
+* a caller who passes a *new* tensor instead of writing fresh data into the captured input
+  gets results computed from the stale captured input;
+* the returned outputs are overwritten by the next replay of the same graph;
+* an operation that would synchronize the host with the device during capture (``.item()``,
+  ``nonzero``, boolean-mask indexing, any data-dependent output shape) raises
+  :class:`~freezeframe.errors.CaptureError` naming the op.
+
+Differences from the ``cuda`` backend, on purpose and documented: the capturing call computes
+for real (on CUDA the capture only records kernels, so its output holds garbage) — tests must
+rely on replay outputs only; and each emulated graph owns its intermediates, so there is no
+cross-graph pool reuse (a replay overwrites its own graph's outputs, not other graphs').
+
+Custom ops. A custom op reaches the dispatch mode as one call. If it has a Python body, the
+body is run with the recorder still active, so its ATen operations are recorded and its Python
+(a counter, logging) does not run on replay — exactly as on a GPU, where only the kernels the
+body launched are in the graph. A custom op whose kernel shows the recorder no ATen work
+(a C++ kernel) is recorded as one step and called again on replay.
+
+Opaque kernels. Inductor's fused CPU kernels write through raw pointers that a dispatch mode
+cannot see. :func:`opaque` marks such a callable as one unit: during an emulated capture it is
+recorded as one step that calls it on the captured tensors and copies its outputs into the
+captured outputs on replay; outside a capture it simply calls through.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from freezeframe.errors import CaptureError
+
+__all__ = ["EmulatedBackend", "EmulatedGraph", "is_opaque", "opaque"]
+
+logger = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_OPAQUE_ATTR = "__freezeframe_opaque__"
+_aten = torch.ops.aten
+
+# Ops that only allocate: their contents are undefined, so replay must not touch the buffer
+# they produced (a real graph does not re-allocate either; the memory keeps what it holds).
+_ALLOCATION_ONLY = frozenset({
+    _aten.empty.memory_format,
+    _aten.empty_strided.default,
+    _aten.empty_like.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+})
+
+# Ops that read a tensor's value into a Python object: on a GPU they block on the device.
+_HOST_READS = frozenset({
+    _aten._local_scalar_dense.default,
+    _aten.item.default,
+    _aten.equal.default,
+    _aten.is_nonzero.default,
+    _aten.allclose.default,
+})
+
+# Indexing ops whose output shape or kernel depends on data only when an index is a mask.
+_MASKABLE_INDEXING = frozenset({
+    _aten.index.Tensor,
+    _aten.index_put.default,
+    _aten.index_put_.default,
+    _aten._index_put_impl_.default,
+})
+
+
+def _host_sync_reason(func: torch._ops.OpOverload, args: Sequence[Any],
+                      kwargs: dict[str, Any]) -> str | None:
+    """Why running ``func`` inside a captured region would need the host to wait for the
+    device, or ``None`` when it would not."""
+    if func in _HOST_READS or torch.Tag.data_dependent_output in func.tags:
+        return "it reads a tensor value back to Python (.item(), bool(t), int(t), t.tolist())"
+    if func in _MASKABLE_INDEXING:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        for index in indices or ():
+            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+                return ("boolean-mask indexing has a data-dependent shape (it runs nonzero); "
+                        "use torch.where or masked_fill instead")
+        return None
+    if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size has a data-dependent shape"
+    if func is _aten.one_hot.default:
+        num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return ("one_hot without num_classes reads the maximum back to the host"
+                if num_classes == -1 else None)
+    if torch.Tag.dynamic_output_shape in func.tags:
+        return "its output shape depends on tensor values"
+    return None
+
+
+def _fresh_outputs(func: torch._ops.OpOverload, out: Any) -> list[torch.Tensor]:
+    """The tensors ``func`` returned that are new memory (not an alias of an argument).
+
+    Aliased returns (``add_`` returns ``self``, ``mul.out`` returns ``out``) need no copy on
+    replay: re-running the op updates the aliased argument in place.
+    """
+    returns = func._schema.returns
+    values = out if len(returns) > 1 else (out,)
+    fresh: list[torch.Tensor] = []
+    for ret, value in zip(returns, values, strict=False):
+        if ret.alias_info is not None:
+            continue
+        fresh.extend(leaf for leaf in pytree.tree_leaves(value)
+                     if isinstance(leaf, torch.Tensor))
+    return fresh
+
+
+def _mutates_an_argument(func: torch._ops.OpOverload) -> bool:
+    return any(arg.alias_info is not None and arg.alias_info.is_write
+               for arg in func._schema.arguments)
+
+
+def _copy_into(targets: Sequence[torch.Tensor], results: Sequence[torch.Tensor],
+               what: str) -> None:
+    if len(targets) != len(results):
+        raise CaptureError(
+            f"emulated replay of {what} produced {len(results)} tensors but the capture "
+            f"produced {len(targets)}; the region is not deterministic in structure, so it "
+            "cannot be captured")
+    for dst, src in zip(targets, results, strict=True):
+        if dst is not src:
+            dst.copy_(src)
+
+
+def _clone_containers(tree: Any) -> Any:
+    """Same leaves, new lists/tuples/dicts: a callee that clears its argument list (Inductor's
+    boxed convention) must not empty the recorded one."""
+    return pytree.tree_map(lambda leaf: leaf, tree)
+
+
+class _OpStep:
+    """One recorded ATen (or invisible custom) operation."""
+
+    __slots__ = ("args", "func", "kwargs", "targets")
+
+    def __init__(self, func: torch._ops.OpOverload, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], targets: list[torch.Tensor]) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.targets = targets  # the capture's fresh outputs: replay writes into these
+
+    @property
+    def name(self) -> str:
+        return str(self.func)
+
+    def run(self) -> None:
+        result = self.func(*self.args, **self.kwargs)
+        if self.targets:
+            _copy_into(self.targets, _fresh_outputs(self.func, result), self.name)
+
+
+class _OpaqueStep:
+    """One call of an :func:`opaque` callable on the captured tensors."""
+
+    __slots__ = ("args", "fn", "kwargs", "targets")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 targets: list[torch.Tensor]) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.targets = targets
+
+    @property
+    def name(self) -> str:
+        return f"opaque:{getattr(self.fn, '__qualname__', type(self.fn).__name__)}"
+
+    def run(self) -> None:
+        result = self.fn(*_clone_containers(self.args), **_clone_containers(self.kwargs))
+        leaves = [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+        _copy_into(self.targets, leaves, self.name)
+
+
+_Step = _OpStep | _OpaqueStep
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs every ATen op for real and records it with the exact tensors it touched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[_Step] = []
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
+                           args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+                           ) -> Any:
+        kwargs = dict(kwargs or {})
+        args = tuple(args)
+        reason = _host_sync_reason(func, args, kwargs)
+        if reason is not None:
+            raise CaptureError(
+                f"{func} cannot run inside a captured graph: {reason}. On a GPU this would "
+                "synchronize the host during capture and fail. Move it out of the captured "
+                "region (compute it before the forward, or make the op a splitting op so it "
+                "runs between graphs)")
+        if func.namespace not in ("aten", "prims", "prim"):
+            return self._run_custom_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: torch._ops.OpOverload, args: tuple[Any, ...],
+                kwargs: dict[str, Any], out: Any) -> None:
+        if func.is_view or func in _ALLOCATION_ONLY:
+            # A view aliases memory the graph already tracks; an allocation has no contents.
+            return
+        targets = _fresh_outputs(func, out)
+        if not targets and not _mutates_an_argument(func):
+            return  # a query with no effect on any tensor (e.g. a size or a flag)
+        self.steps.append(_OpStep(func, args, kwargs, targets))
+
+    def _run_custom_op(self, func: torch._ops.OpOverload, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        """Run a custom op's kernel with the recorder active, so a Python body is recorded as
+        the ATen ops it runs; an op whose kernel shows us nothing is recorded whole."""
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors:
+            keys = functools.reduce(lambda acc, t: acc | torch._C._dispatch_keys(t),
+                                    tensors[1:], torch._C._dispatch_keys(tensors[0]))
+        # Only the kernels below the Python key: the mode has already had its turn.
+        keys = keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+        before = len(self.steps)
+        with self:
+            out = func.redispatch(keys, *args, **kwargs)
+        if len(self.steps) == before:
+            logger.debug("custom op %s showed no ATen work; recording it as one step", func)
+            targets = _fresh_outputs(func, out)
+            if targets or _mutates_an_argument(func):
+                self.steps.append(_OpStep(func, args, kwargs, targets))
+        return out
+
+    def record_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """Call ``fn`` once, unobserved, and record it as one step."""
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = fn(*_clone_containers(args), **_clone_containers(kwargs))
+        targets = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        self.steps.append(_OpaqueStep(fn, _clone_containers(args), _clone_containers(kwargs),
+                                      targets))
+        return out
+
+
+def _active_recorder() -> _Recorder | None:
+    stack = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    for mode in reversed(stack):
+        if isinstance(mode, _Recorder):
+            return mode
+    return None
+
+
+def opaque(fn: _F) -> _F:
+    """Mark ``fn`` (typically an Inductor-compiled piece) as one unit for emulated graphs.
+
+    During an emulated capture a call of the returned function is recorded as one step: on
+    replay ``fn`` is called again on the captured argument tensors and its outputs are copied
+    into the tensors the capture returned. Outside a capture it is exactly ``fn``. On the
+    ``cuda`` backend it changes nothing (the kernels ``fn`` launches are captured directly).
+    Marking twice is harmless.
+    """
+    if is_opaque(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def call_opaque(*args: Any, **kwargs: Any) -> Any:
+        recorder = _active_recorder()
+        if recorder is None:
+            return fn(*args, **kwargs)
+        return recorder.record_opaque(fn, args, kwargs)
+
+    setattr(call_opaque, _OPAQUE_ATTR, True)
+    return call_opaque  # type: ignore[return-value]
+
+
+def is_opaque(fn: Any) -> bool:
+    """Whether ``fn`` came from :func:`opaque`."""
+    return bool(getattr(fn, _OPAQUE_ATTR, False))
+
+
+class EmulatedGraph:
+    """The recorded steps of one capture; :meth:`replay` re-runs them on the same tensors."""
+
+    __slots__ = ("_inference", "_steps")
+
+    def __init__(self, steps: list[_Step], *, inference: bool) -> None:
+        self._steps = steps
+        # Replay under the grad mode of the capture: tensors made under inference_mode can
+        # only be written to under inference_mode; otherwise no_grad keeps autograd out of it.
+        self._inference = inference
+
+    @property
+    def ops(self) -> list[str]:
+        """The recorded steps by name, in order (for tests and debugging)."""
+        return [step.name for step in self._steps]
+
+    def replay(self) -> None:
+        mode = torch.inference_mode() if self._inference else torch.no_grad()
+        with mode:
+            for step in self._steps:
+                step.run()
+
+    def __repr__(self) -> str:
+        return f"EmulatedGraph({len(self._steps)} steps)"
+
+
+class EmulatedBackend:
+    """Graph backend for CPU tests and CI; see the module docstring for what it guarantees."""
+
+    name = "emulated"
+
+    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False
+                ) -> tuple[EmulatedGraph, Any]:
+        # gc_disable has nothing to suppress here: no allocator cache is flushed per capture.
+        recorder = _Recorder()
+        inference = torch.is_inference_mode_enabled()
+        with recorder:
+            output = fn()
+        return EmulatedGraph(recorder.steps, inference=inference), output
+
+    def weak_ref(self, output: Any) -> Any:
+        # Every emulated graph keeps its own tensors alive anyway; a weak view would save
+        # nothing, so the output is returned as it is.
+        return output
+
+    def __repr__(self) -> str:
+        return "EmulatedBackend()"

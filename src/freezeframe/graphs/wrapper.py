@@ -1,0 +1,275 @@
+"""GraphWrapper: capture a runnable once per batch descriptor, replay it afterwards.
+
+The wrapper holds the *policy* of graph use; the backend (:mod:`freezeframe.graphs.backend`)
+holds the mechanism. Policy, as in the seeds:
+
+* act only when the forward context's runtime mode equals the wrapper's own mode, otherwise
+  call through. This one rule makes nesting work: a FULL wrapper around a model whose pieces
+  are wrapped PIECEWISE — under a FULL step the outer wrapper captures/replays and the inner
+  ones call through (inside the capture); under a PIECEWISE step the outer one calls through
+  and the inner ones capture/replay;
+* the first sight of a descriptor captures, later sights replay and return the stored output
+  (the same tensor objects every time, overwritten by each replay);
+* the wrapper never copies inputs: the caller owns static buffers and must write new data into
+  the captured ones (``debug=True`` checks the addresses and says so when they differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from freezeframe.batch import BatchDescriptor
+from freezeframe.config import CUDAGraphMode
+from freezeframe.context import get_forward_context
+from freezeframe.errors import CaptureError, ConfigError, InputMismatchError
+from freezeframe.graphs.backend import CapturedGraph, GraphBackend
+from freezeframe.stats import Stats
+
+__all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphOptions:
+    """Per-wrapper switches the compile path sets by piece position.
+
+    ``log``: log each capture (the first piece only, so a forward logs once per size).
+    ``gc_disable``: skip the garbage collection / allocator flush before capture (every piece
+    but the first: once per forward is enough, once per piece made capture ~10x slower).
+    ``weak_ref_output``: keep and return the captured output as weak references (the last
+    piece only — no later graph reads its output, so its memory need not be held; on CUDA this
+    uses torch's non-owning-storage trick when available, else a strong reference is kept).
+    """
+
+    log: bool = False
+    gc_disable: bool = False
+    weak_ref_output: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"GraphOptions.{field.name}: expected True or False, got "
+                                  f"{value!r}")
+
+
+class CaptureWindow:
+    """Whether capturing is allowed right now.
+
+    Open by default so the low-level API (a forward context around a direct call) just works.
+    A runner closes it after its ``capture()`` so that a descriptor nobody captured cannot
+    trigger a slow, memory-hungry capture in the middle of serving: it raises instead.
+    """
+
+    __slots__ = ("_open",)
+
+    def __init__(self, is_open: bool = True) -> None:
+        self._open = bool(is_open)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def open(self) -> None:
+        self._open = True
+
+    def close(self) -> None:
+        self._open = False
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[CaptureWindow]:
+        """Open the window for the ``with`` block, then restore the previous state."""
+        previous = self._open
+        self._open = True
+        try:
+            yield self
+        finally:
+            self._open = previous
+
+    def __repr__(self) -> str:
+        return f"CaptureWindow({'open' if self._open else 'closed'})"
+
+
+@dataclasses.dataclass
+class _Entry:
+    """What the wrapper keeps per descriptor."""
+
+    warmups_done: int = 0
+    graph: CapturedGraph | None = None
+    output: Any = None
+    # (argument position or keyword name, data_ptr) for every tensor argument, in debug mode
+    input_addresses: list[tuple[int | str, int]] | None = None
+
+
+def _tensor_addresses(args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> list[tuple[int | str, int]]:
+    found: list[tuple[int | str, int]] = [
+        (i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    found.extend((k, v.data_ptr()) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return found
+
+
+class GraphWrapper:
+    """Captures ``runnable`` once per batch descriptor in ``runtime_mode`` and replays it.
+
+    ``runtime_mode`` is PIECEWISE (one piece of a split model; keyed by
+    ``descriptor.relax_for_piecewise()``) or FULL (the whole forward; keyed by the full
+    descriptor). ``stats`` receives ``graphs_captured``, ``replays`` and ``bypasses``.
+    ``window`` is the :class:`CaptureWindow` a runner closes after capturing. ``num_warmups``
+    eager calls (in the wrapper's mode) precede the capture of each descriptor. ``debug``
+    records input addresses at capture and checks them on every replay.
+
+    The output of the capturing call differs by backend: on ``cuda`` kernels are recorded, not
+    run, so it holds no computed values; on ``emulated`` it is computed. Only replay outputs
+    are results on both.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        runtime_mode: CUDAGraphMode | str,
+        backend: GraphBackend,
+        options: GraphOptions | None = None,
+        *,
+        stats: Stats,
+        window: CaptureWindow,
+        debug: bool = False,
+        num_warmups: int = 0,
+    ) -> None:
+        mode = CUDAGraphMode.parse(runtime_mode)
+        if mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+            raise ConfigError(
+                f"GraphWrapper runtime_mode: {mode.name} is not a graph mode; a wrapper "
+                "captures PIECEWISE (one piece) or FULL (the whole forward) graphs — for NONE "
+                "do not wrap, and dispatch FULL_AND_PIECEWISE / FULL_DECODE_ONLY to a runtime "
+                "mode first")
+        if not callable(runnable):
+            raise TypeError(f"GraphWrapper runnable must be callable, got {runnable!r}")
+        if isinstance(num_warmups, bool) or not isinstance(num_warmups, int) or num_warmups < 0:
+            raise ConfigError(f"GraphWrapper num_warmups: expected an int >= 0, got "
+                              f"{num_warmups!r}")
+        self.runnable = runnable
+        self.runtime_mode = mode
+        self.backend = backend
+        self.options = options if options is not None else GraphOptions()
+        self.stats = stats
+        self.window = window
+        self.debug = bool(debug)
+        self.num_warmups = num_warmups
+        self._entries: dict[BatchDescriptor, _Entry] = {}
+
+    # -- introspection --------------------------------------------------------------------
+    def unwrap(self) -> Callable[..., Any]:
+        """The wrapped runnable."""
+        return self.runnable
+
+    @property
+    def captured_descriptors(self) -> list[BatchDescriptor]:
+        """The keys that have a captured graph, in capture order."""
+        return [key for key, entry in self._entries.items() if entry.graph is not None]
+
+    def graph_for(self, descriptor: BatchDescriptor) -> CapturedGraph | None:
+        """The captured graph for ``descriptor`` (relaxed for PIECEWISE), or ``None``."""
+        entry = self._entries.get(self._key(descriptor))
+        return None if entry is None else entry.graph
+
+    def clear(self) -> None:
+        """Drop every captured graph and stored output so their memory can be freed; the next
+        sight of a descriptor captures again (if the window is open)."""
+        self._entries.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        # Attribute access falls through to the runnable (e.g. a wrapped module's config).
+        if name.startswith("__") or name == "runnable":
+            raise AttributeError(name)
+        return getattr(self.runnable, name)
+
+    def __repr__(self) -> str:
+        return (f"GraphWrapper({self.runtime_mode.name}, backend={self.backend.name}, "
+                f"graphs={len(self.captured_descriptors)})")
+
+    # -- calling --------------------------------------------------------------------------
+    def _key(self, descriptor: BatchDescriptor) -> BatchDescriptor:
+        if self.runtime_mode is CUDAGraphMode.PIECEWISE:
+            return descriptor.relax_for_piecewise()
+        return descriptor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = get_forward_context()
+        if ctx is None or ctx.mode is not self.runtime_mode or ctx.batch_descriptor is None:
+            self.stats.inc("bypasses")
+            return self.runnable(*args, **kwargs)
+
+        key = self._key(ctx.batch_descriptor)
+        entry = self._entries.get(key)
+        if entry is not None and entry.graph is not None:
+            return self._replay(key, entry, entry.graph, args, kwargs)
+
+        if not self.window.is_open:
+            raise CaptureError(
+                f"no {self.runtime_mode.name} graph was captured for {key}, and capturing now "
+                "is not allowed: the capture window is closed. The runner's capture() is the "
+                "place to capture (it opens the window and covers every size the dispatcher "
+                "owns); capture this descriptor there — add its size to "
+                "cudagraph_capture_sizes — or open the window explicitly with "
+                "`with window.opened():`")
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+        if entry.warmups_done < self.num_warmups:
+            entry.warmups_done += 1
+            if self.options.log:
+                logger.debug("warm-up %d/%d of the %s graph for %s", entry.warmups_done,
+                             self.num_warmups, self.runtime_mode.name, key)
+            return self.runnable(*args, **kwargs)
+        return self._capture(key, entry, args, kwargs)
+
+    def _capture(self, key: BatchDescriptor, entry: _Entry, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        if self.options.log:
+            logger.debug("capturing a %s graph for %s (%s backend)", self.runtime_mode.name,
+                         key, self.backend.name)
+        if self.debug:
+            entry.input_addresses = _tensor_addresses(args, kwargs)
+        graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
+                                             gc_disable=self.options.gc_disable)
+        if self.options.weak_ref_output:
+            output = self.backend.weak_ref(output)
+        # Stored strongly unless weak_ref_output: a later piece's graph reads this memory, so
+        # it must not return to the pool while the graph exists.
+        entry.output = output
+        entry.graph = graph
+        self.stats.inc("graphs_captured")
+        return output
+
+    def _replay(self, key: BatchDescriptor, entry: _Entry, graph: CapturedGraph,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.debug and entry.input_addresses is not None:
+            self._check_addresses(key, entry.input_addresses, _tensor_addresses(args, kwargs))
+        graph.replay()
+        self.stats.inc("replays")
+        return entry.output
+
+    def _check_addresses(self, key: BatchDescriptor, captured: list[tuple[int | str, int]],
+                         new: list[tuple[int | str, int]]) -> None:
+        if [name for name, _ in captured] != [name for name, _ in new]:
+            raise InputMismatchError(
+                f"the {self.runtime_mode.name} graph for {key} was captured with tensor "
+                f"arguments at {[n for n, _ in captured]} but is replayed with tensor "
+                f"arguments at {[n for n, _ in new]}; call it with the same arguments it was "
+                "captured with")
+        for (name, old_ptr), (_, new_ptr) in zip(captured, new, strict=True):
+            if old_ptr != new_ptr:
+                where = f"argument {name}" if isinstance(name, int) else f"keyword {name!r}"
+                raise InputMismatchError(
+                    f"{where} of the {self.runtime_mode.name} graph for {key} has address "
+                    f"{new_ptr:#x}, but the graph was captured reading address {old_ptr:#x}: "
+                    "a replay reads the captured buffer, so this call would silently use stale "
+                    "data. Copy the new data into the captured buffer (captured.copy_(new) or "
+                    "write into a slice of a persistent buffer) instead of passing a new tensor")
