@@ -1,0 +1,308 @@
+"""Paged attention over a mixed token batch, as a custom op that serves as the splitting op.
+
+``freezeframe::attention`` writes this step's keys/values into the layer's cache and the
+attention result into a caller-allocated ``out`` buffer (it returns nothing). Being a custom op
+with a fake impl, Dynamo records it as one opaque node, so the compile path can split the
+graph there and run it eagerly between captured pieces.
+
+Batch metadata (all tensors, all int64; ``T`` tokens, ``R`` request rows):
+
+* ``positions [T]`` and ``slot_mapping [T]``: per token; padded tokens have slot ``-1``.
+* ``query_start_loc [R + 1]``: request ``r``'s query tokens are ``[qsl[r], qsl[r+1])``.
+* ``seq_lens [R]``: context length of request ``r`` *after* this step (cached + new tokens).
+  The new tokens are the last ``qsl[r+1] - qsl[r]`` positions of the sequence.
+* ``block_tables [R, max_blocks]``: see :mod:`freezeframe.models.kv_cache`.
+
+Real requests come first; rows with ``seq_lens == 0`` are padding, whatever their
+``query_start_loc`` (so a runner may fill the tail of request-sized buffers with any value and
+a fixed ``R`` = max requests works for every step). Tokens at or past the last real request's
+end, or with a negative slot, are padding: they write only the sink slot and get zeros.
+
+Two paths compute the same thing:
+
+* **static** – every token attends over the fixed window ``max_blocks * block_size`` of its
+  request with a position mask, in chunks with an online softmax. No host sync and no
+  data-dependent shapes: this is what a FULL CUDA graph captures. Used when the forward context
+  runs FULL, when the stream is capturing, or when the step is known to be pure decode
+  (``BatchDescriptor.uniform`` or host metadata with ``max_query_len == 1``).
+* **varlen** – prefill requests through SDPA over exactly their context, decode tokens through
+  the static kernel over the longest decode context. Needs the request layout on the host: from
+  :class:`AttentionHostMetadata` in the forward context's extras (key ``attn_metadata``), or one
+  device-to-host copy per call when absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from freezeframe.config import CUDAGraphMode
+from freezeframe.context import get_forward_context
+
+__all__ = [
+    "ATTENTION_OP",
+    "ATTN_METADATA_KEY",
+    "AttentionHostMetadata",
+    "attention",
+]
+
+#: The op's qualified name, for ``CompilationConfig(splitting_ops=[ATTENTION_OP])``.
+ATTENTION_OP = "freezeframe::attention"
+#: Forward-context extras key under which a driver passes :class:`AttentionHostMetadata`.
+ATTN_METADATA_KEY = "attn_metadata"
+
+# masked scores: a large finite negative, so an all-masked (padded) row averages finite values
+# instead of dividing 0 by 0
+_NEG = -1.0e30
+# upper bound on tokens * keys gathered at once by the static path (bounds its scratch memory)
+_GATHER_BUDGET = 1 << 15
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionHostMetadata:
+    """The real request layout of a step, on the host, so the varlen path needs no sync.
+
+    Only real requests are listed; ``query_start_loc`` has one more entry than ``seq_lens``.
+    """
+
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.query_start_loc) != len(self.seq_lens) + 1:
+            raise ValueError(
+                f"AttentionHostMetadata.query_start_loc must have len(seq_lens) + 1 = "
+                f"{len(self.seq_lens) + 1} entries, got {len(self.query_start_loc)}"
+            )
+
+    @property
+    def query_lens(self) -> list[int]:
+        qsl = self.query_start_loc
+        return [qsl[i + 1] - qsl[i] for i in range(len(self.seq_lens))]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+
+@torch.library.custom_op(
+    "freezeframe::attention", mutates_args=("out", "k_cache", "v_cache")
+)
+def attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KV, D]
+    v: torch.Tensor,  # [T, KV, D]
+    out: torch.Tensor,  # [T, H, D], written
+    k_cache: torch.Tensor,  # [num_slots, KV, D], written at slot_mapping
+    v_cache: torch.Tensor,  # [num_slots, KV, D]
+    positions: torch.Tensor,  # [T]
+    slot_mapping: torch.Tensor,  # [T]
+    query_start_loc: torch.Tensor,  # [R + 1]
+    seq_lens: torch.Tensor,  # [R]
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    block_size: int,
+    scale: float,
+) -> None:
+    """Write this step's K/V into the cache, then attend each token over its request's context."""
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return
+    token_req, token_valid = _token_layout(query_start_loc, seq_lens, slot_mapping)
+    sink = k_cache.shape[0] - 1
+    write_slot = torch.where(token_valid, slot_mapping, torch.full_like(slot_mapping, sink))
+    k_cache.index_copy_(0, write_slot, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, write_slot, v.to(v_cache.dtype))
+
+    host = _choose_path()
+    if host is None:
+        result = _static_attention(
+            q, k_cache, v_cache, positions, token_req, block_tables, block_size, scale,
+            block_tables.shape[1] * block_size,
+        )
+        out.copy_(torch.where(token_valid[:, None, None], result, 0.0).to(out.dtype))
+        return
+    if not isinstance(host, AttentionHostMetadata):
+        host = AttentionHostMetadata(
+            query_start_loc=tuple(query_start_loc.tolist()[: _num_real(seq_lens) + 1]),
+            seq_lens=tuple(seq_lens.tolist()[: _num_real(seq_lens)]),
+        )
+    _varlen_attention(
+        host, q, k_cache, v_cache, out, positions, token_req, token_valid, block_tables,
+        block_size, scale,
+    )
+
+
+@attention.register_fake
+def _attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> None:
+    return None
+
+
+def _num_real(seq_lens: torch.Tensor) -> int:
+    # host sync; only the varlen path without host metadata calls this
+    return int((seq_lens > 0).sum().item())
+
+
+def _choose_path() -> AttentionHostMetadata | bool | None:
+    """None: static path. Host metadata: varlen path with it. True: varlen, sync for it."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    ctx = get_forward_context()
+    if ctx is None:
+        return True
+    if ctx.mode is CUDAGraphMode.FULL:
+        return None
+    if ctx.batch_descriptor is not None and ctx.batch_descriptor.uniform:
+        return None
+    host = ctx.extras.get(ATTN_METADATA_KEY)
+    if isinstance(host, AttentionHostMetadata):
+        return None if host.max_query_len <= 1 else host
+    return True
+
+
+def _token_layout(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: its request row (clamped into range) and whether it is a real token.
+
+    Computed from the metadata alone, without assuming anything about padded request rows
+    beyond ``seq_lens == 0``: a request counts only if it is real, so the tail of
+    ``query_start_loc`` may hold anything.
+    """
+    num_tokens = slot_mapping.shape[0]
+    num_rows = seq_lens.shape[0]
+    real_req = seq_lens > 0  # [R]
+    ends = query_start_loc[1 : num_rows + 1]  # [R]
+    t = torch.arange(num_tokens, device=slot_mapping.device)  # [T]
+    # request of token t = number of real requests that end at or before t
+    token_req = ((ends[None, :] <= t[:, None]) & real_req[None, :]).sum(dim=1)  # [T]
+    num_real_tokens = torch.where(real_req, ends, torch.zeros_like(ends)).amax()
+    token_valid = (t < num_real_tokens) & (slot_mapping >= 0)
+    return token_req.clamp(max=max(num_rows - 1, 0)), token_valid
+
+
+def _context_slots(
+    block_rows: torch.Tensor, key_pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Slots of ``key_pos`` ([C]) for each block-table row ``[N, max_blocks]`` -> ``[N, C]``."""
+    blocks = block_rows[:, key_pos // block_size].clamp(min=0)  # [N, C]
+    return blocks * block_size + key_pos % block_size
+
+
+def _static_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [N]
+    token_req: torch.Tensor,  # [N]
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    block_size: int,
+    scale: float,
+    context: int,  # keys considered per token: positions [0, context)
+) -> torch.Tensor:
+    """Attention of each token over positions ``<= its own`` in a fixed window; fp32 result.
+
+    Chunked over keys with an online softmax so scratch memory stays under ``_GATHER_BUDGET``
+    gathered keys per call whatever the batch. Shapes depend only on ``N`` and ``context``.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    chunk = max(block_size, (_GATHER_BUDGET // max(n, 1)) // block_size * block_size)
+    chunk = min(chunk, context)
+    qf = q.float().reshape(n, num_kv, group, head_dim) * scale  # [N, KV, G, D]
+    rows = block_tables[token_req]  # [N, max_blocks]
+    run_max = torch.full((n, num_kv, group), _NEG, dtype=torch.float32, device=q.device)
+    run_sum = torch.zeros((n, num_kv, group), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((n, num_kv, group, head_dim), dtype=torch.float32, device=q.device)
+    for start in range(0, context, chunk):
+        key_pos = torch.arange(start, min(start + chunk, context), device=q.device)  # [C]
+        slots = _context_slots(rows, key_pos, block_size)  # [N, C]
+        keys = k_cache[slots].float()  # [N, C, KV, D]
+        vals = v_cache[slots].float()
+        scores = torch.einsum("nkgd,nckd->nkgc", qf, keys)  # [N, KV, G, C]
+        visible = key_pos[None, :] <= positions[:, None]  # [N, C]
+        scores = scores.masked_fill(~visible[:, None, None, :], _NEG)
+        new_max = torch.maximum(run_max, scores.amax(dim=-1))
+        rescale = torch.exp(run_max - new_max)
+        probs = torch.exp(scores - new_max[..., None])
+        run_sum = run_sum * rescale + probs.sum(dim=-1)
+        acc = acc * rescale[..., None] + torch.einsum("nkgc,nckd->nkgd", probs, vals)
+        run_max = new_max
+    return (acc / run_sum[..., None]).reshape(n, num_heads, head_dim)
+
+
+def _varlen_attention(
+    host: AttentionHostMetadata,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    token_valid: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> None:
+    """Exact-length attention: SDPA per prefill request, one batched call for decode tokens."""
+    out.zero_()
+    num_kv = k_cache.shape[1]
+    num_heads = q.shape[1]
+    qsl = host.query_start_loc
+    decode_tokens: list[int] = []
+    decode_context = 0
+    for r, seq_len in enumerate(host.seq_lens):
+        start, end = qsl[r], qsl[r + 1]
+        n = end - start
+        if n <= 0:
+            continue
+        if n == 1:
+            decode_tokens.append(start)
+            decode_context = max(decode_context, seq_len)
+            continue
+        key_pos = torch.arange(seq_len, device=q.device)
+        slots = _context_slots(block_tables[r : r + 1], key_pos, block_size)[0]  # [L]
+        keys = k_cache[slots].to(q.dtype).transpose(0, 1)  # [KV, L, D]
+        vals = v_cache[slots].to(q.dtype).transpose(0, 1)
+        if num_kv != num_heads:
+            keys = keys.repeat_interleave(num_heads // num_kv, dim=0)  # [H, L, D]
+            vals = vals.repeat_interleave(num_heads // num_kv, dim=0)
+        query = q[start:end].transpose(0, 1)  # [H, n, D]
+        if n == seq_len:
+            res = F.scaled_dot_product_attention(query, keys, vals, is_causal=True, scale=scale)
+        else:
+            # queries are the last n positions: query i sees keys 0 .. seq_len - n + i
+            qpos = torch.arange(seq_len - n, seq_len, device=q.device)
+            mask = key_pos[None, :] <= qpos[:, None]  # [n, L]
+            res = F.scaled_dot_product_attention(query, keys, vals, attn_mask=mask, scale=scale)
+        out[start:end] = res.transpose(0, 1).to(out.dtype)
+    if decode_tokens:
+        idx = torch.tensor(decode_tokens, dtype=torch.long).to(q.device, non_blocking=True)
+        context = -(-decode_context // block_size) * block_size
+        res = _static_attention(
+            q[idx], k_cache, v_cache, positions[idx], token_req[idx], block_tables, block_size,
+            scale, min(context, block_tables.shape[1] * block_size),
+        )
+        res = torch.where(token_valid[idx][:, None, None], res, 0.0)
+        out.index_copy_(0, idx, res.to(out.dtype))
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
