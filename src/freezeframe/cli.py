@@ -1,0 +1,287 @@
+"""The ``freezeframe`` command.
+
+Subcommands are registered in :data:`SUBCOMMANDS` as ``(name, "module[:function]")``; the
+function (default ``add_parser``) receives argparse's subparsers object, adds its parser and sets
+``func`` (``handler(args) -> int`` exit code) with ``set_defaults``. A module is imported only
+when its command runs (or for ``--help``), and a module that does not exist yet is skipped, so one
+command's missing or heavy dependencies never break another. Keep module-level imports of such
+modules light (import torch inside the handler).
+
+Errors freezeframe raises on purpose (:class:`~freezeframe.errors.FreezeframeError`) are printed
+as one line on stderr with exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from freezeframe.errors import ConfigError, FreezeframeError
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+SUBCOMMANDS: list[tuple[str, str]] = [
+    ("config", "freezeframe.cli:add_config_parser"),
+    ("demo", "freezeframe.cli:add_demo_parser"),
+    ("bench", "freezeframe.bench.cli"),
+    ("cache", "freezeframe.compile.cache_cli"),
+]
+
+EXIT_USAGE = 2
+logger = logging.getLogger(__name__)
+
+
+# -- registration -----------------------------------------------------------------------------
+
+
+def _load_registrar(target: str) -> Callable[[Any], Any] | None:
+    module_name, _, func_name = target.partition(":")
+    try:
+        module: ModuleType = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # Only "this command's module is not there (yet)" is tolerated; a missing dependency
+        # *inside* an existing module is a real error and propagates.
+        if exc.name is not None and module_name.startswith(exc.name):
+            return None
+        raise
+    registrar = getattr(module, func_name or "add_parser", None)
+    return registrar if callable(registrar) else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``only`` set, just that subcommand's module is imported."""
+    parser = argparse.ArgumentParser(
+        prog="freezeframe",
+        description="Trace once, split, compile per shape and capture graphs per padded batch "
+                    "size, for any nn.Module.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, target in SUBCOMMANDS:
+        if only is not None and name != only:
+            continue
+        registrar = _load_registrar(target)
+        if registrar is not None:
+            registrar(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    names = {name for name, _ in SUBCOMMANDS}
+    first = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser(only=first if first in names else None)
+    args = parser.parse_args(args_list)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s: %(message)s", stream=sys.stderr)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(func(args) or 0)
+    except FreezeframeError as exc:
+        print(f"freezeframe {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+# -- freezeframe config -----------------------------------------------------------------------
+
+
+def add_config_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "config", help="print the resolved compilation config",
+        description="Resolve a compilation config (a vLLM compilation-config JSON with the "
+                    "fields freezeframe supports is accepted as is) and print what it means.")
+    p.add_argument("config", help="a JSON object, '-' to read it from stdin, or @FILE")
+    p.add_argument("--json", action="store_true",
+                   help="print the resolved config as JSON (with cache_key) instead")
+    p.set_defaults(func=run_config)
+
+
+def _read_config_text(source: str) -> str:
+    if source == "-":
+        return sys.stdin.read()
+    if source.startswith("@"):
+        path = Path(source[1:])
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    return source
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from freezeframe.config import CompilationConfig
+
+    cfg = CompilationConfig.from_json(_read_config_text(args.config))
+    if args.json:
+        print(json.dumps({**cfg.to_dict(), "cache_key": cfg.cache_key()}, indent=2,
+                         sort_keys=True))
+    else:
+        print(describe_config(cfg))
+    return 0
+
+
+def describe_config(cfg: Any) -> str:
+    """A human-readable summary of a resolved :class:`CompilationConfig`."""
+    from freezeframe.sizes import padding_intervals
+
+    def wrap(text: str) -> str:
+        return textwrap.fill(text, width=96, subsequent_indent=" " * 20)
+
+    graph_mode = cfg.cudagraph_mode
+    mode_text = graph_mode.name
+    if graph_mode.separate_routine():
+        mode_text += (f" (uniform decode: {graph_mode.decode_mode().name}, "
+                      f"mixed: {graph_mode.mixed_mode().name})")
+    sizes = cfg.cudagraph_capture_sizes
+    if sizes:
+        size_text = f"{len(sizes)} sizes, max {sizes[-1]}: " + " ".join(map(str, sizes))
+        padding_text = (_padding_cells(padding_intervals(sizes))
+                        + f"; 0->0; above {sizes[-1]}: no graph (unpadded)")
+    else:
+        size_text = "none (CUDA graphs off)"
+        padding_text = "none: every batch runs unpadded without a graph"
+    if cfg.splitting_ops is None:
+        ops_text = "none given (the graph is not split: one piece)"
+    elif not cfg.splitting_ops:
+        ops_text = "[] (no split)"
+    else:
+        ops_text = " ".join(cfg.splitting_ops)
+    rows = [
+        ("mode", f"{cfg.mode.name} ({int(cfg.mode)})"),
+        ("backend", cfg.backend),
+        ("splitting_ops", ops_text),
+        ("cudagraph_mode", mode_text),
+        ("graph_backend", cfg.graph_backend),
+        ("capture sizes", size_text),
+        ("padding", padding_text),
+        ("compile ranges", " ".join(str(r) for r in cfg.compile_ranges())),
+        ("compile sizes", " ".join(map(str, cfg.compile_sizes)) or "none"),
+        ("batch limits", f"max_num_tokens={cfg.max_num_tokens} max_num_seqs={cfg.max_num_seqs} "
+                         f"num_speculative_tokens={cfg.num_speculative_tokens} "
+                         f"max_loras={cfg.max_loras}"),
+        ("cache key", cfg.cache_key()),
+    ]
+    return "\n".join(wrap(f"{name:<19} {value}") for name, value in rows)
+
+
+def _padding_cells(intervals: list[Any]) -> str:
+    """``lo..hi->size`` cells; a run of 3+ evenly spaced sizes, each covering exactly its step,
+    is folded into ``lo..hi->next multiple of STEP``-style cells to keep 51 sizes readable."""
+    cells, i = [], 0
+    while i < len(intervals):
+        r, size = intervals[i]
+        step = r.end - r.start + 1
+        j = i
+        while (j + 1 < len(intervals) and intervals[j + 1][0].end - intervals[j + 1][0].start
+               + 1 == step and intervals[j + 1][1] == intervals[j][1] + step):
+            j += 1
+        if j - i >= 2:
+            last = intervals[j]
+            cells.append(f"{r.start}..{last[0].end}->{size},{size + step},..,{last[1]} "
+                         f"(every {step})")
+            i = j + 1
+            continue
+        cells.append(f"{r.start}->{size}" if r.is_single_size() else f"{r.start}..{r.end}->{size}")
+        i += 1
+    return " ".join(cells)
+
+
+# -- freezeframe demo -------------------------------------------------------------------------
+
+
+def add_demo_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo", help="compile and run the built-in example model",
+        description="Compile the built-in example model (split at freezeframe_example::mix), "
+                    "run it for several batch sizes and check the outputs against eager.")
+    p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
+                   help="compiler for each piece (default: eager)")
+    p.add_argument("--layers", type=int, default=2, help="number of layers (default: 2)")
+    p.add_argument("--hidden", type=int, default=32, help="hidden size (default: 32)")
+    p.add_argument("--sizes", default="1,2,3,8,17,64",
+                   help="comma-separated batch sizes to run (default: 1,2,3,8,17,64)")
+    p.add_argument("--max-num-tokens", type=int, default=256,
+                   help="largest batch the config allows (default: 256)")
+    p.set_defaults(func=run_demo)
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--sizes: expected comma-separated ints, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--sizes: give at least one batch size, each >= 1; got {text!r}")
+    return sizes
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    import freezeframe as ff
+    from freezeframe.models.example import MIX_OP, ExampleMLP
+
+    sizes = _parse_sizes(args.sizes)
+    too_big = [s for s in sizes if s > args.max_num_tokens]
+    if too_big:
+        raise ConfigError(f"--sizes: {too_big} exceed --max-num-tokens={args.max_num_tokens}; "
+                          "raise --max-num-tokens or drop them")
+    cfg = ff.CompilationConfig(mode="piecewise", backend=args.backend, splitting_ops=[MIX_OP],
+                               cudagraph_mode="none", max_num_tokens=args.max_num_tokens)
+    module = ExampleMLP(hidden_size=args.hidden, num_layers=args.layers).eval()
+    model = ff.compile(module, cfg, dynamic_arg_dims={"x": 0})
+    print(f"freezeframe demo: ExampleMLP(hidden={args.hidden}, layers={args.layers}), "
+          f"split at {MIX_OP}, compiler {cfg.backend}")
+
+    failures = 0
+    with torch.no_grad():
+        for i, n in enumerate(sizes):
+            x = module.example_input(n)                  # [n, hidden]
+            start = time.perf_counter()
+            got = model(x)
+            elapsed = time.perf_counter() - start
+            want = module(x)
+            if i == 0:
+                print(f"first call (trace + split + compile + run): {elapsed:.3f} s")
+                _print_pieces(model)
+            ok = got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+            diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+            failures += not ok
+            print(f"  batch {n:>5}: {'ok  ' if ok else 'FAIL'} max |compiled - eager| = "
+                  f"{diff:.2e}  ({elapsed * 1e3:.2f} ms)")
+    stats = model.stats.snapshot()
+    print("stats: " + " ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+    if failures:
+        print(f"{failures} of {len(sizes)} batch sizes differ from eager", file=sys.stderr)
+        return 1
+    print(f"all {len(sizes)} batch sizes match eager")
+    return 0
+
+
+def _print_pieces(model: Any) -> None:
+    pieces = list(getattr(model, "pieces", None) or [])
+    capturable = sum(1 for p in pieces if getattr(p, "capturable", False))
+    print(f"pieces: {len(pieces)} ({capturable} capturable)")
+    for p in pieces:
+        kind = "splitting op (eager)" if getattr(p, "is_splitting_op", False) else "compiled"
+        graph = getattr(p, "graph", None)
+        ops = (sum(1 for node in graph.graph.nodes
+                   if node.op in ("call_function", "call_method", "call_module"))
+               if graph is not None and hasattr(graph, "graph") else None)
+        detail = f", {ops} ops" if ops is not None else ""
+        print(f"  piece {getattr(p, 'index', '?')}: {getattr(p, 'name', '')} {kind}{detail}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
