@@ -1,0 +1,329 @@
+"""The on-disk compile cache's storage layer: key factors, atomic self-checking files, the
+per-model lock across processes, permission refusal and the CLI. Every test uses tmp_path."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from freezeframe.compile import cache as ff_cache
+from freezeframe.compile.cache import CompileCache, CorruptArtifactError
+from freezeframe.config import CompilationConfig
+from freezeframe.errors import CacheError
+from freezeframe.sizes import Range
+from freezeframe.stats import Stats
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ff_cache.ENV_CACHE_DIR, raising=False)
+    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
+
+
+def _config(tmp_path: Path, **kw: object) -> CompilationConfig:
+    fields: dict[str, object] = {"mode": "piecewise", "backend": "eager", **kw}
+    return CompilationConfig(cache_dir=str(tmp_path / "c"), **fields)
+
+
+def _open(tmp_path: Path, *, module: torch.nn.Module | None = None, stats: Stats | None = None,
+          model_key: str | None = None, **kw: object) -> CompileCache:
+    module = module if module is not None else Tiny()
+    cache = CompileCache.open(_config(tmp_path, **kw), stats=stats, module=module,
+                              args=(torch.zeros(3, module.lin.in_features),),
+                              dynamic_arg_dims={"x": 0}, model_key=model_key)
+    assert cache is not None
+    return cache
+
+
+# -- root, switch --------------------------------------------------------------------------
+def test_root_resolution_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ff_cache.resolve_cache_root(None) == tmp_path / "xdg" / "freezeframe"
+    monkeypatch.setenv(ff_cache.ENV_CACHE_DIR, str(tmp_path / "env"))
+    assert ff_cache.resolve_cache_root(None) == tmp_path / "env"
+    cfg = CompilationConfig(cache_dir=str(tmp_path / "cfg"))
+    assert ff_cache.resolve_cache_root(cfg) == tmp_path / "cfg"
+
+
+def test_switches_turn_the_cache_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert CompileCache.open(_config(tmp_path, use_cache=False)) is None
+    monkeypatch.setenv(ff_cache.ENV_DISABLE_CACHE, "1")
+    assert CompileCache.open(_config(tmp_path)) is None
+    assert not (tmp_path / "c").exists()
+
+
+# -- permissions ---------------------------------------------------------------------------
+def test_created_dirs_are_private(tmp_path: Path) -> None:
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x")
+    for d in (cache.root, cache.entry_dir):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_writable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+    root = tmp_path / "c"
+    root.mkdir()
+    os.chmod(root, mode)
+    with pytest.raises(CacheError) as info:
+        _open(tmp_path)
+    msg = str(info.value)
+    assert str(root) in msg and f"{mode:#o}" in msg and "chmod 700" in msg
+    assert "cache_dir" in msg
+
+
+def test_entry_dir_writable_by_others_is_refused(tmp_path: Path) -> None:
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x")
+    os.chmod(cache.entry_dir, 0o777)
+    with pytest.raises(CacheError, match="0o777"):
+        cache.save_artifact(1, Range(1, 8), b"y")
+
+
+def test_owned_by_another_user_is_refused(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "c"
+    root.mkdir(mode=0o700)
+    real = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    with pytest.raises(CacheError, match="owned by uid"):
+        ff_cache.check_private_dir(root)
+
+
+# -- files ---------------------------------------------------------------------------------
+def test_pack_roundtrip_and_every_corruption_detected() -> None:
+    blob = ff_cache.pack_artifact(b"payload" * 100, {"piece": 3})
+    header, payload = ff_cache.unpack_artifact(blob)
+    assert payload == b"payload" * 100 and header["piece"] == 3
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0xFF
+    for bad in (blob[:-1], blob + b"x", bytes(flipped), b"", b"garbage" * 10, blob[:20]):
+        with pytest.raises(CorruptArtifactError):
+            ff_cache.unpack_artifact(bad)
+
+
+def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    target = tmp_path / "a.bin"
+    ff_cache.atomic_write(target, b"old")
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
+
+    def boom(*a: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ff_cache.atomic_write(target, b"new")
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
+
+
+def test_save_load_counts_and_index(tmp_path: Path) -> None:
+    stats = Stats()
+    cache = _open(tmp_path, stats=stats)
+    with stats.expect(artifacts_saved=2, artifacts_loaded=0):
+        cache.save_artifact(0, Range(1, 8), b"zero", graph_key="g0", compiler="inductor")
+        cache.save_artifact(2, 4, b"two", graph_key="g2", compiler="inductor")
+    with stats.expect(artifacts_loaded=1):
+        path, payload = cache.load_artifact(0, Range(1, 8), "g0")
+    assert payload == b"zero" and path.name == "piece_0_range_1_8.bin"
+    assert (cache.entry_dir / "piece_2_range_4_4.bin").exists()
+    index = json.loads((cache.entry_dir / "index.json").read_text())["artifacts"]
+    assert sorted(index) == ["piece_0_range_1_8.bin", "piece_2_range_4_4.bin"]
+    factors = json.loads((cache.entry_dir / "key_factors.json").read_text())
+    assert factors["key"] == cache.key and factors["factors"]["torch"] == torch.__version__
+    # a graph other than the one the artifact came from never gets it
+    with stats.expect(artifacts_loaded=0):
+        assert cache.load_artifact(0, Range(1, 8), "other") is None
+        assert cache.load_artifact(1, Range(1, 8), "g0") is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
+def test_corrupt_artifact_is_a_logged_miss_and_removed(tmp_path: Path, damage: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    cache = _open(tmp_path)
+    path = cache.save_artifact(0, Range(1, 8), b"A" * 1000, graph_key="g")
+    blob = path.read_bytes()
+    damaged = {"truncate": blob[: len(blob) // 2], "empty": b"", "garbage": b"\x00" * 64,
+               "flip": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:]}[damage]
+    path.write_bytes(damaged)
+    with caplog.at_level("WARNING", logger="freezeframe.compile.cache"):
+        assert cache.load_artifact(0, Range(1, 8), "g") is None
+    assert "corrupt" in caplog.text and str(path) in caplog.text
+    assert not path.exists()
+    cache.save_artifact(0, Range(1, 8), b"A" * 1000, graph_key="g")
+    assert cache.load_artifact(0, Range(1, 8), "g")[1] == b"A" * 1000
+
+
+# -- key factors ---------------------------------------------------------------------------
+def test_key_is_stable_and_changes_with_each_factor(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _open(tmp_path).key
+    assert _open(tmp_path).key == base
+    # fields outside cache_key() (debug) do not change it
+    assert _open(tmp_path, debug=True).key == base
+    # config
+    assert _open(tmp_path, compile_sizes=[4], cudagraph_mode="none").key != base
+    assert _open(tmp_path, backend="inductor").key != base
+    # model key, module sizes, module plain attributes
+    assert _open(tmp_path, model_key="v2").key != base
+    assert _open(tmp_path, module=Tiny(width=8)).key != base
+    odd = Tiny()
+    odd.scale = 3.0
+    assert _open(tmp_path, module=odd).key != base
+    # torch / Inductor factors
+    real = ff_cache.torch_factors()
+    monkeypatch.setattr(ff_cache, "torch_factors", lambda: {**real, "torch": "9.9.9"})
+    assert _open(tmp_path).key != base
+    monkeypatch.setattr(ff_cache, "torch_factors",
+                        lambda: {**real, "inductor_system": "another-gpu"})
+    assert _open(tmp_path).key != base
+
+
+def test_key_changes_with_traced_source_contents(tmp_path: Path) -> None:
+    src = tmp_path / "model_src.py"
+    src.write_text("def f(x):\n    return x + 1\n")
+    a = _open(tmp_path)
+    a.add_traced_files([str(src), "<string>"])
+    key_a = a.key
+    b = _open(tmp_path)
+    b.add_traced_files([str(src)])
+    assert b.key == key_a
+    src.write_text("def f(x):\n    return x + 2\n")
+    c = _open(tmp_path)
+    c.add_traced_files([str(src)])
+    assert c.key != key_a
+    assert a.key == key_a  # fixed once computed
+    with pytest.raises(CacheError, match="after the cache key was fixed"):
+        a.add_traced_files([str(tmp_path / "other.py")])
+
+
+def test_traced_files_come_from_dynamo(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.extend(ff_cache.traced_files_from_graph(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Tiny(), backend=backend, fullgraph=True)
+    compiled(torch.ones(2, 4))
+    assert __file__ in seen
+    assert any(p.endswith(os.path.join("torch", "nn", "modules", "linear.py")) for p in seen)
+
+
+def test_key_is_the_same_in_another_process(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import sys; sys.path[:0] = [{str(SRC)!r}, {str(Path(__file__).parents[2])!r}]
+        import torch
+        from tests.unit.test_cache import Tiny
+        from freezeframe.compile.cache import CompileCache
+        from freezeframe.config import CompilationConfig
+        torch.manual_seed(0)
+        c = CompileCache.open(CompilationConfig(mode="piecewise", backend="eager",
+                              cache_dir={str(tmp_path / "c")!r}), module=Tiny(),
+                              args=(torch.zeros(3, 4),), dynamic_arg_dims={{"x": 0}})
+        c.add_traced_files([{__file__!r}])
+        print(c.key)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()[-1]
+    mine = _open(tmp_path)
+    mine.add_traced_files([__file__])
+    assert out == mine.key
+
+
+# -- saved trace pointer -------------------------------------------------------------------
+def test_saved_trace_needs_unchanged_sources(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("A = 1\n")
+    first = _open(tmp_path)
+    assert first.load_trace() is None
+    first.add_traced_files([str(src)])
+    first.save_trace(b"TRACE", {"n": 1})
+    second = _open(tmp_path)
+    header, payload = second.load_trace()
+    assert payload == b"TRACE" and header["n"] == 1 and second.key == first.key
+    src.write_text("A = 2\n")
+    third = _open(tmp_path)
+    assert third.load_trace() is None
+    third.add_traced_files([str(src)])
+    assert third.key != first.key
+
+
+# -- lock across processes -----------------------------------------------------------------
+def _compile_under_lock(cfg_dir: str, log: str, payload: bytes) -> None:
+    cfg = CompilationConfig(mode="piecewise", backend="eager", cache_dir=cfg_dir)
+    stats = Stats()
+    module = Tiny()
+    cache = CompileCache.open(cfg, stats=stats, module=module, args=(torch.zeros(3, 4),),
+                              dynamic_arg_dims={"x": 0})
+    assert cache is not None
+    with cache.lock():
+        found = cache.load_artifact(0, Range(1, 8), "g")
+        if found is None:
+            with open(log, "a") as fh:
+                fh.write(f"compile {os.getpid()}\n")
+            time.sleep(1.0)  # a slow compile: the other process must wait, not compile too
+            cache.save_artifact(0, Range(1, 8), payload, graph_key="g")
+        else:
+            assert found[1] == payload
+            with open(log, "a") as fh:
+                fh.write(f"load {os.getpid()}\n")
+
+
+def test_two_processes_one_compile(tmp_path: Path) -> None:
+    log = tmp_path / "log.txt"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_compile_under_lock,
+                         args=(str(tmp_path / "c"), str(log), b"P" * 4096)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    lines = sorted(line.split()[0] for line in log.read_text().splitlines())
+    assert lines == ["compile", "load"]
+    leftovers = [p for p in (tmp_path / "c").rglob("*") if p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+# -- CLI -----------------------------------------------------------------------------------
+def test_cli_list_info_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from freezeframe.compile import cache_cli
+
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x" * 10, compiler="inductor")
+    root = str(tmp_path / "c")
+    assert cache_cli.main(["cache", "list", "--dir", root]) == 0
+    out = capsys.readouterr().out
+    assert cache.key in out and "1 entries" in out and "tests.unit.test_cache.Tiny" in out
+    assert cache_cli.main(["cache", "info", "--dir", root, cache.key]) == 0
+    out = capsys.readouterr().out
+    assert "piece_0_range_1_8.bin: 10 bytes, compiler=inductor" in out and '"torch"' in out
+    assert cache_cli.main(["cache", "info", "--dir", root, "0123456789abcdef"]) == 1
+    capsys.readouterr()
+    assert cache_cli.main(["cache", "clear", "--dir", root, "-y"]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out
+    assert ff_cache.list_entries(tmp_path / "c") == []
