@@ -36,9 +36,13 @@ _EXPORTS = {
     "CacheError": "freezeframe.errors",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+# public submodules, imported on first attribute access (``ff.ubatch.yield_to_comm()``)
+_SUBMODULES = ("ubatch",)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover
+    from freezeframe import ubatch
     from freezeframe.batch import BatchDescriptor
     from freezeframe.compile import CompiledModel, compile
     from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -59,6 +63,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"freezeframe.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'freezeframe' has no attribute {name!r}")
