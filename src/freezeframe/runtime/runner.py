@@ -1,0 +1,660 @@
+"""GraphRunner: run any model step by step on captured graphs without writing a model runner.
+
+A captured graph (CUDA or emulated) reads its inputs from the addresses it saw at capture time
+and writes its outputs to fixed addresses. So a caller must (1) keep every dynamic input in a
+static buffer, (2) pad each step to a captured size with rows that cannot poison the real ones,
+(3) tell the graph wrappers which graph to replay, and (4) hand back only the real rows. That is
+this class:
+
+    runner = ff.GraphRunner(model, cfg, inputs={
+        "x": ff.runtime.Tokens(hidden),                            # [num_tokens, hidden]
+        "slots": ff.runtime.Tokens(dtype=torch.long, fill=-1),     # padded rows: slot -1
+        "seq_lens": ff.runtime.Requests(dtype=torch.int32),        # [num_reqs]
+    })
+    report = runner.capture()          # every key of the dispatcher, largest first
+    y = runner(x, slots, seq_lens)     # or runner(x=..., slots=..., seq_lens=...)
+
+Each step: validate the inputs, agree on the size across data-parallel ranks (optional),
+dispatch to (runtime mode, padded descriptor), copy the inputs into the buffers and fill the
+padded tail, run the model inside ``ff.forward_context`` and slice the outputs to the real rows.
+
+The graphs themselves live in the model's wrappers (see ``freezeframe.graphs``); the runner
+only sets the forward context they react to, so it works with any callable: a
+:class:`~freezeframe.compile.CompiledModel`, a module holding its own wrappers, or a plain module
+(which then simply runs eagerly on the padded buffers).
+
+Output lifetime: the tensors a step returns are views of the model's outputs. When a graph was
+replayed those are the graph's static output tensors, overwritten by the next step (of any size:
+graphs share one memory pool). Consume or copy them before the next step, or construct the runner
+with ``copy_outputs=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from freezeframe.batch import BatchDescriptor
+from freezeframe.config import CompilationConfig, CUDAGraphMode
+from freezeframe.context import forward_context
+from freezeframe.errors import (
+    ConfigError,
+    FallbackError,
+    InputMismatchError,
+    ShapeOutOfRangeError,
+)
+from freezeframe.runtime.dispatcher import Dispatcher
+from freezeframe.runtime.dp import agree_across_ranks
+from freezeframe.runtime.inputs import InputSpec
+from freezeframe.stats import Stats
+
+__all__ = ["CaptureReport", "GraphCapture", "GraphRunner"]
+
+logger = logging.getLogger(__name__)
+
+_NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+# Keyword arguments of GraphRunner.__call__; an input may not take one of these names.
+_STEP_OPTIONS = frozenset({"uniform_decode", "has_lora", "num_active_loras", "num_reqs",
+                           "invalid_modes", "extras"})
+
+# Why a step ran without a graph -> (log level, explanation). The counter is fallback_<reason>.
+FALLBACK_REASONS: Mapping[str, tuple[int, str]] = {
+    "graphs_off": (logging.INFO, "cudagraph_mode is NONE, so every step runs eagerly"),
+    "graphs_unavailable": (logging.WARNING,
+                           "no graph backend is available (graph_backend={backend} and no CUDA); "
+                           "set graph_backend='emulated' to test graphs on CPU"),
+    "too_large": (logging.INFO,
+                  "a step of {num_tokens} tokens is above the largest capture size {max_size}; "
+                  "such steps run eagerly and unpadded (raise max_cudagraph_capture_size to "
+                  "capture them)"),
+    "mode_invalid": (logging.INFO,
+                     "the graph for this step is excluded by invalid_modes={invalid}"),
+    "mode_off": (logging.INFO,
+                 "cudagraph_mode {mode} captures no graph for this kind of batch "
+                 "(uniform_decode={uniform}); use FULL_AND_PIECEWISE to cover mixed batches"),
+    "no_key": (logging.WARNING,
+               "no captured graph matches the step ({desc}); check the LoRA settings "
+               "(max_loras, cudagraph_specialize_lora)"),
+}
+
+
+# -- capture report --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GraphCapture:
+    """One captured graph: its key, the wall time of its warm-ups and capture, and the device
+    memory it took (free-memory delta on CUDA; 0 where graphs do not hold device memory)."""
+
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor
+    seconds: float
+    memory_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureReport:
+    """What :meth:`GraphRunner.capture` did. ``memory_bytes`` is the free-memory delta over the
+    whole capture (on CUDA), which also counts pool growth shared by several graphs."""
+
+    graphs: tuple[GraphCapture, ...] = ()
+    seconds: float = 0.0
+    memory_bytes: int = 0
+    device: str = "cpu"
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    def count(self, mode: CUDAGraphMode) -> int:
+        return sum(1 for g in self.graphs if g.mode is mode)
+
+    def summary(self) -> str:
+        return (f"captured {self.num_graphs} graphs ({self.count(_PIECEWISE)} piecewise, "
+                f"{self.count(_FULL)} full) in {self.seconds:.2f} s, using "
+                f"{self.memory_bytes / 2**20:.1f} MiB of {self.device} memory")
+
+
+# -- the runner ----------------------------------------------------------------------------
+class GraphRunner:
+    """Owns static input buffers, captures every graph the dispatcher knows, runs steps.
+
+    Args:
+        model: any callable; called as ``model(**{name: padded_buffer_view})`` (or positionally,
+            in the order of ``inputs``, with ``call_positional=True``).
+        config: the compilation config (default: ``model.config``). Its capture sizes, graph
+            mode, ``max_num_tokens`` and ``max_num_seqs`` size the buffers and the keys.
+        inputs: name -> :class:`InputSpec` (``Tokens(...)``, ``Requests(...)``, ``Static(...)``)
+            in the order of the model's arguments. At least one ``Tokens`` input is needed.
+        device: where the buffers live (default: the model's first parameter, else CPU).
+        outputs: how to slice outputs: ``"tokens"`` (rows = tokens), ``"requests"``, ``"none"``,
+            or a sequence / mapping of those matching a tuple / dict output.
+        copy_outputs: return copies instead of views of the graph's static outputs.
+        strict: raise :class:`FallbackError` instead of running a step eagerly.
+        dp_sync: agree on the padded size with the other data-parallel ranks each step.
+        dp_group: the process group for ``dp_sync`` (default: the world).
+        invalid_modes: runtime modes never to dispatch to (for example ``{FULL}``).
+        progress: show a tqdm progress bar during capture when tqdm is installed.
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        config: CompilationConfig | None = None,
+        *,
+        inputs: Mapping[str, InputSpec],
+        device: torch.device | str | None = None,
+        outputs: str | Sequence[str] | Mapping[str, str] = "tokens",
+        copy_outputs: bool = False,
+        strict: bool = False,
+        dp_sync: bool = False,
+        dp_group: Any = None,
+        invalid_modes: Collection[CUDAGraphMode] = frozenset(),
+        call_positional: bool = False,
+        progress: bool = True,
+    ) -> None:
+        if config is None:
+            config = getattr(model, "config", None)
+        if not isinstance(config, CompilationConfig):
+            raise ConfigError(
+                f"GraphRunner needs a CompilationConfig, got {config!r}; pass "
+                "GraphRunner(model, ff.CompilationConfig(...), inputs=...)")
+        model_config = getattr(model, "config", None)
+        if isinstance(model_config, CompilationConfig) and (
+                model_config.cudagraph_mode is not config.cudagraph_mode
+                or model_config.cudagraph_capture_sizes != config.cudagraph_capture_sizes):
+            raise ConfigError(
+                "GraphRunner config disagrees with the model's: cudagraph_mode "
+                f"{config.cudagraph_mode!s} vs {model_config.cudagraph_mode!s}, capture "
+                f"sizes {config.cudagraph_capture_sizes} vs "
+                f"{model_config.cudagraph_capture_sizes}; pass the config the model was "
+                "compiled with (or leave config out to use model.config)")
+        if strict and config.cudagraph_mode is _NONE:
+            raise ConfigError(
+                "strict=True with cudagraph_mode NONE: every step would be a fallback; turn "
+                "graphs on or leave strict off")
+        self.model = model
+        self.config = config
+        self.dispatcher = Dispatcher(config)
+        self.stats = Stats()
+        self.strict = strict
+        self.copy_outputs = copy_outputs
+        self.dp_sync = dp_sync
+        self.dp_group = dp_group
+        self.call_positional = call_positional
+        self.progress = progress
+        self.outputs = outputs
+        self.invalid_modes = frozenset(invalid_modes)
+        for m in self.invalid_modes:
+            if m not in (_PIECEWISE, _FULL):
+                raise ConfigError(f"invalid_modes may hold PIECEWISE and FULL, got {m!r}")
+        self.report: CaptureReport | None = None
+        self._logged_reasons: set[str] = set()
+        self.device = _resolve_device(device, model)
+        self.graphs_available = _graphs_available(config)
+
+        if not isinstance(inputs, Mapping) or not inputs:
+            raise ConfigError("inputs: give a mapping of input name -> ff.runtime.Tokens(...) / "
+                              "Requests(...) / Static(...), with at least one Tokens input")
+        specs: dict[str, InputSpec] = {}
+        for name, spec in inputs.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ConfigError(f"inputs: name {name!r} is not a Python identifier")
+            if name in _STEP_OPTIONS:
+                raise ConfigError(f"inputs: name {name!r} is reserved for a step option "
+                                  f"({sorted(_STEP_OPTIONS)}); rename the input")
+            if not isinstance(spec, InputSpec):
+                raise ConfigError(f"inputs[{name!r}]: expected ff.runtime.Tokens(...), "
+                                  f"Requests(...) or Static(...), got {spec!r}")
+            specs[name] = spec.named(name)
+        if not any(s.kind == "tokens" for s in specs.values()):
+            raise ConfigError("inputs: at least one input must be Tokens(...): the runner reads "
+                              "the step size from the token dimension")
+        self.specs: Mapping[str, InputSpec] = specs
+        # One buffer per input, allocated once; every step writes into these same tensors.
+        self._buffers: dict[str, torch.Tensor] = {
+            name: torch.full(spec.buffer_shape(config.max_num_tokens, config.max_num_seqs),
+                             spec.fill, dtype=spec.dtype, device=self.device)
+            for name, spec in specs.items()
+        }
+
+    # -- public views --------------------------------------------------------------------
+    @property
+    def buffers(self) -> Mapping[str, torch.Tensor]:
+        """The full static buffers (``max_num_tokens`` / ``max_num_seqs`` rows), read-only view
+        of the mapping; writing into them bypasses the runner's padding."""
+        return MappingProxyType(self._buffers)
+
+    @property
+    def captured(self) -> bool:
+        return self.report is not None
+
+    # -- one step ------------------------------------------------------------------------
+    def __call__(
+        self,
+        *args: torch.Tensor,
+        uniform_decode: bool = False,
+        has_lora: bool = False,
+        num_active_loras: int = 0,
+        num_reqs: int | None = None,
+        invalid_modes: Collection[CUDAGraphMode] = frozenset(),
+        extras: Mapping[str, Any] | None = None,
+        **kwargs: torch.Tensor,
+    ) -> Any:
+        """Run one step. Inputs are given positionally (in the order of ``inputs``) or by name.
+
+        ``uniform_decode``: every request has exactly ``1 + num_speculative_tokens`` tokens.
+        ``num_reqs``: the request count when no ``Requests`` input carries it.
+        ``extras``: extra values for the forward context (read by ops as
+        ``ff.get_forward_context().extras[...]``); the runner adds ``num_tokens_unpadded`` and
+        ``num_reqs_unpadded``.
+        """
+        values = self._bind(args, kwargs)
+        num_tokens, reqs = self._validate(values, num_reqs, uniform_decode)
+        step_tokens, step_uniform = num_tokens, bool(uniform_decode)
+        if self.dp_sync:
+            step_tokens, step_uniform = agree_across_ranks(num_tokens, step_uniform,
+                                                           self.dp_group)
+        invalid = self.invalid_modes | frozenset(invalid_modes)
+        mode, desc = self._dispatch(step_tokens, step_uniform, has_lora, num_active_loras,
+                                    invalid)
+        padded_tokens = desc.num_tokens if mode is not _NONE else step_tokens
+        padded_reqs = desc.num_reqs if desc.num_reqs is not None else reqs
+        if reqs is not None and padded_reqs is not None and reqs > padded_reqs:
+            raise InputMismatchError(
+                f"step has {reqs} requests but the graph key {desc} holds {padded_reqs}; with "
+                f"uniform_decode=True every request must have exactly "
+                f"{self.dispatcher.uniform_decode_query_len} tokens")
+        self._stage(values, num_tokens, padded_tokens, reqs, padded_reqs)
+        self.stats.inc("steps")
+        self.stats.inc(f"steps_{mode.name.lower() if mode is not _NONE else 'eager'}")
+        self.stats.inc("padded_tokens", padded_tokens - num_tokens)
+        out = self._forward(mode, desc, padded_tokens, padded_reqs,
+                            num_tokens, reqs, dict(extras or {}))
+        out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs)
+        if self.copy_outputs:
+            out = _map_tensors(out, lambda t: t.clone())
+        return out
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        names = list(self.specs)
+        if len(args) > len(names):
+            raise InputMismatchError(
+                f"step got {len(args)} positional inputs but the runner has {len(names)} "
+                f"({names})")
+        values = dict(zip(names, args, strict=False))
+        for name, value in kwargs.items():
+            if name not in self.specs:
+                raise InputMismatchError(f"step got an unknown input {name!r}; the runner's "
+                                         f"inputs are {names}")
+            if name in values:
+                raise InputMismatchError(f"input {name!r} given both by position and by name")
+            values[name] = value
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise InputMismatchError(f"step is missing input(s) {missing}; the runner's inputs "
+                                     f"are {names}")
+        return values
+
+    def _validate(self, values: Mapping[str, Any], num_reqs: int | None,
+                  uniform_decode: bool) -> tuple[int, int | None]:
+        tokens: tuple[str, int] | None = None
+        reqs: tuple[str, int] | None = None
+        for name, spec in self.specs.items():
+            t = values[name]
+            if not isinstance(t, torch.Tensor):
+                raise InputMismatchError(
+                    f"input {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != spec.dtype:
+                raise InputMismatchError(
+                    f"input {name!r}: expected dtype {spec.dtype}, got {t.dtype}; convert it "
+                    f"(tensor.to({spec.dtype})) or declare the input with dtype={t.dtype}")
+            if t.device != self.device:
+                raise InputMismatchError(
+                    f"input {name!r}: expected device {self.device}, got {t.device}; move it "
+                    f"first (tensor.to({str(self.device)!r}))")
+            if spec.kind == "static":
+                if tuple(t.shape) != spec.shape:
+                    raise InputMismatchError(
+                        f"input {name!r}: static input expected shape {list(spec.shape)}, got "
+                        f"{list(t.shape)}")
+                continue
+            if t.dim() != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape:
+                raise InputMismatchError(
+                    f"input {name!r}: expected shape [{spec.kind}, "
+                    f"{', '.join(map(str, spec.shape))}]".replace(", ]", "]")
+                    + f", got {list(t.shape)}; the trailing shape must be {list(spec.shape)}")
+            n = int(t.shape[0])
+            if spec.kind == "tokens":
+                if tokens is not None and tokens[1] != n:
+                    raise InputMismatchError(
+                        f"inputs {tokens[0]!r} and {name!r} disagree on the number of tokens: "
+                        f"{tokens[1]} vs {n}")
+                tokens = tokens or (name, n)
+            else:
+                if reqs is not None and reqs[1] != n:
+                    raise InputMismatchError(
+                        f"inputs {reqs[0]!r} and {name!r} disagree on the number of requests: "
+                        f"{reqs[1]} vs {n}")
+                reqs = reqs or (name, n)
+        assert tokens is not None  # construction requires a Tokens input
+        num_tokens = tokens[1]
+        max_tokens = self.config.max_num_tokens
+        if not 1 <= num_tokens <= max_tokens:
+            raise ShapeOutOfRangeError(
+                f"input {tokens[0]!r} has {num_tokens} tokens; a step needs 1..max_num_tokens="
+                f"{max_tokens} tokens (split larger batches or raise max_num_tokens)")
+        if reqs is not None and num_reqs is not None and num_reqs != reqs[1]:
+            raise InputMismatchError(
+                f"num_reqs={num_reqs} disagrees with input {reqs[0]!r}, which has {reqs[1]} rows")
+        count = reqs[1] if reqs is not None else num_reqs
+        if count is not None:
+            if not 0 <= count <= self.config.max_num_seqs:
+                raise ShapeOutOfRangeError(
+                    f"step has {count} requests; at most max_num_seqs="
+                    f"{self.config.max_num_seqs} fit the request buffers")
+            if count > num_tokens:
+                raise InputMismatchError(
+                    f"step has {count} requests but only {num_tokens} tokens; every request "
+                    "needs at least one token")
+            q = self.dispatcher.uniform_decode_query_len
+            if uniform_decode and count * q != num_tokens:
+                raise InputMismatchError(
+                    f"uniform_decode=True needs num_tokens == num_reqs * {q}, got {num_tokens} "
+                    f"tokens for {count} requests")
+        return num_tokens, count
+
+    # -- dispatch and fallback accounting ------------------------------------------------
+    def _dispatch(self, num_tokens: int, uniform: bool, has_lora: bool, num_active_loras: int,
+                  invalid: frozenset[CUDAGraphMode]) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        d = self.dispatcher
+        if not self.graphs_available:
+            mode, desc = d.dispatch(num_tokens, uniform, has_lora, num_active_loras,
+                                    invalid_modes={_PIECEWISE, _FULL})
+        else:
+            mode, desc = d.dispatch(num_tokens, uniform, has_lora, num_active_loras,
+                                    invalid_modes=invalid)
+        if mode is _NONE:
+            reason = self._fallback_reason(num_tokens, uniform, has_lora, num_active_loras,
+                                           invalid)
+            self._fallback(reason, num_tokens=num_tokens, uniform=uniform, desc=desc,
+                           invalid=sorted(m.name for m in invalid))
+        return mode, desc
+
+    def _fallback_reason(self, num_tokens: int, uniform: bool, has_lora: bool,
+                         num_active_loras: int, invalid: frozenset[CUDAGraphMode]) -> str:
+        d = self.dispatcher
+        if d.cudagraph_mode is _NONE:
+            return "graphs_off"
+        if not self.graphs_available:
+            return "graphs_unavailable"
+        if num_tokens > d.max_capture_size:
+            return "too_large"
+        if invalid and d.dispatch(num_tokens, uniform, has_lora, num_active_loras)[0] is not _NONE:
+            return "mode_invalid"
+        # Would a plain batch of this size and kind (no LoRA) get a graph? If not, the config
+        # mode simply does not cover this kind of batch.
+        if d.dispatch(num_tokens, uniform)[0] is _NONE:
+            return "mode_off"
+        return "no_key"
+
+    def _fallback(self, reason: str, **info: Any) -> None:
+        self.stats.inc(f"fallback_{reason}")
+        level, template = FALLBACK_REASONS[reason]
+        message = template.format(
+            backend=self.config.graph_backend, max_size=self.dispatcher.max_capture_size,
+            mode=self.dispatcher.cudagraph_mode.name, **info)
+        if self.strict:
+            raise FallbackError(
+                f"step would run without a graph ({reason}): {message}. The runner is strict; "
+                "construct it with strict=False to allow eager fallbacks")
+        if reason not in self._logged_reasons:
+            self._logged_reasons.add(reason)
+            logger.log(level, "GraphRunner eager fallback (%s, logged once): %s", reason, message)
+
+    # -- buffers -------------------------------------------------------------------------
+    def _stage(self, values: Mapping[str, torch.Tensor], num_tokens: int, padded_tokens: int,
+               reqs: int | None, padded_reqs: int | None) -> None:
+        """Copy the step into the buffers and reset the padded tail to each input's fill, so
+        no stale rows from an earlier, larger step leak into this one."""
+        with torch.no_grad():
+            for name, spec in self.specs.items():
+                buf, value = self._buffers[name], values[name]
+                if spec.kind == "static":
+                    buf.copy_(value)
+                    continue
+                real = num_tokens if spec.kind == "tokens" else (reqs or 0)
+                padded = padded_tokens if spec.kind == "tokens" else (padded_reqs or real)
+                buf[:real].copy_(value)
+                if padded > real:
+                    buf[real:padded].fill_(spec.fill)
+
+    def _views(self, padded_tokens: int, padded_reqs: int | None) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, spec in self.specs.items():
+            buf = self._buffers[name]
+            if spec.kind == "tokens":
+                views[name] = buf[:padded_tokens]
+            elif spec.kind == "requests":
+                views[name] = buf[:padded_reqs or 0]
+            else:
+                views[name] = buf
+        return views
+
+    def _forward(self, mode: CUDAGraphMode, desc: BatchDescriptor, padded_tokens: int,
+                 padded_reqs: int | None, num_tokens: int, reqs: int | None,
+                 extras: dict[str, Any]) -> Any:
+        views = self._views(padded_tokens, padded_reqs)
+        extras.setdefault("num_tokens_unpadded", num_tokens)
+        extras.setdefault("num_reqs_unpadded", reqs)
+        with forward_context(desc, mode=mode, **extras):
+            if self.call_positional:
+                return self.model(*views.values())
+            return self.model(**views)
+
+    # -- outputs -------------------------------------------------------------------------
+    def _slice(self, out: Any, kinds: Any, padded_tokens: int, num_tokens: int,
+               padded_reqs: int | None, reqs: int | None) -> Any:
+        if isinstance(out, torch.Tensor):
+            if not isinstance(kinds, str):
+                raise ConfigError(f"outputs={self.outputs!r} does not match a single tensor "
+                                  "output; use outputs='tokens', 'requests' or 'none'")
+            return _slice_rows(out, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
+        if isinstance(out, Mapping):
+            return type(out)({  # type: ignore[call-arg]
+                k: self._slice(v, kinds[k] if isinstance(kinds, Mapping) else kinds,
+                               padded_tokens, num_tokens, padded_reqs, reqs)
+                for k, v in out.items()})
+        if isinstance(out, (tuple, list)):
+            if isinstance(kinds, (tuple, list)):
+                if len(kinds) != len(out):
+                    raise ConfigError(f"outputs={self.outputs!r} has {len(kinds)} entries but "
+                                      f"the model returned {len(out)} values")
+                parts = [self._slice(v, k, padded_tokens, num_tokens, padded_reqs, reqs)
+                         for v, k in zip(out, kinds, strict=True)]
+            else:
+                parts = [self._slice(v, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
+                         for v in out]
+            return type(out)(parts) if not hasattr(out, "_fields") else type(out)(*parts)
+        return out
+
+    # -- capture -------------------------------------------------------------------------
+    def capture(self) -> CaptureReport:
+        """Capture a graph for every dispatcher key: PIECEWISE first, then FULL, largest first.
+
+        Before each capture the runner runs ``cudagraph_num_of_warmups`` eager passes (mode
+        NONE) so lazy initialisation (autotuning, workspace allocation, cuBLAS handles) happens
+        outside the graph. Every capture pass is a dummy step in which all rows hold the inputs'
+        fill values; its outputs are meaningless. The whole capture runs under a frozen garbage
+        collector (collected once first): a collection during capture would walk every live
+        object per graph and could free tensors the graph still references. The model's capture
+        window (``model.capture_window``) is open during capture and closed afterwards, so a
+        later step reaching an uncaptured key raises instead of capturing mid-serving.
+
+        Calling it again returns the first report; graphs are captured once.
+        """
+        if self.report is not None:
+            logger.info("GraphRunner.capture: graphs already captured; returning the report")
+            return self.report
+        groups = self.dispatcher.capture_descriptors() if self.graphs_available else []
+        device_name = str(self.device)
+        if not groups:
+            reason = ("cudagraph_mode is NONE" if self.config.cudagraph_mode is _NONE
+                      else "no graph backend is available")
+            logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
+            self.report = CaptureReport(device=device_name)
+            return self.report
+        window = getattr(self.model, "capture_window", None)
+        total = sum(len(descs) for _, descs in groups)
+        records: list[GraphCapture] = []
+        on_cuda = self.device.type == "cuda"
+        start = time.perf_counter()
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        free_before = _free_memory(self.device)
+        self.stats.inc("capture_runs")
+        try:
+            if window is not None:
+                window.open()
+            with _gc_frozen(), _progress(total, self.progress) as bar:
+                for mode, descs in groups:
+                    for desc in descs:
+                        records.append(self._capture_one(mode, desc))
+                        bar.update(1)
+        finally:
+            if window is not None:
+                window.close()
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        report = CaptureReport(graphs=tuple(records), seconds=time.perf_counter() - start,
+                               memory_bytes=max(0, free_before - _free_memory(self.device)),
+                               device=device_name)
+        self.report = report
+        logger.info("GraphRunner: %s", report.summary())
+        return report
+
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> GraphCapture:
+        tokens = desc.num_tokens
+        reqs = desc.num_reqs if desc.num_reqs is not None else min(tokens,
+                                                                    self.config.max_num_seqs)
+        # A dummy step: every row (real or padded) holds the fill value.
+        with torch.no_grad():
+            for name, spec in self.specs.items():
+                if spec.kind != "static":
+                    rows = tokens if spec.kind == "tokens" else reqs
+                    self._buffers[name][:rows].fill_(spec.fill)
+        extras = {"num_tokens_unpadded": tokens, "num_reqs_unpadded": reqs, "capturing": True}
+        on_cuda = self.device.type == "cuda"
+        free_before = _free_memory(self.device)
+        t0 = time.perf_counter()
+        for _ in range(self.config.cudagraph_num_of_warmups):
+            self._forward(_NONE, desc, tokens, reqs, tokens, reqs, dict(extras))
+            self.stats.inc("warmups")
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        self._forward(mode, desc, tokens, reqs, tokens, reqs, dict(extras))
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        self.stats.inc("captures")
+        return GraphCapture(mode=mode, descriptor=desc, seconds=time.perf_counter() - t0,
+                            memory_bytes=max(0, free_before - _free_memory(self.device)))
+
+    def __repr__(self) -> str:
+        mode = self.dispatcher.cudagraph_mode.name
+        return (f"GraphRunner(inputs={list(self.specs)}, mode={mode}, device={self.device}, "
+                f"captured={self.captured})")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _slice_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
+                padded_reqs: int | None, reqs: int | None) -> torch.Tensor:
+    if kind == "none" or t.dim() == 0:
+        return t
+    if kind == "tokens":
+        return t[:num_tokens] if t.shape[0] == padded_tokens else t
+    if kind == "requests":
+        if reqs is None or padded_reqs is None:
+            return t
+        return t[:reqs] if t.shape[0] == padded_reqs else t
+    raise ConfigError(f"outputs: unknown kind {kind!r}; use 'tokens', 'requests' or 'none'")
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _map_tensors(v, fn) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, (tuple, list)):
+        parts = [_map_tensors(v, fn) for v in obj]
+        return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
+    return obj
+
+
+def _resolve_device(device: torch.device | str | None, model: Any) -> torch.device:
+    if device is None:
+        params = getattr(model, "parameters", None)
+        first = next(iter(params()), None) if callable(params) else None
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _graphs_available(config: CompilationConfig) -> bool:
+    """Whether graphs can be captured at all: the emulated backend always can; cuda and auto
+    need a CUDA device (auto without one turns graphs off, as freezeframe.graphs does)."""
+    if config.cudagraph_mode is _NONE:
+        return False
+    if config.graph_backend == "emulated":
+        return True
+    return bool(torch.cuda.is_available())
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Collect once, then freeze every surviving object out of the collector's reach for the
+    duration, so the many short-lived objects of capture never trigger a full collection."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Any]:
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            pass
+        else:
+            bar = tqdm(total=total, desc="Capturing graphs", unit="graph", leave=False)
+            try:
+                yield bar
+            finally:
+                bar.close()
+            return
+    yield _NoBar()
