@@ -1,0 +1,203 @@
+"""The Dynamo backend of one compiled model: split, compile each piece, wrap, stitch.
+
+Dynamo calls it once per :class:`~freezeframe.compile.model.CompiledModel` with the traced FX
+graph and fake example inputs; it returns the callable Dynamo's bytecode will call with the flat
+graph inputs on every later step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from freezeframe.compile.compilers import CompilerManager
+from freezeframe.compile.piecewise import PiecewiseBackend, _concrete
+from freezeframe.compile.split import Piece, SplitGraph, split_graph
+from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from freezeframe.errors import CompileError, ShapeOutOfRangeError
+from freezeframe.sizes import Range
+from freezeframe.stats import Stats
+
+__all__ = ["CompileBackend"]
+
+logger = logging.getLogger(__name__)
+
+
+def _placeholder_values(gm: fx.GraphModule) -> list[Any] | None:
+    values = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            break
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if value is None:
+            return None
+        values.append(value)
+    return values
+
+
+def _piece_fake_args(split: SplitGraph, example_inputs: Sequence[Any]) -> dict[str, list[Any]]:
+    """Fake arguments of every capturable piece: from the placeholders' metadata, or else by
+    running the stitching graph on the trace's fake inputs and recording each call."""
+    out: dict[str, list[Any]] = {}
+    missing = []
+    for piece in split.capturable:
+        values = _placeholder_values(piece.graph)
+        if values is None:
+            missing.append(piece.name)
+        else:
+            out[piece.name] = values
+    if not missing:
+        return out
+
+    wanted = set(missing)
+
+    class _Recorder(fx.Interpreter):
+        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if target in wanted:
+                out[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    fake_mode = torch._guards.detect_fake_mode(list(example_inputs))
+    ctx = fake_mode if fake_mode is not None else torch.no_grad()
+    with ctx:
+        _Recorder(split.stitching).run(*example_inputs)
+    return out
+
+
+class _CopyInputs:
+    """Copy each tensor input that has a symbolic dim into a static buffer before the call,
+    so graphs captured inside always read the same addresses. Buffers hold ``capacity`` rows
+    along every symbolic dim and are allocated on first use (dtype/device of the input)."""
+
+    def __init__(self, fn: Callable[..., Any], example_inputs: Sequence[Any],
+                 capacity: int) -> None:
+        self._fn = fn
+        self._capacity = capacity
+        # (input index, symbolic dims, buffer shape)
+        self._slots: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        for i, value in enumerate(example_inputs):
+            if not isinstance(value, torch.Tensor):
+                continue
+            dims = tuple(d for d, s in enumerate(value.shape) if isinstance(s, torch.SymInt))
+            if dims:
+                shape = tuple(_concrete(s, capacity) for s in value.shape)
+                self._slots.append((i, dims, shape))
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        args_ = list(args)
+        for i, dims, shape in self._slots:
+            value = args_[i]
+            buf = self._buffers.get(i)
+            if buf is None:
+                buf = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                self._buffers[i] = buf
+            index = []
+            for d in range(value.dim()):
+                if d in dims:
+                    if value.shape[d] > shape[d]:
+                        raise ShapeOutOfRangeError(
+                            f"input {i} has {value.shape[d]} rows along dim {d}, above the "
+                            f"static input buffer of {shape[d]} (max_num_tokens="
+                            f"{self._capacity}); raise max_num_tokens")
+                    index.append(slice(0, value.shape[d]))
+                else:
+                    index.append(slice(None))
+            view = buf[tuple(index)]
+            view.copy_(value)
+            args_[i] = view
+        return self._fn(*args_)
+
+
+class CompileBackend:
+    """Called by Dynamo exactly once per compiled model (a second call is an error)."""
+
+    def __init__(self, config: CompilationConfig, stats: Stats, manager: CompilerManager, *,
+                 graph_backend: Any = None, window: Any = None, model_key: str = "") -> None:
+        self.config = config
+        self.stats = stats
+        self.manager = manager
+        self.graph_backend = graph_backend
+        self.window = window
+        self.model_key = model_key
+        self.pieces: list[Piece] = []
+        self.piece_backends: list[PiecewiseBackend] = []
+        self.wrappers: list[Any] = []
+        self.stitching: fx.GraphModule | None = None
+        self.compile_seconds = 0.0
+        self._called = False
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if self._called:
+            raise CompileError(
+                f"{self.model_key}: Dynamo traced the model a second time; freezeframe traces "
+                "once and reuses that trace for every size. Make forward's control flow "
+                "independent of input values and sizes other than through tensor ops")
+        self._called = True
+        self.stats.inc("graphs_traced")
+        start = time.perf_counter()
+        fn: Callable[..., Any]
+        if self.config.mode is CompilationMode.DYNAMO_TRACE_ONCE:
+            fn = self._compile_whole(gm, example_inputs)
+        else:
+            fn = self._compile_piecewise(gm, example_inputs)
+        graphs_on = (self.graph_backend is not None
+                     and self.config.cudagraph_mode is not CUDAGraphMode.NONE)
+        if self.config.cudagraph_copy_inputs and graphs_on:
+            fn = _CopyInputs(fn, example_inputs, self.config.max_num_tokens)
+        self.compile_seconds = time.perf_counter() - start
+        logger.info("%s: compiled %d piece(s) (%d capturable) with %s in %.3f s total",
+                    self.model_key, len(self.pieces), sum(p.capturable for p in self.pieces),
+                    self.manager.compiler.name, self.compile_seconds)
+        return fn
+
+    def _compile_whole(self, gm: fx.GraphModule,
+                       example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        self.pieces = [Piece(index=0, name="graph", graph=gm, is_splitting_op=False)]
+        self.stats.inc("pieces")
+        self.stats.inc("capturable_pieces")
+        return self.manager.compile(gm, list(example_inputs),
+                                    Range(1, self.config.max_num_tokens), 0)
+
+    def _compile_piecewise(self, gm: fx.GraphModule,
+                           example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        split = split_graph(gm, self.config.splitting_ops or ())
+        self.stitching = split.stitching
+        self.pieces = list(split.pieces)
+        capturable = split.capturable
+        self.stats.inc("pieces", len(split.pieces))
+        self.stats.inc("capturable_pieces", len(capturable))
+        fake_args = _piece_fake_args(split, example_inputs)
+
+        wrap = (self.graph_backend is not None
+                and self.config.cudagraph_mode.has_piecewise_cudagraphs())
+        graphs = None
+        if wrap:
+            import freezeframe.graphs as graphs
+        for k, piece in enumerate(capturable):
+            backend = PiecewiseBackend(
+                piece.graph, fake_args[piece.name], piece_index=piece.index,
+                manager=self.manager, compile_ranges=self.config.compile_ranges(),
+                compile_sizes=self.config.compile_sizes or (),
+                max_num_tokens=self.config.max_num_tokens)
+            backend.compile_all()
+            self.piece_backends.append(backend)
+            runnable: Any = backend
+            if graphs is not None:
+                first, last = k == 0, k == len(capturable) - 1
+                options = graphs.GraphOptions(log=first, gc_disable=not first,
+                                              weak_ref_output=last)
+                runnable = graphs.GraphWrapper(backend, CUDAGraphMode.PIECEWISE,
+                                               self.graph_backend, options=options,
+                                               stats=self.stats, window=self.window,
+                                               debug=self.config.debug)
+                self.wrappers.append(runnable)
+            # A plain attribute, not a child module: the stitching code calls self.submod_<i>.
+            delattr(split.stitching, piece.name)
+            setattr(split.stitching, piece.name, runnable)
+        return split.stitching.forward

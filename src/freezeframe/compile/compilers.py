@@ -1,0 +1,261 @@
+"""The compilers a piece can be handed to, and the manager that calls them.
+
+A :class:`Compiler` turns one FX piece plus example inputs into a callable for one compile
+range (symbolic shapes) or one concrete size (static shapes). :class:`CompilerManager` is the
+single door every compilation goes through: it counts ``backend_compilations`` (also for a
+future cache hit, so counts do not depend on the cache state), times and logs each compile,
+marks Inductor-compiled callables as opaque for emulated graphs, and is where the on-disk
+cache hooks in (``cache=``: an object with ``load`` and ``save``, see :class:`ArtifactCache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import importlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import fx
+
+from freezeframe.errors import CompileError, ConfigError
+from freezeframe.sizes import Range
+from freezeframe.stats import Stats
+
+__all__ = [
+    "ArtifactCache",
+    "Compiler",
+    "CompilerManager",
+    "EagerCompiler",
+    "InductorCompiler",
+    "current_compile_range",
+    "make_compiler",
+]
+
+logger = logging.getLogger(__name__)
+
+# The range being compiled right now, so an Inductor pass can specialise on it (read with
+# current_compile_range()). A ContextVar, not a global: concurrent compiles do not mix.
+_COMPILE_RANGE: contextvars.ContextVar[Range | None] = contextvars.ContextVar(
+    "freezeframe_compile_range", default=None)
+
+
+def current_compile_range() -> Range | None:
+    """The compile range (or single size) of the compilation in progress, else ``None``."""
+    return _COMPILE_RANGE.get()
+
+
+@contextlib.contextmanager
+def _compiling(compile_range: Range) -> Iterator[None]:
+    token = _COMPILE_RANGE.set(compile_range)
+    try:
+        yield
+    finally:
+        _COMPILE_RANGE.reset(token)
+
+
+class Compiler(Protocol):
+    """Compiles one piece for one range or size. ``name`` keys cache entries."""
+
+    name: str
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
+                compile_range: Range, piece_index: int) -> Callable[..., Any]: ...
+
+
+class ArtifactCache(Protocol):
+    """What :class:`CompilerManager` expects of an on-disk cache (engineer F's compile/cache.py).
+
+    ``load`` returns a ready callable or ``None`` on a miss; ``save`` is called after a miss
+    was compiled. ``compiler`` is the compiler that would compile (its ``name`` and, for
+    Inductor, its ``compile_artifact`` give what is worth saving).
+    """
+
+    def load(self, compiler: Compiler, graph: fx.GraphModule, example_inputs: list[Any],
+             compile_range: Range, piece_index: int) -> Callable[..., Any] | None: ...
+
+    def save(self, compiler: Compiler, graph: fx.GraphModule, example_inputs: list[Any],
+             compile_range: Range, piece_index: int, runnable: Callable[..., Any]) -> None: ...
+
+
+class EagerCompiler:
+    """No code generation: the piece runs as the FX graph it is. Fast to build, so the tests
+    and CPU users can exercise split, ranges and graphs without waiting for Inductor."""
+
+    name = "eager"
+
+    def __init__(self, stats: Stats) -> None:
+        self._stats = stats
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
+                compile_range: Range, piece_index: int) -> Callable[..., Any]:
+        self._stats.inc("eager_compiles")
+        return graph
+
+
+def _resolve_pass(name: str, value: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(value):
+        return value
+    module_name, _, attr = str(value).rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            f"inductor_passes[{name!r}]: cannot import {value!r} ({exc}); give a callable or "
+            "an importable 'package.module.function' name") from None
+    if not callable(obj):
+        raise ConfigError(f"inductor_passes[{name!r}]: {value!r} is not callable")
+    return obj
+
+
+def _pass_identity(fn: Callable[..., Any]) -> str:
+    uuid = getattr(fn, "uuid", None)
+    if callable(uuid):
+        return repr(uuid())
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _make_pass_chain(passes: Sequence[tuple[str, Callable[..., Any]]],
+                     compile_range: Range) -> Any:
+    """One Inductor post-grad custom pass running the user's passes in order.
+
+    Built as a ``CustomGraphPass`` whose uuid names the passes and the range, so Inductor's
+    own FX-graph cache stays usable and never mixes code compiled for different ranges.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    ident = hashlib.sha256(
+        repr([(n, _pass_identity(f)) for n, f in passes] + [str(compile_range)]).encode()
+    ).hexdigest()
+
+    class _PassChain(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            for _, fn in passes:
+                fn(graph)
+
+        def uuid(self) -> Any:
+            return ident
+
+    return _PassChain()
+
+
+class InductorCompiler:
+    """Inductor code generation, through ``torch._inductor.standalone_compile`` when torch has
+    it (an artifact that can be saved and loaded by the cache) and ``compile_fx`` otherwise.
+
+    Single sizes compile with ``dynamic_shapes="from_example_inputs"`` (static shapes, real
+    example sizes); ranges with ``"from_graph"`` (the graph's symbolic shapes). The user's
+    ``inductor_compile_config`` and passes apply only inside ``torch._inductor.config.patch``
+    around this call, never to the process.
+    """
+
+    name = "inductor"
+
+    def __init__(self, stats: Stats, compile_config: Mapping[str, Any] | None = None,
+                 passes: Mapping[str, str | Callable[..., Any]] | None = None) -> None:
+        self._stats = stats
+        self._compile_config = dict(compile_config or {})
+        self._passes = [(n, _resolve_pass(n, v)) for n, v in (passes or {}).items()]
+        if self._passes and "post_grad_custom_post_pass" in self._compile_config:
+            raise ConfigError(
+                "inductor_compile_config sets post_grad_custom_post_pass and inductor_passes is "
+                "not empty; freezeframe installs inductor_passes there, so give your pass in "
+                "inductor_passes instead")
+
+    def _patches(self, compile_range: Range) -> dict[str, Any]:
+        patches = dict(self._compile_config)
+        if self._passes:
+            patches["post_grad_custom_post_pass"] = _make_pass_chain(self._passes,
+                                                                     compile_range)
+        return patches
+
+    def compile_artifact(self, graph: fx.GraphModule, example_inputs: list[Any],
+                         compile_range: Range, piece_index: int) -> tuple[Any, Callable[..., Any]]:
+        """``(artifact, runnable)``; ``artifact`` is the standalone ``CompiledArtifact`` (has
+        ``save``) or ``None`` on the ``compile_fx`` path."""
+        from torch._inductor import config as inductor_config
+
+        self._stats.inc("inductor_compiles")
+        dynamic = "from_example_inputs" if compile_range.is_single_size() else "from_graph"
+        standalone = getattr(torch._inductor, "standalone_compile", None)
+        with inductor_config.patch(self._patches(compile_range)), _compiling(compile_range):
+            if standalone is not None:
+                artifact = standalone(graph, list(example_inputs), dynamic_shapes=dynamic)
+                return artifact, artifact
+            from torch._inductor.compile_fx import compile_fx
+
+            return None, compile_fx(graph, list(example_inputs))
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
+                compile_range: Range, piece_index: int) -> Callable[..., Any]:
+        return self.compile_artifact(graph, example_inputs, compile_range, piece_index)[1]
+
+
+def make_compiler(backend: str, stats: Stats, compile_config: Mapping[str, Any] | None = None,
+                  passes: Mapping[str, str | Callable[..., Any]] | None = None) -> Compiler:
+    """The compiler a config's ``backend`` names."""
+    if backend == "eager":
+        return EagerCompiler(stats)
+    if backend == "inductor":
+        return InductorCompiler(stats, compile_config, passes)
+    raise ConfigError(f"backend: unknown compiler {backend!r}; use 'eager' or 'inductor'")
+
+
+def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an Inductor-compiled callable as one unit for emulated graphs, when the graphs
+    package provides ``emulated.opaque`` (it is optional for the compile path)."""
+    try:
+        emulated = importlib.import_module("freezeframe.graphs.emulated")
+    except ImportError:
+        return fn
+    mark = getattr(emulated, "opaque", None)
+    return mark(fn) if callable(mark) else fn
+
+
+class CompilerManager:
+    """Compile-or-load for one compiled model; every piece x range/size goes through here."""
+
+    def __init__(self, compiler: Compiler, stats: Stats, *, cache: ArtifactCache | None = None,
+                 model_key: str = "") -> None:
+        self.compiler = compiler
+        self.cache = cache
+        self.model_key = model_key
+        self._stats = stats
+        self.compile_seconds = 0.0
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
+                piece_index: int) -> Callable[..., Any]:
+        # Counted before the cache is asked: a cache hit is still a backend compilation.
+        self._stats.inc("backend_compilations")
+        start = time.perf_counter()
+        runnable = None
+        if self.cache is not None:
+            runnable = self.cache.load(self.compiler, graph, example_inputs, compile_range,
+                                       piece_index)
+        loaded = runnable is not None
+        if runnable is None:
+            try:
+                runnable = self.compiler.compile(graph, example_inputs, compile_range,
+                                                 piece_index)
+            except (ConfigError, CompileError):
+                raise
+            except Exception as exc:
+                raise CompileError(
+                    f"{self.compiler.name} failed to compile piece {piece_index} for sizes "
+                    f"{compile_range}: {type(exc).__name__}: {exc}; try backend='eager' to "
+                    "check the model itself, or move the failing op into splitting_ops"
+                ) from exc
+            if self.cache is not None:
+                self.cache.save(self.compiler, graph, example_inputs, compile_range,
+                                piece_index, runnable)
+        if self.compiler.name == "inductor":
+            runnable = _opaque(runnable)
+        elapsed = time.perf_counter() - start
+        self.compile_seconds += elapsed
+        logger.debug("%s piece %d for sizes %s in %.3f s%s", "loaded" if loaded else "compiled",
+                     piece_index, compile_range, elapsed, " (cache)" if loaded else "")
+        return runnable

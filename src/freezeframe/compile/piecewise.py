@@ -1,0 +1,156 @@
+"""One compiled callable per compile range and per concrete size, for one capturable piece.
+
+A piece is compiled once with symbolic shapes for each compile range, and once with static
+shapes for each concrete ``compile_size``. At run time the piece reads the batch size from its
+arguments and calls the entry for it: an exact size wins over the range containing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from freezeframe.compile.compilers import CompilerManager
+from freezeframe.errors import ShapeOutOfRangeError
+from freezeframe.sizes import Range
+
+__all__ = ["PiecewiseBackend", "SizeSource", "concrete_inputs", "find_size_source"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeSource:
+    """Where a piece finds its runtime size: argument ``index`` itself (a SymInt argument)
+    or dim ``dim`` of the tensor argument ``index``."""
+
+    index: int
+    dim: int | None = None
+
+    def read(self, args: Sequence[Any]) -> int:
+        value = args[self.index]
+        return int(value if self.dim is None else value.shape[self.dim])
+
+
+def _is_plain_symbol(value: Any) -> bool:
+    return isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol)
+
+
+def find_size_source(fake_args: Sequence[Any]) -> SizeSource | None:
+    """The first SymInt argument that is a bare symbol, else the first tensor dim that is one;
+    ``None`` for a piece whose shapes are all static."""
+    for i, arg in enumerate(fake_args):
+        if _is_plain_symbol(arg):
+            return SizeSource(i)
+    for i, arg in enumerate(fake_args):
+        if isinstance(arg, torch.Tensor):
+            for d, size in enumerate(arg.shape):
+                if _is_plain_symbol(size):
+                    return SizeSource(i, d)
+    return None
+
+
+def _concrete(value: Any, size: int) -> int:
+    """A SymInt or int with every free symbol replaced by ``size``."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr.xreplace({s: size for s in expr.free_symbols}))
+    return int(value)
+
+
+def concrete_inputs(fake_args: Sequence[Any], size: int) -> list[Any]:
+    """Real (zero-filled) example inputs for a static compile at ``size``: every symbolic size
+    becomes ``size``. Static-shape compilers must not see fake tensors from the trace's shape
+    environment, or they would pick up its symbols again."""
+    out: list[Any] = []
+    for arg in fake_args:
+        if isinstance(arg, torch.Tensor):
+            shape = [_concrete(s, size) for s in arg.shape]
+            stride = [_concrete(s, size) for s in arg.stride()]
+            real = torch.empty_strided(shape, stride, dtype=arg.dtype, device=arg.device)
+            out.append(real.zero_() if real.numel() else real)
+        elif isinstance(arg, torch.SymInt):
+            out.append(_concrete(arg, size))
+        else:
+            out.append(arg)
+    return out
+
+
+class PiecewiseBackend:
+    """The callable that replaces one capturable piece in the stitching module."""
+
+    def __init__(self, graph: fx.GraphModule, fake_args: Sequence[Any], *, piece_index: int,
+                 manager: CompilerManager, compile_ranges: Sequence[Range],
+                 compile_sizes: Sequence[int], max_num_tokens: int) -> None:
+        self.graph = graph
+        self.piece_index = piece_index
+        self.fake_args = list(fake_args)
+        self.size_source = find_size_source(self.fake_args)
+        self.compile_ranges = list(compile_ranges)
+        self.compile_sizes = tuple(compile_sizes)
+        self.max_num_tokens = max_num_tokens
+        self._manager = manager
+        # exact size -> runnable (static shapes), range -> runnable (symbolic shapes)
+        self._by_size: dict[int, Callable[..., Any]] = {}
+        self._by_range: list[tuple[Range, Callable[..., Any]]] = []
+        self._static: Callable[..., Any] | None = None
+        self.compile_seconds = 0.0
+
+    @property
+    def entries(self) -> list[Range]:
+        """Every compiled entry: ranges first, then the extra single sizes."""
+        return [r for r, _ in self._by_range] + [Range(s, s) for s in self._by_size]
+
+    def compile_all(self) -> None:
+        """Compile every entry up front, so no step ever pays for a compile."""
+        start = time.perf_counter()
+        if self.size_source is None:
+            # No symbolic size reaches this piece: one static compile serves every batch.
+            full = Range(1, self.max_num_tokens)
+            self._static = self._manager.compile(self.graph, self.fake_args, full,
+                                                 self.piece_index)
+        else:
+            for r in self.compile_ranges:
+                self._by_range.append(
+                    (r, self._manager.compile(self.graph, self.fake_args, r, self.piece_index)))
+            for size in self.compile_sizes:
+                if any(r.start == r.end == size for r in self.compile_ranges):
+                    continue
+                single = Range(size, size)
+                self._by_size[size] = self._manager.compile(
+                    self.graph, concrete_inputs(self.fake_args, size), single,
+                    self.piece_index)
+        self.compile_seconds = time.perf_counter() - start
+        logger.info("piece %d: compiled %d entr%s in %.3f s", self.piece_index,
+                    max(1, len(self._by_range) + len(self._by_size)),
+                    "y" if len(self._by_range) + len(self._by_size) <= 1 else "ies",
+                    self.compile_seconds)
+
+    def runnable_for(self, size: int) -> Callable[..., Any]:
+        """The entry for ``size``: an exact compile size wins over the range containing it."""
+        fn = self._by_size.get(size)
+        if fn is not None:
+            return fn
+        for r, fn in self._by_range:
+            if r.start <= size <= r.end:
+                return fn
+        ranges = ", ".join(str(r) for r in self.compile_ranges)
+        raise ShapeOutOfRangeError(
+            f"piece {self.piece_index}: runtime size {size} is outside every compile range "
+            f"({ranges}; single sizes {list(self.compile_sizes)}); the ranges end at "
+            f"max_num_tokens={self.max_num_tokens}. Raise max_num_tokens in the "
+            f"CompilationConfig to at least {size}, or split the batch")
+
+    def __call__(self, *args: Any) -> Any:
+        if self._static is not None:
+            return self._static(*args)
+        if self.size_source is None:
+            raise RuntimeError(f"piece {self.piece_index} was called before compile_all()")
+        return self.runnable_for(self.size_source.read(args))(*args)

@@ -1,0 +1,1 @@
+"""Shared test helpers: the counting splitting op and the toy models."""
