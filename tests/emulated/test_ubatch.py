@@ -1,0 +1,322 @@
+"""Micro-batched execution on CPU: threads, the baton, per-thread forward contexts, failure
+unwinding, and FULL graphs captured across micro-batches on the emulated backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe.batch import BatchDescriptor
+from freezeframe.config import CompilationConfig, CUDAGraphMode
+from freezeframe.context import forward_context, get_forward_context
+from freezeframe.graphs.emulated import EmulatedBackend
+from freezeframe.runtime.ubatch import (
+    MICRO_BATCH_INDEX_KEY,
+    MICRO_BATCH_KEY,
+    PLAN_KEY,
+    MicroBatchError,
+    MicroBatchWrapper,
+)
+from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_micro_batches
+
+HIDDEN = 4
+
+
+class CommModel(nn.Module):
+    """Token-wise model with a simulated communication between two layers.
+
+    Integer-valued weights keep every result exact, so split and unsplit outputs compare with
+    ``torch.equal``. ``log`` records (micro-batch index, phase) in the order the phases ran.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
+                               requires_grad=False)
+        self.w2 = nn.Parameter(torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
+                               requires_grad=False)
+        self.log: list[tuple[int | None, str]] = []
+        self.calls = 0
+        self.fail_in: int | None = None  # micro-batch index that raises in its comm phase
+
+    def _where(self) -> int | None:
+        ctx = get_forward_context()
+        return None if ctx is None else ctx.extras.get(MICRO_BATCH_INDEX_KEY)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, HIDDEN]
+        self.calls += 1
+        me = self._where()
+        h = x @ self.w1
+        self.log.append((me, "compute1"))
+        ff.ubatch.yield_to_comm()
+        if self.fail_in is not None and me == self.fail_in:
+            raise ValueError(f"boom in micro-batch {me}")
+        h = h * 2 + 1  # the "all-to-all": token-wise, so slicing commutes with it
+        self.log.append((me, "comm"))
+        ff.ubatch.yield_to_compute()
+        y = torch.relu(h @ self.w2)
+        self.log.append((me, "compute2"))
+        return y
+
+
+def _cfg(n: int = 2) -> CompilationConfig:
+    return CompilationConfig(micro_batching=True, num_micro_batches=n,
+                             micro_batch_decode_threshold=2, micro_batch_prefill_threshold=4)
+
+
+def _inputs(tokens: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-5, 6, (tokens, HIDDEN), generator=g).float()
+
+
+def _plan(tokens_per_req: list[int], padded: int, n: int = 2,
+          reqs_padded: int | None = None) -> MicroBatchPlan:
+    plan = plan_micro_batches(_cfg(n), tokens_per_req, padded, reqs_padded)
+    assert plan is not None
+    return plan
+
+
+@pytest.fixture
+def model() -> Iterator[CommModel]:
+    with torch.inference_mode():
+        yield CommModel()
+
+
+def _step(wrapper: Any, x: torch.Tensor, plan: MicroBatchPlan | None,
+          mode: CUDAGraphMode = CUDAGraphMode.NONE) -> torch.Tensor:
+    desc = BatchDescriptor(num_tokens=x.shape[0])
+    extras = {PLAN_KEY: plan} if plan is not None else {}
+    with torch.inference_mode(), forward_context(desc, mode=mode, **extras):
+        return wrapper(x)
+
+
+def test_micro_batched_equals_unsplit(model: CommModel) -> None:
+    x = _inputs(10)
+    with torch.inference_mode():
+        expected = model(x)
+    wrapper = MicroBatchWrapper(model, timeout_s=30)
+    plan = _plan([3, 5, 2], 10)  # request 1 straddles the cut at 5
+    out = _step(wrapper, x, plan)
+    assert torch.equal(out, expected)
+    assert wrapper.stats.micro_batched_steps == 1
+
+
+def test_three_micro_batches_equal_unsplit(model: CommModel) -> None:
+    x = _inputs(12)
+    with torch.inference_mode():
+        expected = model(x)
+    wrapper = MicroBatchWrapper(model, timeout_s=30)
+    out = _step(wrapper, x, _plan([2, 7, 1], 12, n=3))
+    assert torch.equal(out, expected)
+
+
+def test_yield_points_order_compute_and_comm(model: CommModel) -> None:
+    wrapper = MicroBatchWrapper(model, timeout_s=30)
+    _step(wrapper, _inputs(8), _plan([4, 4], 8))
+    # micro-batch 1 computes while micro-batch 0 communicates, and so on
+    assert model.log == [
+        (0, "compute1"), (1, "compute1"), (0, "comm"), (1, "comm"),
+        (0, "compute2"), (1, "compute2"),
+    ]
+    assert wrapper.last_trace == [
+        (0, "start"), (0, "to_comm"), (1, "start"), (1, "to_comm"),
+        (0, "to_compute"), (1, "to_compute"), (0, "end"), (1, "end"),
+    ]
+
+
+def test_each_thread_has_its_own_forward_context(model: CommModel) -> None:
+    seen: list[tuple[str, int, Any, Any]] = []
+    lock = threading.Lock()
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        assert ctx is not None
+        with lock:
+            seen.append((threading.current_thread().name, ctx.batch_descriptor.num_tokens,
+                         ctx.extras[MICRO_BATCH_KEY], ctx.mode))
+        assert PLAN_KEY not in ctx.extras
+        ff.ubatch.yield_()
+        return model(x)
+
+    plan = _plan([1] * 6, 8, reqs_padded=8)  # padded: 6 tokens -> 8, 6 requests -> 8
+    wrapper = MicroBatchWrapper(probe, timeout_s=30)
+    desc = BatchDescriptor(num_tokens=8)
+    with torch.inference_mode(), forward_context(desc, mode=CUDAGraphMode.NONE, user="kept",
+                                                 **{PLAN_KEY: plan}):
+        wrapper(_inputs(8))
+        # the caller's context is untouched
+        outer = get_forward_context()
+        assert outer is not None and outer.extras[PLAN_KEY] is plan
+    assert sorted(seen, key=lambda s: s[0]) == [
+        ("freezeframe-ubatch-0", 4, plan.padded_slices[0], CUDAGraphMode.NONE),
+        ("freezeframe-ubatch-1", 4, plan.padded_slices[1], CUDAGraphMode.NONE),
+    ]
+    assert plan.padded_slices[1].num_reqs == 4  # 2 real + 2 padding requests
+
+
+def test_yield_points_are_noops_outside_micro_batches(model: CommModel) -> None:
+    assert not ff.ubatch.in_micro_batch() and ff.ubatch.current_micro_batch() is None
+    ff.ubatch.yield_()
+    with ff.ubatch.comm_section():
+        pass
+    with torch.inference_mode():
+        model(_inputs(3))  # calls both yield points
+
+
+def test_uneven_yields_do_not_hang() -> None:
+    def uneven(x: torch.Tensor) -> torch.Tensor:
+        ctx = ff.ubatch.current_micro_batch()
+        assert ctx is not None
+        for _ in range(3 if ctx.index == 0 else 0):
+            ff.ubatch.yield_()
+        return x + 1
+
+    wrapper = MicroBatchWrapper(uneven, timeout_s=10)
+    x = _inputs(8)
+    out = _step(wrapper, x, _plan([4, 4], 8))
+    assert torch.equal(out, x + 1)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_failing_thread_unwinds_the_others(model: CommModel, failing: int) -> None:
+    model.fail_in = failing
+    wrapper = MicroBatchWrapper(model, timeout_s=30)
+    before = threading.active_count()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"boom in micro-batch {failing}"):
+        _step(wrapper, _inputs(8), _plan([4, 4], 8))
+    # unwound by the abort, not by the 30 s timeout
+    assert time.monotonic() - start < 5.0
+    assert threading.active_count() == before
+    # the sibling never reached its second compute phase
+    assert [p for p in model.log if p[1] == "compute2"] == []
+    # the wrapper is reusable after a failure
+    model.fail_in = None
+    model.log.clear()
+    x = _inputs(8)
+    with torch.inference_mode():
+        expected = model(x)
+    assert torch.equal(_step(wrapper, x, _plan([4, 4], 8)), expected)
+
+
+def test_stuck_thread_becomes_a_clear_error_not_a_hang() -> None:
+    release = threading.Event()
+
+    def stuck(x: torch.Tensor) -> torch.Tensor:
+        ctx = ff.ubatch.current_micro_batch()
+        assert ctx is not None
+        if ctx.index == 0:
+            release.wait(3.0)  # never yields: blocks outside any yield point
+        else:
+            ff.ubatch.yield_()
+        return x
+
+    wrapper = MicroBatchWrapper(stuck, timeout_s=0.3)
+    start = time.monotonic()
+    try:
+        with pytest.raises(MicroBatchError, match="micro-batch 0 of 2 did not finish"):
+            _step(wrapper, _inputs(8), _plan([4, 4], 8))
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5.0
+
+
+def test_sm_partition_hook_wraps_comm_sections(model: CommModel) -> None:
+    events: list[tuple[int, str]] = []
+
+    class Partition:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            events.append((self.index, "enter"))
+
+        def __exit__(self, *exc: object) -> None:
+            events.append((self.index, "exit"))
+
+    wrapper = MicroBatchWrapper(model, timeout_s=30, sm_partition=Partition)
+    _step(wrapper, _inputs(8), _plan([4, 4], 8))
+    assert events == [(0, "enter"), (0, "exit"), (1, "enter"), (1, "exit")]
+
+
+# -- FULL graphs across micro-batches (emulated backend) ----------------------------------------
+
+
+def test_full_graph_captured_across_micro_batches_then_replayed(model: CommModel) -> None:
+    stats = ff.Stats()
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), stats=stats, timeout_s=30)
+    plan = _plan([3, 5], 8)
+    static_x = _inputs(8, seed=1)  # the static input buffer the graph is captured on
+
+    with stats.expect(graphs_captured=1, replays=0, micro_batched_steps=1):
+        _step(wrapper, static_x, plan, CUDAGraphMode.FULL)
+    assert list(wrapper.graphs) == [8]  # keyed by total padded tokens
+    calls = model.calls
+
+    # new data written into the static buffer, then a replay: no threads, no Python
+    for seed in (2, 3):
+        static_x.copy_(_inputs(8, seed=seed))
+        with torch.inference_mode():
+            expected = CommModel()(static_x)  # same weights (same seed)
+        threads_before = threading.active_count()
+        with stats.expect(graphs_captured=0, replays=1):
+            out = _step(wrapper, static_x, plan, CUDAGraphMode.FULL)
+        assert threading.active_count() == threads_before
+        assert model.calls == calls  # the model's Python did not run again
+        assert torch.equal(out, expected)
+        assert out is wrapper.graphs[8].outputs  # replay writes into the captured output
+
+
+def test_unsplit_step_at_a_split_captured_size_falls_back_eagerly(model: CommModel) -> None:
+    unsplit_calls: list[int] = []
+
+    def unsplit(x: torch.Tensor) -> torch.Tensor:  # stands in for the FULL GraphWrapper
+        unsplit_calls.append(x.shape[0])
+        return model(x)
+
+    stats = ff.Stats()
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), unsplit=unsplit, stats=stats,
+                                timeout_s=30)
+    _step(wrapper, _inputs(8), _plan([4, 4], 8), CUDAGraphMode.FULL)
+
+    x = _inputs(8, seed=5)
+    with torch.inference_mode():
+        expected = model(x)
+    seen_modes: list[CUDAGraphMode] = []
+    original_forward = model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        assert ctx is not None
+        seen_modes.append(ctx.mode)
+        return original_forward(x)
+
+    model.forward = spy  # type: ignore[method-assign]
+    with stats.expect(micro_batch_fallbacks=1, graphs_captured=0, replays=0):
+        out = _step(wrapper, x, None, CUDAGraphMode.FULL)  # the DP ranks declined this time
+    assert torch.equal(out, expected)
+    assert seen_modes == [CUDAGraphMode.NONE]  # nothing below tries to capture over the graph
+    assert unsplit_calls == []
+
+    # a size never captured split goes through the unsplit path as usual
+    with stats.expect(micro_batch_fallbacks=0):
+        _step(wrapper, _inputs(6), None, CUDAGraphMode.FULL)
+    assert unsplit_calls == [6]
+
+
+def test_capture_outside_window_is_refused(model: CommModel) -> None:
+    class Closed:
+        is_open = False
+
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), window=Closed(), timeout_s=30)
+    with pytest.raises(ff.CaptureError, match="capture window is closed"):
+        _step(wrapper, _inputs(8), _plan([4, 4], 8), CUDAGraphMode.FULL)
+    assert wrapper.graphs == {}
