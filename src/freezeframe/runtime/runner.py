@@ -197,6 +197,7 @@ class GraphRunner:
                 raise ConfigError(f"invalid_modes may hold PIECEWISE and FULL, got {m!r}")
         self.report: CaptureReport | None = None
         self._logged_reasons: set[str] = set()
+        self._primed_sizes: set[int] = set()
         self.device = _resolve_device(device, model)
         self.graphs_available = _graphs_available(config)
 
@@ -541,6 +542,19 @@ class GraphRunner:
         logger.info("GraphRunner: %s", report.summary())
         return report
 
+    def _num_warmups(self, num_tokens: int) -> int:
+        """The configured warm-ups, but at least one eager pass before the very first capture
+        and before the first capture of each concrete compile size: tracing and compiling must
+        happen outside any capture (a capture records kernels; Dynamo cannot trace under the
+        emulated recorder, and compiling inside a CUDA capture is not allowed)."""
+        n = self.config.cudagraph_num_of_warmups
+        first_sight = num_tokens not in self._primed_sizes
+        self._primed_sizes.add(num_tokens)
+        if first_sight and (len(self._primed_sizes) == 1
+                            or num_tokens in (self.config.compile_sizes or ())):
+            return max(n, 1)
+        return n
+
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> GraphCapture:
         tokens = desc.num_tokens
         reqs = desc.num_reqs if desc.num_reqs is not None else min(tokens,
@@ -555,7 +569,7 @@ class GraphRunner:
         on_cuda = self.device.type == "cuda"
         free_before = _free_memory(self.device)
         t0 = time.perf_counter()
-        for _ in range(self.config.cudagraph_num_of_warmups):
+        for _ in range(self._num_warmups(tokens)):
             self._forward(_NONE, desc, tokens, reqs, tokens, reqs, dict(extras))
             self.stats.inc("warmups")
         if on_cuda:
