@@ -1,0 +1,154 @@
+"""Trace-once semantics (research notes §7.8), dynamic-dim inference and its errors."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe.compile.trace import resolve_dynamic_arg_dims
+
+
+def config(mode, **changes):
+    base = dict(mode=mode, backend="eager", cudagraph_mode="none", use_cache=False)
+    base.update(changes)
+    return ff.CompilationConfig(**base)
+
+
+class BranchOnSize(nn.Module):
+    """x * 2 for batches of 4 or more, else x * 100: tells which trace ran."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= 4:
+            return x * 2
+        return x * 100
+
+
+X4 = torch.tensor([1.0, 2.0, 3.0, 4.0])
+X3 = torch.tensor([1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("mode", ["dynamo_trace_once", "piecewise"])
+def test_second_size_reuses_the_first_trace(mode):
+    model = ff.compile(BranchOnSize(), config(mode))
+    assert isinstance(model, nn.Module)
+    with model.stats.expect(graphs_traced=1, backend_compilations=1):
+        assert model(X4).tolist() == [2, 4, 6, 8]
+        # the raw module would give [100, 200, 300]; the size-4 trace is reused
+        assert model(X3).tolist() == [2, 4, 6]
+        assert model(torch.ones(50)).tolist() == [2] * 50
+
+
+def test_hot_path_bypasses_dynamo():
+    model = ff.compile(BranchOnSize(), config("dynamo_trace_once"))
+    model(X4)
+    assert model._trace.uses_bytecode
+    # Under force_eager, anything that still went through torch.compile would run the
+    # original Python (x * 100); the captured bytecode does not consult Dynamo at all.
+    with torch.compiler.set_stance("force_eager"):
+        assert model(X3).tolist() == [2, 4, 6]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert model(torch.ones(7)).tolist() == [2] * 7
+    assert model.stats.graphs_traced == 1
+
+
+def test_stock_torch_compile_retraces():
+    model = ff.compile(BranchOnSize(), config("stock_torch_compile"))
+    assert model(X4).tolist() == [2, 4, 6, 8]
+    assert model(X3).tolist() == [100, 200, 300]
+    assert model.stats.graphs_traced == 2
+
+
+def test_mode_none_is_the_module():
+    model = ff.compile(BranchOnSize(), config("none"))
+    assert model(X4).tolist() == [2, 4, 6, 8]
+    assert model(X3).tolist() == [100, 200, 300]
+    assert model.stats.snapshot() == {}
+    assert model.pieces == []
+
+
+class Affine(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(3) * scale)
+            self.lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
+        y = self.lin(x)
+        return y if bias is None else y + bias
+
+
+def test_two_instances_of_one_class_trace_separately():
+    a = ff.compile(Affine(2.0), config("piecewise"))
+    b = ff.compile(Affine(5.0), config("piecewise"))
+    x = torch.ones(4, 3)
+    assert torch.equal(a(x), 2 * x)
+    assert torch.equal(b(x), 5 * x)
+    assert torch.equal(a(x[:2]), 2 * x[:2])
+    assert torch.equal(b(x[:3]), 5 * x[:3])
+    assert a.stats.graphs_traced == 1 and b.stats.graphs_traced == 1
+
+
+def test_parameters_are_read_at_call_time():
+    inner = Affine(2.0)
+    model = ff.compile(inner, config("piecewise"))
+    x = torch.ones(4, 3)
+    model(x)
+    with torch.no_grad():
+        inner.lin.weight.mul_(3)
+    assert torch.equal(model(x[:2]), 6 * x[:2])
+
+
+def test_keyword_arguments_and_optional_tensor():
+    model = ff.compile(Affine(1.0), config("piecewise"))
+    x = torch.ones(5, 3)
+    assert torch.equal(model(x, bias=torch.ones(5, 3)), 2 * x)
+    assert torch.equal(model(x[:2], bias=torch.ones(2, 3)), 2 * x[:2])
+
+
+# -- dynamic dims -------------------------------------------------------------------------
+def test_default_dims_from_annotations():
+    class M(nn.Module):
+        def forward(self, a: torch.Tensor, b: Optional[torch.Tensor], c: int,  # noqa: UP045
+                    d: "torch.Tensor | None" = None):
+            return a
+
+    assert resolve_dynamic_arg_dims(M().forward, None) == {"a": (0,), "b": (0,), "d": (0,)}
+
+
+def test_given_dims_are_normalised():
+    assert resolve_dynamic_arg_dims(Affine(1.0).forward, {"x": 0, "bias": [0, -1]}) == {
+        "x": (0,), "bias": (0, -1)}
+
+
+def test_no_tensor_argument_is_an_error():
+    class M(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ff.ConfigError, match="no argument annotated Tensor"):
+        ff.compile(M(), config("piecewise"))
+    ff.compile(M(), config("piecewise"), dynamic_arg_dims={"x": 0})  # explicit dims are fine
+
+
+def test_unknown_argument_is_an_error():
+    with pytest.raises(ff.ConfigError, match=r"'y' is not an argument of forward.*\['x', 'bias'\]"):
+        ff.compile(Affine(1.0), config("piecewise"), dynamic_arg_dims={"y": 0})
+
+
+def test_dim_out_of_bounds_is_an_error():
+    model = ff.compile(Affine(1.0), config("piecewise"), dynamic_arg_dims={"x": 2})
+    with pytest.raises(ff.ConfigError, match="dim 2 does not exist"):
+        model(torch.ones(4, 3))
+
+
+def test_not_a_module_or_config():
+    with pytest.raises(ff.ConfigError, match="expected an nn.Module"):
+        ff.compile(lambda x: x, config("piecewise"))
+    with pytest.raises(ff.ConfigError, match="expected a CompilationConfig"):
+        ff.compile(Affine(1.0), {"mode": "piecewise"})
