@@ -1,0 +1,321 @@
+"""GraphRunner end to end on the emulated graph backend (CPU): every mode, every size, padded-row
+safety, fallback accounting, strict mode, input validation, the capture window and report."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe import BatchDescriptor, CompilationConfig, CUDAGraphMode
+from freezeframe.errors import (
+    CaptureError,
+    ConfigError,
+    FallbackError,
+    InputMismatchError,
+    ShapeOutOfRangeError,
+)
+from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
+from tests.helpers.silly import get_counter, reset_counter
+from tests.helpers.toy_models import SillyModel
+
+NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+SIZES = [1, 2, 4, 8]
+MAX_TOKENS = 12
+
+
+def config(mode: str, **kw: Any) -> CompilationConfig:
+    fields: dict[str, Any] = dict(
+        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
+        cudagraph_mode=mode, graph_backend="emulated", cudagraph_capture_sizes=SIZES,
+        max_num_tokens=MAX_TOKENS, max_num_seqs=8)
+    fields.update(kw)
+    return CompilationConfig(**fields)
+
+
+# -- every mode, every size ------------------------------------------------------------------
+# mode -> (graphs the runner captures, graphs the model's wrappers capture: 3 capturable pieces)
+CAPTURES = {
+    "none": (0, 0),
+    "piecewise": (4, 12),
+    "full": (4, 4),
+    "full_decode_only": (4, 4),
+    "full_and_piecewise": (8, 16),
+}
+
+
+@pytest.mark.parametrize("mode", list(CAPTURES))
+def test_every_mode_matches_eager_for_every_size(mode: str) -> None:
+    cfg = config(mode)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    report = runner.capture()
+    runner_graphs, model_graphs = CAPTURES[mode]
+    assert report.num_graphs == runner_graphs
+    assert runner.stats.captures == runner_graphs
+    assert model.stats.graphs_captured == model_graphs
+    eager = SillyModel()
+    torch.manual_seed(0)
+    expected_modes: dict[CUDAGraphMode, int] = {NONE: 0, PW: 0, FULL: 0}
+    for n in range(1, MAX_TOKENS + 1):
+        for uniform in (False, True):
+            x = torch.randn(n, 3)
+            want_mode = runner.dispatcher.dispatch(n, uniform)[0]
+            if not runner.graphs_available:
+                want_mode = NONE
+            expected_modes[want_mode] += 1
+            want = eager(x)
+            reset_counter()
+            y = runner(x, uniform_decode=uniform)
+            assert y.shape == (n, 3)
+            assert torch.equal(y, want), (mode, n, uniform)
+            # The splitting op runs outside every graph except a FULL one.
+            assert get_counter() == (0 if want_mode is FULL else 2), (mode, n, uniform)
+    assert runner.stats.steps == 2 * MAX_TOKENS
+    assert runner.stats.steps_full == expected_modes[FULL]
+    assert runner.stats.steps_piecewise == expected_modes[PW]
+    assert runner.stats.steps_eager == expected_modes[NONE]
+    assert model.stats.graphs_captured == model_graphs  # steps replay, never capture
+    assert model.stats.graphs_traced == 1
+
+
+def test_piecewise_replays_read_new_data_every_step() -> None:
+    cfg = config("piecewise")
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    runner.capture()
+    with model.stats.expect(replays=3 * 3, graphs_captured=0):
+        for value in (1.0, 2.0, 3.0):
+            x = torch.full((3, 3), value)
+            assert torch.equal(runner(x), 9 * x + 19)
+
+
+# -- padded rows -----------------------------------------------------------------------------
+class CacheWriter(nn.Module):
+    """Writes every real token into a cache row chosen by its slot id and scales by a per-token
+    divisor. Padded rows carry slot -1 and divisor 1: the write masks them out (a plain
+    ``cache[slots] = x`` would write row -1, the *last real row*) and the division stays
+    finite (a zero divisor would give inf)."""
+
+    def __init__(self, num_slots: int, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(num_slots, hidden))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor,
+                divisor: torch.Tensor) -> torch.Tensor:
+        keep = (slots >= 0).to(x.dtype).unsqueeze(-1)            # (tokens, 1)
+        self.cache.index_add_(0, slots.clamp(min=0), x * keep)   # padded rows add zeros
+        return x / divisor.unsqueeze(-1)                         # (tokens, hidden)
+
+
+@pytest.mark.parametrize("graph_mode", ["none", "full"])
+def test_padded_rows_are_reset_finite_and_never_touch_real_rows(graph_mode: str) -> None:
+    cfg = CompilationConfig(mode="none", cudagraph_mode=graph_mode, graph_backend="emulated",
+                            cudagraph_capture_sizes=SIZES, max_num_tokens=MAX_TOKENS)
+    module = CacheWriter(num_slots=16, hidden=2)
+    model = ff.compile(module, cfg)
+    runner = GraphRunner(model, cfg, progress=False, outputs="none", inputs={
+        "x": Tokens(2),
+        "slots": Tokens(dtype=torch.long, fill=-1),
+        "divisor": Tokens(fill=1.0),
+    })
+    runner.capture()
+    module.cache.zero_()  # capture passes were dummy steps that wrote nothing real
+
+    # A large step fills 8 rows with data, then a 3-token step pads to 4.
+    runner(torch.full((8, 2), 5.0), torch.arange(8), torch.full((8,), 2.0))
+    module.cache.zero_()
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    out = runner(x, torch.tensor([15, 3, 7]), torch.tensor([1.0, 2.0, 4.0]))
+
+    padded = 4 if graph_mode == "full" else 3  # without graphs a step is not padded
+    assert out.shape == (padded, 2)  # outputs="none": the padded rows are visible
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:3], x / torch.tensor([[1.0], [2.0], [4.0]]))
+    if graph_mode == "full":
+        assert torch.equal(out[3], torch.zeros(2))
+        # The padded row holds the fills, not the stale 8-token step.
+        assert runner.buffers["x"][3].tolist() == [0.0, 0.0]
+        assert runner.buffers["slots"][3].item() == -1
+        assert runner.buffers["divisor"][3].item() == 1.0
+    expected = torch.zeros(16, 2)
+    expected[15], expected[3], expected[7] = x[0], x[1], x[2]
+    assert torch.equal(module.cache, expected)  # row 15 once, nothing else touched
+
+
+class Recorder(nn.Module):
+    """A plain module (no graphs of its own) that records the forward context it runs in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[CUDAGraphMode, BatchDescriptor | None, dict[str, Any], int]] = []
+
+    def forward(self, x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        ctx = ff.get_forward_context()
+        assert ctx is not None
+        self.seen.append((ctx.mode, ctx.batch_descriptor, dict(ctx.extras), seq_lens.shape[0]))
+        return x * 2
+
+
+def test_context_extras_expose_real_sizes_and_requests_are_padded_for_full_keys() -> None:
+    cfg = config("full_and_piecewise")
+    rec = Recorder()
+    runner = GraphRunner(rec, cfg, progress=False, outputs="tokens",
+                         inputs={"x": Tokens(2), "seq_lens": Requests(fill=0)})
+    # Uniform decode of 3 requests -> FULL key with 4 requests; mixed 5 tokens -> PIECEWISE.
+    y = runner(torch.ones(3, 2), torch.tensor([5, 6, 7], dtype=torch.int32), uniform_decode=True,
+               extras={"tag": "decode"})
+    assert torch.equal(y, torch.full((3, 2), 2.0))
+    mode, desc, extras, reqs_rows = rec.seen[-1]
+    assert (mode, desc) == (FULL, BatchDescriptor(4, 4, uniform=True))
+    assert extras == {"tag": "decode", "num_tokens_unpadded": 3, "num_reqs_unpadded": 3}
+    assert reqs_rows == 4
+    assert runner.buffers["seq_lens"][:4].tolist() == [5, 6, 7, 0]
+    runner(torch.ones(5, 2), torch.tensor([2, 3], dtype=torch.int32))
+    mode, desc, extras, reqs_rows = rec.seen[-1]
+    assert (mode, desc, reqs_rows) == (PW, BatchDescriptor(8), 2)
+    assert extras["num_tokens_unpadded"] == 5
+
+
+# -- fallbacks --------------------------------------------------------------------------------
+def plain_runner(mode: str, **kw: Any) -> GraphRunner:
+    cfg_kw = {k: kw.pop(k) for k in list(kw) if k in CompilationConfig.field_names()}
+    return GraphRunner(Recorder(), config(mode, **cfg_kw), progress=False,
+                       inputs={"x": Tokens(2), "seq_lens": Requests()}, **kw)
+
+
+def step(runner: GraphRunner, n: int, **kw: Any) -> Any:
+    reqs = kw.pop("reqs", 1)
+    return runner(torch.ones(n, 2), torch.ones(reqs, dtype=torch.int32), **kw)
+
+
+def test_fallbacks_are_counted_by_reason_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    runner = plain_runner("full_decode_only", max_loras=2)
+    caplog.set_level(logging.INFO, logger="freezeframe.runtime.runner")
+    with runner.stats.expect(fallback_too_large=2, fallback_mode_off=1, fallback_mode_invalid=1,
+                             fallback_no_key=1, steps=6, steps_eager=5, steps_full=1):
+        step(runner, 10)
+        step(runner, 11)
+        step(runner, 4, reqs=2)                                      # mixed: decode-only mode
+        step(runner, 4, reqs=4, uniform_decode=True, invalid_modes={FULL})
+        step(runner, 4, reqs=4, uniform_decode=True, has_lora=True, num_active_loras=9)
+        step(runner, 4, reqs=4, uniform_decode=True)                 # a graph step
+    messages = [r.getMessage() for r in caplog.records if "eager fallback" in r.getMessage()]
+    assert len(messages) == 4  # one per reason, not per step
+    assert sum("too_large" in m for m in messages) == 1
+    assert any("above the largest capture size 8" in m for m in messages)
+
+
+def test_graphs_unavailable_is_a_counted_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runner = plain_runner("full", graph_backend="auto")
+    assert runner.capture().num_graphs == 0
+    with runner.stats.expect(fallback_graphs_unavailable=1, steps_eager=1):
+        step(runner, 4)
+
+
+def test_strict_mode_raises_instead_of_falling_back() -> None:
+    runner = plain_runner("full_and_piecewise", strict=True)
+    step(runner, 8)  # a graph step is fine
+    with pytest.raises(FallbackError, match=r"too_large.*largest capture size 8"):
+        step(runner, 9)
+    with pytest.raises(FallbackError, match="mode_invalid"):
+        step(runner, 2, invalid_modes={FULL, PW})
+    assert runner.stats.fallback_too_large == 1
+    with pytest.raises(ConfigError, match="strict=True with cudagraph_mode NONE"):
+        plain_runner("none", strict=True)
+
+
+# -- capture ------------------------------------------------------------------------------------
+class GcProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.freeze_counts: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = ff.get_forward_context()
+        if ctx is not None and ctx.extras.get("capturing"):
+            self.freeze_counts.append(gc.get_freeze_count())
+        return x + 1
+
+
+def test_capture_report_order_warmups_window_and_gc_freeze(
+        caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config("full_and_piecewise", cudagraph_num_of_warmups=2)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    caplog.set_level(logging.INFO, logger="freezeframe.runtime.runner")
+    report = runner.capture()
+    assert [(g.mode, g.descriptor.num_tokens) for g in report.graphs] == (
+        [(PW, n) for n in (8, 4, 2, 1)] + [(FULL, n) for n in (8, 4, 2, 1)])
+    assert all(g.seconds >= 0 and g.memory_bytes == 0 for g in report.graphs)
+    assert report.seconds >= sum(g.seconds for g in report.graphs)
+    assert runner.stats.warmups == 2 * 8
+    assert sum("captured 8 graphs (4 piecewise, 4 full)" in r.getMessage()
+               for r in caplog.records) == 1
+    assert runner.capture() is report  # captured once
+    # The window is closed: a descriptor nobody captured raises instead of capturing.
+    assert not model.capture_window.is_open
+    with pytest.raises(CaptureError), ff.forward_context(BatchDescriptor(3, 3), mode=FULL):
+        model(torch.ones(3, 3))
+
+    probe = GcProbe()
+    probe_runner = GraphRunner(probe, config("full"), inputs={"x": Tokens(1)}, progress=False)
+    frozen_before = gc.get_freeze_count()
+    probe_runner.capture()
+    assert len(probe.freeze_counts) == 4 + 1  # four captures and one priming warm-up
+    assert all(c > frozen_before for c in probe.freeze_counts)
+    assert gc.get_freeze_count() == frozen_before
+
+
+def test_outputs_are_overwritten_by_the_next_replay_unless_copied() -> None:
+    cfg = config("full")
+    for copy in (False, True):
+        model = ff.compile(SillyModel(), cfg)
+        runner = GraphRunner(model, cfg, inputs={"x": Tokens(1)}, progress=False,
+                             copy_outputs=copy)
+        runner.capture()
+        first = runner(torch.zeros(4, 1))
+        runner(torch.ones(4, 1))
+        assert torch.equal(first, torch.full((4, 1), 19.0 if copy else 28.0)), copy
+
+
+# -- validation ---------------------------------------------------------------------------------
+def test_input_validation_names_the_input_expected_and_got() -> None:
+    runner = GraphRunner(Recorder(), config("full"), progress=False,
+                         inputs={"x": Tokens(2), "seq_lens": Requests(dtype=torch.int32)})
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(InputMismatchError, match=r"'x': expected dtype torch.float32, got "
+                                                 r"torch.float64"):
+        runner(torch.ones(2, 2, dtype=torch.float64), lens)
+    with pytest.raises(InputMismatchError, match=r"'x': expected device cpu, got meta"):
+        runner(torch.ones(2, 2, device="meta"), lens)
+    with pytest.raises(InputMismatchError, match=r"'x': expected shape \[tokens, 2\], got "
+                                                 r"\[2, 3\]"):
+        runner(torch.ones(2, 3), lens)
+    with pytest.raises(ShapeOutOfRangeError, match="0 tokens"):
+        runner(torch.ones(0, 2), lens[:0])
+    with pytest.raises(ShapeOutOfRangeError, match=r"13 tokens.*max_num_tokens=12"):
+        runner(torch.ones(13, 2), lens)
+    with pytest.raises(ShapeOutOfRangeError, match=r"9 requests.*max_num_seqs=8"):
+        runner(torch.ones(10, 2), torch.ones(9, dtype=torch.int32))
+    with pytest.raises(InputMismatchError, match="unknown input 'y'"):
+        runner(torch.ones(2, 2), lens, y=lens)
+    with pytest.raises(InputMismatchError, match=r"missing input\(s\) \['seq_lens'\]"):
+        runner(torch.ones(2, 2))
+    with pytest.raises(InputMismatchError, match="uniform_decode=True needs"):
+        runner(torch.ones(3, 2), torch.ones(2, dtype=torch.int32), uniform_decode=True)
+    with pytest.raises(ConfigError, match="reserved"):
+        GraphRunner(Recorder(), config("full"), inputs={"x": Tokens(2), "extras": Static(1)})
+    with pytest.raises(ConfigError, match="at least one input must be Tokens"):
+        GraphRunner(Recorder(), config("full"), inputs={"seq_lens": Requests()})
+    with pytest.raises(ConfigError, match="not finite"):
+        Tokens(2, fill=float("nan"))
+    with pytest.raises(ConfigError, match="changes to"):
+        Tokens(dtype=torch.uint8, fill=-1)
