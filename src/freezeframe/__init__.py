@@ -7,6 +7,8 @@ public names are resolved lazily so ``import freezeframe`` stays cheap.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -60,6 +62,29 @@ if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.runtime import Dispatcher, GraphRunner
     from freezeframe.sizes import Range
     from freezeframe.stats import Stats
+
+
+class _Package(types.ModuleType):
+    """The package's module type, so that ``ff.compile`` is always the function.
+
+    ``freezeframe.compile`` is also a subpackage, and importing it (say ``from
+    freezeframe.compile.cache import ...``) makes the import system set the package attribute
+    ``compile`` to the subpackage module, hiding the function. A property on the module type
+    takes precedence over that attribute. Import the subpackage's modules with ``from
+    freezeframe.compile import x`` / ``from freezeframe.compile.x import y``.
+    """
+
+    @property
+    def compile(self) -> Any:
+        return importlib.import_module("freezeframe.compile").compile
+
+    @compile.setter
+    def compile(self, value: Any) -> None:
+        # Called by the import system with the subpackage; it stays in sys.modules.
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,8 @@ def test_import_touches_no_cuda_dynamo_or_inductor() -> None:
 
 
 def test_all_and_dir() -> None:
-    assert freezeframe.__all__ == sorted([*freezeframe._EXPORTS, "__version__"])
+    submodules = getattr(freezeframe, "_SUBMODULES", ())
+    assert freezeframe.__all__ == sorted([*freezeframe._EXPORTS, *submodules, "__version__"])
     assert dir(freezeframe) == freezeframe.__all__
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         _ = freezeframe.nope  # type: ignore[attr-defined]
@@ -58,3 +59,14 @@ def test_all_and_dir() -> None:
 def test_every_public_name_resolves(name: str) -> None:
     value = getattr(freezeframe, name)
     assert getattr(value, "__name__", name) == name
+
+
+def test_compile_is_the_function_even_after_importing_the_subpackage() -> None:
+    # Importing freezeframe.compile.<x> makes the import system set the package attribute
+    # `compile` to the subpackage; ff.compile must stay the function.
+    code = ("import freezeframe.compile.split, freezeframe as ff, inspect; "
+            "print(inspect.isfunction(ff.compile), ff.compile.__module__.startswith('freezeframe.'))")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300, check=True)
+    assert proc.stdout.split() == ["True", "True"]

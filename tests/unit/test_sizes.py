@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freezeframe.sizes import (
@@ -110,6 +110,7 @@ def test_padding_table_and_intervals() -> None:
 capture_lists = st.lists(st.integers(1, 600), min_size=1, max_size=40, unique=True).map(sorted)
 
 
+@settings(deadline=None)  # the machine is shared; timing is not under test
 @given(capture_lists, st.integers(0, 700))
 def test_padding_property(caps: list[int], n: int) -> None:
     padded = padded_size(n, caps)
@@ -126,6 +127,7 @@ def test_padding_property(caps: list[int], n: int) -> None:
         assert padding_table(caps)[n] == padded
 
 
+@settings(deadline=None)
 @given(capture_lists)
 def test_padding_table_matches_padded_size(caps: list[int]) -> None:
     table = padding_table(caps)
