@@ -65,7 +65,8 @@ def test_compile_is_the_function_even_after_importing_the_subpackage() -> None:
     # Importing freezeframe.compile.<x> makes the import system set the package attribute
     # `compile` to the subpackage; ff.compile must stay the function.
     code = ("import freezeframe.compile.split, freezeframe as ff, inspect; "
-            "print(inspect.isfunction(ff.compile), ff.compile.__module__.startswith('freezeframe.'))")
+            "print(inspect.isfunction(ff.compile), "
+            "ff.compile.__module__.startswith('freezeframe.'))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300, check=True)
