@@ -28,6 +28,9 @@ _EXPORTS = {
     "CompiledModel": "freezeframe.compile",
     "GraphRunner": "freezeframe.runtime",
     "Dispatcher": "freezeframe.runtime",
+    "Tokens": "freezeframe.runtime",
+    "Requests": "freezeframe.runtime",
+    "Static": "freezeframe.runtime",
     "FreezeframeError": "freezeframe.errors",
     "ConfigError": "freezeframe.errors",
     "CompileError": "freezeframe.errors",
@@ -59,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
         InputMismatchError,
         ShapeOutOfRangeError,
     )
-    from freezeframe.runtime import Dispatcher, GraphRunner
+    from freezeframe.runtime import Dispatcher, GraphRunner, Requests, Static, Tokens
     from freezeframe.sizes import Range
     from freezeframe.stats import Stats
 
