@@ -1,0 +1,285 @@
+"""The graph scenarios of the research notes (§7.3, §7.4, §7.5, §7.11) through ``ff.compile`` on
+the emulated backend.
+
+The caller owns static buffers (as a model runner does): every step writes its data into a
+slice of a persistent buffer and passes that slice, so captured graphs read fresh data. The
+counting ``silly::attention`` op proves what ran outside the graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from freezeframe.batch import BatchDescriptor
+from freezeframe.compile import CompiledModel
+from freezeframe.compile import compile as ff_compile
+from freezeframe.config import CompilationConfig, CUDAGraphMode
+from freezeframe.context import forward_context
+from freezeframe.errors import CaptureError, InputMismatchError
+from tests.helpers import silly
+from tests.helpers.toy_models import (
+    LlamaConfig,
+    SillyModel,
+    ToyLlama,
+    TwoSubmodulesModel,
+    tractable_reference,
+)
+
+PW = CUDAGraphMode.PIECEWISE
+FULL = CUDAGraphMode.FULL
+NONE = CUDAGraphMode.NONE
+
+
+def config(cudagraph_mode: str = "piecewise", **changes: Any) -> CompilationConfig:
+    base: dict[str, Any] = dict(mode="piecewise", backend="eager",
+                                splitting_ops=["silly::attention"],
+                                cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=[1, 2],
+                                graph_backend="emulated", use_cache=False)
+    base.update(changes)
+    return CompilationConfig(**base)
+
+
+def run(model: torch.nn.Module, mode: CUDAGraphMode, desc: int | BatchDescriptor | None,
+        *args: torch.Tensor) -> Any:
+    with forward_context(desc, mode=mode):
+        return model(*args)
+
+
+# -- §7.3 the silly model -------------------------------------------------------------------
+def test_silly_piecewise_captures_six_and_attention_runs_outside() -> None:
+    model = ff_compile(SillyModel(), config("piecewise"))
+    buf = torch.zeros(100)  # the caller's static input buffer
+    with model.stats.expect(graphs_traced=1, pieces=5, capturable_pieces=3,
+                            backend_compilations=3, graphs_captured=6):
+        buf.copy_(torch.randn(100))
+        run(model, NONE, None, buf)  # traces and compiles
+        buf[:2].copy_(torch.randn(2))
+        run(model, PW, 2, buf[:2])  # captures 3 pieces for size 2
+        buf[:1].copy_(torch.randn(1))
+        run(model, PW, 1, buf[:1])  # and 3 for size 1
+
+    silly.reset_counter()
+    buf[:2].zero_()
+    with model.stats.expect(graphs_captured=0, replays=3):
+        out = run(model, PW, 2, buf[:2])
+    assert torch.equal(out, torch.tensor([19.0, 19.0]))
+    assert silly.get_counter() == 2  # both attentions ran eagerly, between the graphs
+
+    buf[:1].fill_(1.0)
+    out1 = run(model, PW, 1, buf[:1])
+    assert torch.equal(out1, torch.tensor([28.0]))  # 9x + 19
+    assert silly.get_counter() == 4
+
+
+def test_silly_full_replays_the_whole_forward_without_python() -> None:
+    model = ff_compile(SillyModel(), config("full"))
+    buf = torch.zeros(100)
+    with model.stats.expect(graphs_traced=1, graphs_captured=2):
+        buf.copy_(torch.randn(100))
+        run(model, NONE, None, buf)
+        buf[:2].copy_(torch.randn(2))
+        run(model, FULL, 2, buf[:2])
+        buf[:1].copy_(torch.randn(1))
+        run(model, FULL, 1, buf[:1])
+    assert [w.runtime_mode for w in model.graph_wrappers()] == [FULL]
+
+    silly.reset_counter()
+    buf[:2].zero_()
+    with model.stats.expect(graphs_captured=0, replays=1):
+        out = run(model, FULL, 2, buf[:2])
+    assert torch.equal(out, torch.tensor([19.0, 19.0]))
+    assert silly.get_counter() == 0  # attention's Python body was inside the graph
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compile/backend.py _CopyInputs looks for SymInt sizes in the example inputs Dynamo hands "
+    "the backend, which are real tensors, so no input is copied (engineer B's area)"))
+def test_silly_copy_inputs_with_fresh_tensors() -> None:
+    """§7.3 as vLLM writes it: cudagraph_copy_inputs copies each new input into an internal
+    static buffer, so the caller may pass fresh tensors to PIECEWISE graphs."""
+    model = ff_compile(SillyModel(), config("piecewise", cudagraph_copy_inputs=True))
+    run(model, NONE, None, torch.randn(100))
+    run(model, PW, 2, torch.randn(2))
+    run(model, PW, 1, torch.randn(1))
+    silly.reset_counter()
+    out = run(model, PW, 2, torch.zeros(2))
+    assert torch.equal(out, torch.tensor([19.0, 19.0]))
+    assert silly.get_counter() == 2
+
+
+def test_not_refreshing_the_static_input_gives_stale_results() -> None:
+    """A caller who passes a new tensor instead of writing into the captured buffer gets the
+    result of the old buffer contents: the emulated backend reproduces the CUDA-graph bug."""
+    model = ff_compile(SillyModel(), config("piecewise"))
+    buf = torch.zeros(8)
+    run(model, NONE, None, buf)
+    buf[:2].fill_(1.0)
+    run(model, PW, 2, buf[:2])  # captured reading buf[:2]
+
+    out = run(model, PW, 2, torch.zeros(2))  # forgot to copy into buf[:2]
+    assert torch.equal(out, torch.tensor([28.0, 28.0]))  # 9 * 1 + 19: the stale input
+    buf[:2].zero_()  # the fix: refresh the captured buffer
+    assert torch.equal(run(model, PW, 2, buf[:2]), torch.tensor([19.0, 19.0]))
+
+
+def test_debug_mode_names_the_changed_input_address() -> None:
+    model = ff_compile(SillyModel(), config("piecewise", debug=True))
+    buf = torch.zeros(8)
+    run(model, NONE, None, buf)
+    run(model, PW, 2, buf[:2])
+    run(model, PW, 2, buf[:2])  # same buffer: no complaint
+    stranger = torch.zeros(2)
+    with pytest.raises(InputMismatchError) as info:
+        run(model, PW, 2, stranger)
+    message = str(info.value)
+    assert f"{buf.data_ptr():#x}" in message and f"{stranger.data_ptr():#x}" in message
+    assert "argument" in message and "Copy the new data into the captured buffer" in message
+
+
+def test_capture_outside_the_window_raises() -> None:
+    model = ff_compile(SillyModel(), config("piecewise"))
+    buf = torch.zeros(8)
+    run(model, NONE, None, buf)
+    run(model, PW, 2, buf[:2])
+    model.capture_window.close()
+    run(model, PW, 2, buf[:2])  # replays are fine with the window closed
+    with pytest.raises(CaptureError, match=r"num_tokens=1.*capture window is closed.*"
+                                           r"runner's capture\(\)"):
+        run(model, PW, 1, buf[:1])
+    with model.capture_window.opened(), model.stats.expect(graphs_captured=3):
+        run(model, PW, 1, buf[:1])
+
+
+def test_clearing_the_model_graphs_recaptures() -> None:
+    model = ff_compile(SillyModel(), config("piecewise"))
+    buf = torch.zeros(8)
+    run(model, NONE, None, buf)
+    run(model, PW, 2, buf[:2])
+    for wrapper in model.graph_wrappers():
+        wrapper.clear()
+    with model.stats.expect(graphs_captured=3, replays=0):
+        run(model, PW, 2, buf[:2])
+
+
+# -- §7.11 nesting on a compiled model ------------------------------------------------------
+def test_full_and_piecewise_wrappers_nest() -> None:
+    model = ff_compile(SillyModel(), config("full_and_piecewise"))
+    buf = torch.zeros(8)
+    run(model, NONE, None, buf)
+    modes = [w.runtime_mode for w in model.graph_wrappers()]
+    assert modes == [PW, PW, PW, FULL]
+    full_desc = BatchDescriptor(2, num_reqs=2, uniform=True)
+
+    # FULL step: the FULL wrapper captures; the 3 piecewise wrappers inside bypass.
+    silly.reset_counter()
+    with model.stats.expect(graphs_captured=1, bypasses=3, replays=0):
+        run(model, FULL, full_desc, buf[:2])
+    assert silly.get_counter() == 2  # the capture ran the forward once
+    buf[:2].zero_()
+    with model.stats.expect(graphs_captured=0, bypasses=0, replays=1):
+        out = run(model, FULL, full_desc, buf[:2])
+    assert torch.equal(out, torch.tensor([19.0, 19.0]))
+    assert silly.get_counter() == 2  # no forward ran
+
+    # PIECEWISE step: the FULL wrapper bypasses; the pieces capture, then replay.
+    with model.stats.expect(graphs_captured=3, bypasses=1, replays=0):
+        run(model, PW, 2, buf[:2])
+    assert silly.get_counter() == 4
+    buf[:2].fill_(1.0)
+    with model.stats.expect(graphs_captured=0, bypasses=1, replays=3):
+        out = run(model, PW, 2, buf[:2])
+    assert torch.equal(out, torch.tensor([28.0, 28.0]))
+    assert silly.get_counter() == 6  # attention is eager between piecewise graphs
+
+
+# -- §7.4 the toy Llama ---------------------------------------------------------------------
+@torch.no_grad()
+def _run_llama(model: torch.nn.Module, mode: CUDAGraphMode) -> torch.Tensor:
+    """vLLM's run_model: warm up at 16 tokens, capture 2 then 1, zero the first two ids in
+    place (same buffers, same addresses) and replay 2."""
+    input_ids = torch.randint(0, 128, (16,))
+    positions = torch.arange(16)
+    run(model, NONE, None, input_ids, positions)
+    if mode is not NONE:
+        run(model, mode, 2, input_ids[:2], positions[:2])
+        run(model, mode, 1, input_ids[:1], positions[:1])
+    input_ids[:2].zero_()
+    out = run(model, mode, 2, input_ids[:2], positions[:2])
+    return out.clone()  # a replayed output is overwritten by the next replay
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_toy_llama_captures_two_per_capturable_piece(num_layers: int) -> None:
+    cfg = LlamaConfig(num_layers=num_layers, tractable_init=True)
+    model = ff_compile(ToyLlama(cfg), config("piecewise"))
+    with model.stats.expect(graphs_traced=1, pieces=2 * num_layers + 1,
+                            capturable_pieces=num_layers + 1,
+                            backend_compilations=num_layers + 1,
+                            graphs_captured=2 * (num_layers + 1), replays=num_layers + 1):
+        out = _run_llama(model, PW)
+    expected = tractable_reference(cfg, torch.zeros(2, dtype=torch.long), torch.arange(2))
+    assert torch.allclose(out, expected)
+
+    eager = _run_llama(ToyLlama(cfg), NONE)
+    assert torch.allclose(out, eager)
+
+
+def test_toy_llama_random_weights_graph_equals_no_graph_bitwise() -> None:
+    cfg = LlamaConfig(num_layers=2)
+    torch.manual_seed(0)
+    with_graphs = _run_llama(ff_compile(ToyLlama(cfg), config("piecewise")), PW)
+    torch.manual_seed(0)
+    without = _run_llama(ff_compile(ToyLlama(cfg), config("none")), NONE)
+    torch.manual_seed(0)
+    eager = _run_llama(ToyLlama(cfg), NONE)
+    assert torch.equal(with_graphs, without)
+    assert torch.allclose(with_graphs, eager)
+
+
+# -- §7.5 two separately compiled submodules --------------------------------------------------
+def _two_submodules(cudagraph_mode: str, compiled: list[CompiledModel]) -> TwoSubmodulesModel:
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        cm = ff_compile(module, config(cudagraph_mode),
+                        model_key=f"two_submodules.{len(compiled)}")
+        compiled.append(cm)
+        return cm
+
+    return TwoSubmodulesModel(wrap=wrap)
+
+
+@torch.no_grad()
+def _drive_two(model: torch.nn.Module, mode: CUDAGraphMode) -> torch.Tensor:
+    torch.manual_seed(0)
+    inputs = torch.randn(32, 128)
+    run(model, NONE, None, inputs)
+    if mode is not NONE:
+        run(model, mode, 2, inputs[:2])
+        run(model, mode, 1, inputs[:1])
+    return run(model, mode, 2, torch.randn(2, 128)).clone()
+
+
+def test_two_submodules_counts_and_bitwise_equal_outputs() -> None:
+    compiled: list[CompiledModel] = []
+    graphs_model = _two_submodules("piecewise", compiled)
+    out_graphs = _drive_two(graphs_model, PW)
+    counts = [cm.stats.snapshot() for cm in compiled]
+    total = {k: sum(c.get(k, 0) for c in counts)
+             for k in ("graphs_traced", "pieces", "capturable_pieces", "backend_compilations",
+                       "graphs_captured", "replays")}
+    assert total == {"graphs_traced": 2, "pieces": 6, "capturable_pieces": 4,
+                     "backend_compilations": 4, "graphs_captured": 8, "replays": 4}
+
+    no_graph_compiled: list[CompiledModel] = []
+    no_graphs_model = _two_submodules("none", no_graph_compiled)
+    out_no_graphs = _drive_two(no_graphs_model, PW)  # PIECEWISE context, but no wrappers
+    assert sum(cm.stats.graphs_captured for cm in no_graph_compiled) == 0
+    assert sum(cm.stats.graphs_traced for cm in no_graph_compiled) == 2
+
+    eager_model = TwoSubmodulesModel()
+    out_eager = _drive_two(eager_model, NONE)
+
+    assert torch.equal(out_graphs, out_no_graphs)  # bitwise: the same ATen ops replayed
+    assert torch.allclose(out_graphs, out_eager, atol=1e-6)
