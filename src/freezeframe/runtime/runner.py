@@ -23,6 +23,8 @@ only sets the forward context they react to, so it works with any callable: a
 :class:`~freezeframe.compile.CompiledModel`, a module holding its own wrappers, or a plain module
 (which then simply runs eagerly on the padded buffers).
 
+Steps and captures run under ``torch.no_grad()``: the runner serves inference.
+
 Output lifetime: the tensors a step returns are views of the model's outputs. When a graph was
 replayed those are the graph's static output tensors, overwritten by the next step (of any size:
 graphs share one memory pool). Consume or copy them before the next step, or construct the runner
@@ -54,6 +56,8 @@ from freezeframe.errors import (
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
+from freezeframe.runtime.ubatch import PLAN_KEY, MicroBatchWrapper
+from freezeframe.runtime.ubatch_slicing import plan_for_step
 from freezeframe.stats import Stats
 
 __all__ = ["CaptureReport", "GraphCapture", "GraphRunner"]
@@ -225,6 +229,13 @@ class GraphRunner:
                              spec.fill, dtype=spec.dtype, device=self.device)
             for name, spec in specs.items()
         }
+        # Micro-batching (runtime/ubatch.py): this wrapper stands in for the model's FULL graph.
+        self._ubatch: MicroBatchWrapper | None = None
+        if config.micro_batching:
+            kinds: dict[str | int, str] = {name: s.kind for name, s in specs.items()}
+            kinds.update({i: s.kind for i, s in enumerate(specs.values())})
+            self._ubatch = MicroBatchWrapper.for_runner(model, config, input_kinds=kinds,
+                                                        stats=self.stats)
 
     # -- public views --------------------------------------------------------------------
     @property
@@ -277,8 +288,11 @@ class GraphRunner:
         self.stats.inc("steps")
         self.stats.inc(f"steps_{mode.name.lower() if mode is not _NONE else 'eager'}")
         self.stats.inc("padded_tokens", padded_tokens - num_tokens)
+        step_extras = dict(extras or {})
+        self._plan_micro_batches(step_extras, num_tokens, reqs, padded_tokens, padded_reqs,
+                                 step_uniform)
         out = self._forward(mode, desc, padded_tokens, padded_reqs,
-                            num_tokens, reqs, dict(extras or {}))
+                            num_tokens, reqs, step_extras)
         out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs)
         if self.copy_outputs:
             out = _map_tensors(out, lambda t: t.clone())
@@ -455,10 +469,26 @@ class GraphRunner:
         views = self._views(padded_tokens, padded_reqs)
         extras.setdefault("num_tokens_unpadded", num_tokens)
         extras.setdefault("num_reqs_unpadded", reqs)
-        with forward_context(desc, mode=mode, **extras):
+        model = self._ubatch if self._ubatch is not None else self.model
+        # Inference only: no autograd graph may hang on the static buffers or graph outputs.
+        with torch.no_grad(), forward_context(desc, mode=mode, **extras):
             if self.call_positional:
-                return self.model(*views.values())
-            return self.model(**views)
+                return model(*views.values())
+            return model(**views)
+
+    def _plan_micro_batches(self, extras: dict[str, Any], num_tokens: int, reqs: int | None,
+                            padded_tokens: int, padded_reqs: int | None, uniform: bool) -> None:
+        """Put this step's micro-batch plan (or none: run unsplit) into the extras. Per-request
+        token counts may be given as ``extras["num_scheduled_tokens"]``."""
+        if self._ubatch is None or PLAN_KEY in extras:
+            return
+        plan = plan_for_step(
+            self.config, num_tokens, reqs, padded_tokens, padded_reqs, uniform_decode=uniform,
+            query_len=self.dispatcher.uniform_decode_query_len,
+            num_scheduled_tokens=extras.get("num_scheduled_tokens"),
+            dp_group=self.dp_group, sync=self.dp_sync)
+        if plan is not None:
+            extras[PLAN_KEY] = plan
 
     # -- outputs -------------------------------------------------------------------------
     def _slice(self, out: Any, kinds: Any, padded_tokens: int, num_tokens: int,
@@ -566,6 +596,8 @@ class GraphRunner:
                     rows = tokens if spec.kind == "tokens" else reqs
                     self._buffers[name][:rows].fill_(spec.fill)
         extras = {"num_tokens_unpadded": tokens, "num_reqs_unpadded": reqs, "capturing": True}
+        if mode is _FULL:  # FULL graphs of split sizes are captured split (warm-ups split too)
+            self._plan_micro_batches(extras, tokens, reqs, tokens, reqs, desc.uniform)
         on_cuda = self.device.type == "cuda"
         free_before = _free_memory(self.device)
         t0 = time.perf_counter()
