@@ -319,3 +319,37 @@ def test_input_validation_names_the_input_expected_and_got() -> None:
         Tokens(2, fill=float("nan"))
     with pytest.raises(ConfigError, match="changes to"):
         Tokens(dtype=torch.uint8, fill=-1)
+
+
+# -- outputs, static inputs, positional calls ------------------------------------------------------
+class TwoHeads(nn.Module):
+    """Returns a per-token tensor, a per-request tensor and a static one."""
+
+    def forward(self, x: torch.Tensor, seq_lens: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x * scale, seq_lens * 2, scale + 0
+
+
+def test_outputs_sliced_per_kind_static_inputs_and_positional_calls() -> None:
+    cfg = CompilationConfig(mode="none", cudagraph_mode="full", graph_backend="emulated",
+                            cudagraph_capture_sizes=SIZES, max_num_tokens=MAX_TOKENS,
+                            max_num_seqs=8)
+    model = ff.compile(TwoHeads(), cfg)
+    example = torch.zeros(5, 2, dtype=torch.float16)
+    inputs = {"x": ff.runtime.InputSpec.like(example), "seq_lens": Requests(dtype=torch.long),
+              "scale": Static(2, dtype=torch.float16, fill=1)}
+    runner = GraphRunner(model, inputs=inputs, outputs=("tokens", "requests", "none"),
+                         call_positional=True, progress=False)
+    assert runner.config is cfg  # taken from model.config
+    runner.capture()
+    x = torch.arange(10, dtype=torch.float16).reshape(5, 2)
+    scale = torch.tensor([2.0, 3.0], dtype=torch.float16)
+    tokens, reqs, static = runner(x, torch.tensor([2, 3]), scale)
+    assert torch.equal(tokens, x * scale)                    # 5 of 8 padded rows
+    assert torch.equal(reqs, torch.tensor([4, 6]))          # 2 of min(8, 8) request rows
+    assert torch.equal(static, scale)
+    assert model.stats.replays == 1
+    with pytest.raises(InputMismatchError, match=r"static input expected shape \[2\]"):
+        runner(x, torch.tensor([2, 3]), torch.ones(3, dtype=torch.float16))
+    with pytest.raises(ConfigError, match="disagrees with the model's"):
+        GraphRunner(model, config("piecewise"), inputs=inputs)
