@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -57,15 +57,16 @@ class CompiledModel(nn.Module):
         self.capture_window: Any = None
         self._graph_backend: Any = None
         graphs = None
-        if config.cudagraph_mode is not CUDAGraphMode.NONE:
+        graph_mode = cast(CUDAGraphMode, config.cudagraph_mode)
+        if graph_mode is not CUDAGraphMode.NONE:
             graphs = _graphs_module()
         if graphs is not None:
             self.capture_window = graphs.CaptureWindow()
             self._graph_backend = graphs.resolve_backend(config)
-        elif config.cudagraph_mode is not CUDAGraphMode.NONE:
+        elif graph_mode is not CUDAGraphMode.NONE:
             logger.warning("%s: cudagraph_mode %s asked for graphs but freezeframe.graphs is "
                            "not available; running without graphs", self.model_key,
-                           config.cudagraph_mode.name)
+                           graph_mode.name)
 
         self.manager: CompilerManager | None = None
         self._backend: CompileBackend | None = None
@@ -89,7 +90,7 @@ class CompiledModel(nn.Module):
 
         self._full_wrapper: Any = None
         if graphs is not None and self._graph_backend is not None \
-                and config.cudagraph_mode.has_full_cudagraphs():
+                and graph_mode.has_full_cudagraphs():
             self._full_wrapper = graphs.GraphWrapper(
                 self._run, CUDAGraphMode.FULL, self._graph_backend,
                 options=graphs.GraphOptions(), stats=self.stats, window=self.capture_window,
@@ -136,11 +137,13 @@ class CompiledModel(nn.Module):
         return self._run(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return (f"mode={self.config.mode.name}, backend={self.config.backend}, "
-                f"cudagraph_mode={self.config.cudagraph_mode.name}")
+        mode = cast(CompilationMode, self.config.mode)
+        graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
+        return (f"mode={mode.name}, backend={self.config.backend}, "
+                f"cudagraph_mode={graph_mode.name}")
 
 
-def compile(module: nn.Module, config: CompilationConfig,  # noqa: A001 - public name
+def compile(module: nn.Module, config: CompilationConfig,
             dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None = None, *,
             model_key: str | None = None) -> CompiledModel:
     """Compile ``module`` per ``config``; returns an ``nn.Module`` to call instead of it.

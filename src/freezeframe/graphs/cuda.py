@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from freezeframe.errors import CaptureError, FreezeframeError
+
 __all__ = ["CudaBackend", "CudaGraph", "weak_ref_tensor", "weak_ref_tensors"]
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ class CudaBackend:
             graph.capture_begin(pool=pool, capture_error_mode="global")
             try:
                 output = fn()
-            except BaseException:
+            except BaseException as exc:
                 # End the capture so the stream leaves capture mode; the error that stopped
                 # ``fn`` is the one the caller must see, not a follow-up from capture_end.
                 try:
@@ -129,6 +131,15 @@ class CudaBackend:
                 except Exception:  # secondary to the error being raised
                     logger.debug("capture_end after a failed capture also failed",
                                  exc_info=True)
+                if (isinstance(exc, RuntimeError) and not isinstance(exc, FreezeframeError)
+                        and "captur" in str(exc)):
+                    raise CaptureError(
+                        "an operation inside the captured region is not allowed during CUDA "
+                        "graph capture (typically a host sync: .item(), printing a tensor, "
+                        "nonzero or another data-dependent shape, a blocking CPU<->GPU copy). "
+                        "Move it out of the captured region (compute it before the forward, or "
+                        "make the op a splitting op so it runs between graphs). CUDA said: "
+                        f"{exc}") from exc
                 raise
             graph.capture_end()
         if stream != caller_stream:
