@@ -1,0 +1,1 @@
+"""``freezeframe bench``: the reference Llama under eager, torch.compile and freezeframe modes."""

@@ -1,0 +1,362 @@
+"""The benchmark behind ``freezeframe bench``: the reference Llama under every way to run it.
+
+Modes: ``eager``; ``compile`` (``torch.compile`` default); ``reduce-overhead``
+(``torch.compile(mode="reduce-overhead")``, CUDA only); and freezeframe ``none``,
+``piecewise``, ``full``, ``full_and_piecewise`` (``ff.compile`` + GraphRunner). For each mode
+and batch size it times a uniform-decode step (hidden states + logits of every request) and a
+mixed step (the same decodes plus one prefill chunk), and once per mode a prefill; it records
+startup (compile + capture) time and graph memory, and for decode the share of the bandwidth
+floor: ``(weight bytes + KV bytes read) / bandwidth``, the bandwidth measured by a large
+device copy in the same run.
+
+On a machine without CUDA the graph modes run on the *emulated* backend, whose replays re-run
+every recorded op in Python: they show that the pipeline works and what emulation costs, not
+what graphs gain. ``reduce-overhead`` is skipped there (it needs CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freezeframe.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ALL_MODES", "BenchOptions", "run_bench"]
+
+TORCH_MODES = ("eager", "compile", "reduce-overhead")
+FF_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+ALL_MODES = TORCH_MODES + FF_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    preset: str = "tiny"
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    modes: tuple[str, ...] = ALL_MODES
+    steps: int = 20
+    warmup: int = 3
+    context: int | None = None  # decode context per request (default: by preset)
+    prefill_len: int | None = None
+    mixed_chunk: int = 16
+    compiler: str | None = None  # "eager" | "inductor"; default: inductor on CUDA, else eager
+    device: str = "auto"
+    out: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in ALL_MODES]
+        if bad:
+            raise ConfigError(f"bench: unknown mode(s) {bad}; choose from {list(ALL_MODES)}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError(f"bench: batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ConfigError(f"bench: need steps >= 1 and warmup >= 0, got {self.steps}, "
+                              f"{self.warmup}")
+        if self.compiler not in (None, "eager", "inductor"):
+            raise ConfigError(f"bench: compiler must be 'eager' or 'inductor', got "
+                              f"{self.compiler!r}")
+
+
+class _Timer:
+    """Per-call latency: CUDA events on a GPU (device time between steps), else perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def measure(self, fn: Callable[[], Any], steps: int, warmup: int) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        if not self.cuda:
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return times
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+
+
+def measure_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted), median of 5."""
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = _Timer(device).measure(lambda: dst.copy_(src), steps=5, warmup=2)
+    return 2 * n * 4 / (statistics.median(times) / 1e3)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_used(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Run everything ``opts`` asks for; returns the JSON-able result (also written to disk)."""
+    import freezeframe as ff
+    from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
+    from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
+    from freezeframe.runtime.serving import EagerForward, RunnerForward, llama_runner_inputs
+
+    if opts.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(opts.device)
+    on_cuda = device.type == "cuda"
+    compiler = opts.compiler or ("inductor" if on_cuda else "eager")
+    notes: list[str] = []
+    if not on_cuda:
+        notes.append(
+            "no CUDA device: freezeframe graph modes run on the emulated backend (replays re-run "
+            "recorded ops in Python), so their numbers show emulation overhead, not graph "
+            "speed-ups; reduce-overhead is skipped; the bandwidth floor is a host-memory floor")
+    if compiler == "eager":
+        notes.append("compiler=eager: torch.compile and ff.compile use the eager backend "
+                     "(no Inductor kernels); pass --compiler inductor for generated kernels")
+
+    is_tiny = opts.preset == "tiny"
+    context = opts.context or (64 if is_tiny else 1024)
+    prefill_len = opts.prefill_len or (64 if is_tiny else 512)
+    batch_sizes = tuple(sorted(set(opts.batch_sizes)))
+    max_bs = batch_sizes[-1]
+    block_size = 16
+    max_model_len = max(context, prefill_len) + block_size
+    blocks_per_req = -(-max_model_len // block_size)
+    cache = KVCacheConfig(num_blocks=blocks_per_req * (max_bs + 1), block_size=block_size,
+                          max_model_len=max_model_len)
+    max_tokens = max(prefill_len, max_bs + opts.mixed_chunk)
+    t0 = time.perf_counter()
+    base = build_llama(opts.preset, cache, device=device, seed=opts.seed)
+    build_s = time.perf_counter() - t0
+    cfg = base.config
+    dtype = base.lm_head.weight.dtype
+    elem = torch.finfo(dtype).bits // 8
+    weight_bytes = cfg.num_params() * elem
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * elem
+
+    def blocks(r: int) -> tuple[int, ...]:
+        return tuple(range(r * blocks_per_req, (r + 1) * blocks_per_req))
+
+    def decode_step(bs: int) -> StepInputs:
+        chunks = [RequestChunk((1 + r % 7,), context - 1, blocks(r)) for r in range(bs)]
+        return build_step(chunks, cache, device=device)
+
+    def mixed_step(bs: int) -> StepInputs:
+        chunks = [RequestChunk((1 + r % 7,), context - 1, blocks(r)) for r in range(bs)]
+        chunks.append(RequestChunk(tuple(range(opts.mixed_chunk)), 0, blocks(bs)))
+        return build_step(chunks, cache, device=device)
+
+    prefill = build_step([RequestChunk(tuple(i % 100 for i in range(prefill_len)), 0,
+                                       blocks(0))], cache, device=device)
+    bandwidth = measure_bandwidth(device, (1 << 30) if on_cuda else (1 << 27))
+    timer = _Timer(device)
+
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor()
+        or platform.machine(),
+        "torch": torch.__version__,
+        "preset": opts.preset,
+        "dtype": str(dtype).replace("torch.", ""),
+        "compiler": compiler,
+        "context": context,
+        "prefill_len": prefill_len,
+        "mixed_chunk": opts.mixed_chunk,
+        "batch_sizes": list(batch_sizes),
+        "steps": opts.steps,
+        "params": cfg.num_params(),
+        "weight_bytes": weight_bytes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "model_build_s": build_s,
+        "notes": notes,
+        "modes": {},
+    }
+
+    def logits_of(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
+                  model: LlamaModel) -> Callable[[], torch.Tensor]:
+        rows = step.last_token_index()
+
+        def run() -> torch.Tensor:
+            with torch.no_grad():
+                hidden = forward(step)
+                return model.compute_logits(hidden[rows])
+        return run
+
+    for mode in opts.modes:
+        entry: dict[str, Any] = {}
+        result["modes"][mode] = entry
+        if mode == "reduce-overhead" and not on_cuda:
+            entry["skipped"] = "needs CUDA graphs (cudagraph trees); no CUDA device"
+            continue
+        base.reset_cache()
+        mem0 = _device_used(device)
+        t0 = time.perf_counter()
+        forward: Callable[[StepInputs], torch.Tensor]
+        runner = None
+        if mode == "eager":
+            forward = EagerForward(base)
+        elif mode in ("compile", "reduce-overhead"):
+            backend = "inductor" if compiler == "inductor" else "eager"
+            kwargs: dict[str, Any] = {"backend": backend}
+            if mode == "reduce-overhead":
+                kwargs = {"mode": "reduce-overhead", "dynamic": False}
+            forward = EagerForward(torch.compile(base, **kwargs))
+        else:
+            graphs = mode != "none"
+            config = ff.CompilationConfig(
+                mode="piecewise", backend=compiler, splitting_ops=[ATTENTION_OP],
+                cudagraph_mode=mode.upper(), graph_backend="cuda" if on_cuda else "emulated",
+                max_num_seqs=max_bs + 1, max_num_tokens=max_tokens,
+            )
+            compiled = ff.compile(base, config, dynamic_arg_dims=dict(
+                LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
+            runner = ff.GraphRunner(compiled, config,
+                                    inputs=llama_runner_inputs(base, max_bs + 1),
+                                    progress=False)
+            forward = RunnerForward(runner, max_bs + 1)
+            # compile first, on a step of several tokens: Dynamo specialises a dynamic dim
+            # that it first sees with size 1
+            logits_of(forward, mixed_step(max_bs), base)()
+            if graphs:
+                _sync(device)
+                entry["compile_s"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                report = runner.capture()
+                _sync(device)
+                entry["capture_s"] = time.perf_counter() - t1
+                entry["graphs_captured"] = report.num_graphs
+        # first call of each step kind: compiles lazily for the torch.compile modes
+        for step in [decode_step(bs) for bs in batch_sizes]:
+            logits_of(forward, step, base)()
+        _sync(device)
+        entry["startup_s"] = time.perf_counter() - t0
+        entry["graph_memory_bytes"] = _device_used(device) - mem0 if on_cuda else None
+        decode: dict[str, Any] = {}
+        mixed: dict[str, Any] = {}
+        for bs in batch_sizes:
+            step = decode_step(bs)
+            ms = statistics.median(timer.measure(logits_of(forward, step, base), opts.steps,
+                                                 opts.warmup))
+            read = weight_bytes + bs * context * kv_bytes_per_token
+            floor_ms = read / bandwidth * 1e3
+            decode[str(bs)] = {"median_ms": ms, "floor_ms": floor_ms,
+                               "floor_share": floor_ms / ms}
+            mstep = mixed_step(bs)
+            mixed[str(bs)] = {"median_ms": statistics.median(timer.measure(
+                logits_of(forward, mstep, base), max(1, opts.steps // 2), 1))}
+        entry["decode"] = decode
+        entry["mixed"] = mixed
+        entry["prefill_ms"] = statistics.median(timer.measure(
+            logits_of(forward, prefill, base), max(1, opts.steps // 4), 1))
+        if runner is not None:
+            entry["runner_stats"] = runner.stats.snapshot()
+
+    eager_ms = {bs: result["modes"].get("eager", {}).get("decode", {}).get(str(bs), {})
+                .get("median_ms") for bs in batch_sizes}
+    for entry in result["modes"].values():
+        for bs, row in entry.get("decode", {}).items():
+            if eager_ms.get(int(bs)):
+                row["speedup_vs_eager"] = eager_ms[int(bs)] / row["median_ms"]
+    if opts.out:
+        write_outputs(result, Path(opts.out))
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text table: one row per mode, decode latency per batch size, then the rest."""
+    sizes = result["batch_sizes"]
+    head = ["mode", *[f"decode bs{b} ms" for b in sizes], "floor% bs1" if 1 in sizes else
+            f"floor% bs{sizes[0]}", f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s"]
+    rows = [head]
+    for mode, e in result["modes"].items():
+        if "skipped" in e:
+            rows.append([mode, f"skipped: {e['skipped']}"])
+            continue
+        d = e["decode"]
+        first = d[str(1 if 1 in sizes else sizes[0])]
+        rows.append([mode, *[f"{d[str(b)]['median_ms']:.3f}" for b in sizes],
+                     f"{100 * first['floor_share']:.1f}",
+                     f"{e['mixed'][str(sizes[-1])]['median_ms']:.3f}",
+                     f"{e['prefill_ms']:.3f}", f"{e['startup_s']:.2f}"])
+    width = [max(len(r[i]) for r in rows if i < len(r) and len(r) == len(head))
+             for i in range(len(head))]
+    lines = []
+    for r in rows:
+        if len(r) != len(head):
+            lines.append(f"{r[0]:<{width[0]}}  {r[1]}")
+        else:
+            lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(r, width, strict=True))))
+    info = (f"{result['preset']} preset on {result['device']} ({result['dtype']}, torch "
+            f"{result['torch']}, compiler {result['compiler']}), context {result['context']}, "
+            f"bandwidth {result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
+    return "\n".join([info, *lines, *[f"note: {n}" for n in result["notes"]]])
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
+    """results.json and, when matplotlib is installed, latency_vs_batch.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        result["notes"].append("matplotlib is not installed: no plot written "
+                               "(pip install matplotlib)")
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for mode, e in result["modes"].items():
+            if "decode" in e:
+                sizes = sorted(int(b) for b in e["decode"])
+                ax.plot(sizes, [e["decode"][str(b)]["median_ms"] for b in sizes], marker="o",
+                        label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (decode requests)")
+        ax.set_ylabel("median decode step (ms)")
+        ax.set_title(f"freezeframe bench: {result['preset']} on {result['device']}")
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "latency_vs_batch.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "latency_vs_batch.png")
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    return written
+
+
+def parse_list(text: str, kind: type = int) -> tuple[Any, ...]:
+    return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+
+
+def modes_from(text: str | Sequence[str]) -> tuple[str, ...]:
+    parts = parse_list(text, str) if isinstance(text, str) else tuple(text)
+    return tuple(p.lower().replace("_", "-") if p.lower().replace("_", "-") in TORCH_MODES
+                 else p.lower().replace("-", "_") for p in parts)
