@@ -115,7 +115,7 @@ def test_keyword_arguments_and_optional_tensor():
 def test_default_dims_from_annotations():
     class M(nn.Module):
         def forward(self, a: torch.Tensor, b: Optional[torch.Tensor], c: int,  # noqa: UP045
-                    d: "torch.Tensor | None" = None):
+                    d: torch.Tensor | None = None):
             return a
 
     assert resolve_dynamic_arg_dims(M().forward, None) == {"a": (0,), "b": (0,), "d": (0,)}
@@ -148,7 +148,7 @@ def test_dim_out_of_bounds_is_an_error():
 
 
 def test_not_a_module_or_config():
-    with pytest.raises(ff.ConfigError, match="expected an nn.Module"):
+    with pytest.raises(ff.ConfigError, match=r"expected an nn\.Module"):
         ff.compile(lambda x: x, config("piecewise"))
     with pytest.raises(ff.ConfigError, match="expected a CompilationConfig"):
         ff.compile(Affine(1.0), {"mode": "piecewise"})

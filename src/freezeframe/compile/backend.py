@@ -7,10 +7,11 @@ graph inputs on every later step.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -174,16 +175,15 @@ class CompileBackend:
         self.stats.inc("capturable_pieces", len(capturable))
         fake_args = _piece_fake_args(split, example_inputs)
 
-        wrap = (self.graph_backend is not None
-                and self.config.cudagraph_mode.has_piecewise_cudagraphs())
-        graphs = None
-        if wrap:
-            import freezeframe.graphs as graphs
+        graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
+        graphs: Any = None
+        if self.graph_backend is not None and graph_mode.has_piecewise_cudagraphs():
+            graphs = importlib.import_module("freezeframe.graphs")
         for k, piece in enumerate(capturable):
             backend = PiecewiseBackend(
                 piece.graph, fake_args[piece.name], piece_index=piece.index,
                 manager=self.manager, compile_ranges=self.config.compile_ranges(),
-                compile_sizes=self.config.compile_sizes or (),
+                compile_sizes=cast(tuple[int, ...], self.config.compile_sizes or ()),
                 max_num_tokens=self.config.max_num_tokens)
             backend.compile_all()
             self.piece_backends.append(backend)

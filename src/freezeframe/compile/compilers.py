@@ -17,7 +17,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import fx
@@ -188,7 +188,7 @@ class InductorCompiler:
                 return artifact, artifact
             from torch._inductor.compile_fx import compile_fx
 
-            return None, compile_fx(graph, list(example_inputs))
+            return None, cast(Callable[..., Any], compile_fx(graph, list(example_inputs)))
 
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
                 compile_range: Range, piece_index: int) -> Callable[..., Any]:

@@ -110,7 +110,8 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
             piece_of[node] = current
 
     # keep_original_order: mutations by splitting ops must stay where the model put them.
-    stitching = split_module(gm, None, lambda node: piece_of[node], keep_original_order=True)
+    stitching = split_module(gm, None, lambda node: piece_of[node],  # type: ignore[arg-type]
+                             keep_original_order=True)
 
     names = sorted((n for n, _ in stitching.named_children() if n.startswith("submod_")),
                    key=lambda n: int(n.split("_", 1)[1]))

@@ -67,7 +67,7 @@ def resolve_dynamic_arg_dims(forward: Callable[..., Any],
             hints = typing.get_type_hints(forward)
         except Exception:  # unresolvable string annotations: fall back to the raw text
             hints = {}
-        dims = {n: (0,) for n in params
+        dims: dict[str, tuple[int, ...]] = {n: (0,) for n in params
                 if _is_tensor_annotation(hints.get(n, sig.parameters[n].annotation))}
         if not dims:
             raise ConfigError(
@@ -149,14 +149,15 @@ class TraceOnce:
         code = getattr(self._forward_func, "__code__", None)
         captured: list[types.CodeType] = []
 
-        def hook(old: types.CodeType, new: types.CodeType) -> None:
+        def hook(old: types.CodeType, new: types.CodeType) -> types.CodeType | None:
             if old is code and not captured:
                 captured.append(new)
+            return None  # keep Dynamo's code as it is
 
         self._compiled = torch.compile(self._module.forward, fullgraph=True, dynamic=False,
                                        backend=self._backend,
                                        options={"guard_filter_fn": _drop_all_guards})
-        handle = convert_frame.register_bytecode_hook(hook)
+        handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
         try:
             with _dynamo_limits():
                 out = self._compiled(*args, **kwargs)
@@ -164,7 +165,8 @@ class TraceOnce:
             handle.remove()
         self.traced = True
         func = self._forward_func
-        if captured and func is not None and captured[0].co_freevars == code.co_freevars:
+        if (captured and func is not None and code is not None
+                and captured[0].co_freevars == code.co_freevars):
             self._fast = types.FunctionType(captured[0], func.__globals__, func.__name__,
                                             func.__defaults__, func.__closure__)
             self._fast.__kwdefaults__ = func.__kwdefaults__
