@@ -572,6 +572,23 @@ class CompileCache:
         locks = ensure_private_dir(self.root / "locks")
         return _flock(locks / f"{self.base_key}.lock", what=f"model {self.base_key}")
 
+    def inductor_dir(self, active: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Point Inductor's own cache at ``<root>/inductor`` for the block.
+
+        An artifact holds the generated code, but on CPU not the C++ kernels built from it; with
+        Inductor's kernel cache kept beside the artifacts (not in a temporary directory another
+        boot or container loses), a warm start reuses the built kernels instead of running the
+        C++ compiler again. Uses torch's own scoped helper, which restores the environment.
+        """
+        if not active:
+            return contextlib.nullcontext()
+        try:
+            from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        except ImportError:  # pragma: no cover - older torch: Inductor keeps its default dir
+            return contextlib.nullcontext()
+        path = ensure_private_dir(self.root / "inductor")
+        return temporary_cache_dir(str(path))
+
     # -- counting --------------------------------------------------------------------------
     def _inc(self, name: str) -> None:
         if self.stats is not None:
@@ -777,3 +794,377 @@ def clear(root: Path, keys: Sequence[str] | None = None,
                 with contextlib.suppress(OSError):
                     pointer.unlink()
     return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# integration with the compile path
+# ---------------------------------------------------------------------------------------------
+def _compiled_artifact_class() -> Any:
+    """``CompiledArtifact`` of this torch (exported from ``torch._inductor`` in 2.13, found in
+    ``torch._inductor.standalone_compile`` in older builds); None when torch has neither."""
+    import torch
+
+    cls = getattr(torch._inductor, "CompiledArtifact", None)
+    if cls is None:
+        with contextlib.suppress(ImportError):
+            from torch._inductor.standalone_compile import CompiledArtifact as cls  # type: ignore
+    return cls
+
+
+def _returns_tuple(graph: Any) -> bool:
+    try:
+        from torch._inductor.compile_fx import graph_returns_tuple
+    except ImportError:  # pragma: no cover
+        return True
+    return bool(graph_returns_tuple(graph))
+
+
+class _SingleOutput:
+    """A loaded artifact of a piece whose graph returns one value (not a tuple).
+
+    ``standalone_compile`` compiles such a graph as if it returned a 1-tuple and unwraps the
+    result itself, but an artifact loaded from disk returns the 1-list; unwrap it here so a
+    loaded piece returns exactly what the freshly compiled one did. Only a list/tuple result is
+    unwrapped, so a torch that fixes this upstream is not double-unwrapped.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if isinstance(out, (list, tuple)) and len(out) == 1:
+            return out[0]
+        return out
+
+
+class PieceCache:
+    """The ``cache=`` object of :class:`~freezeframe.compile.compilers.CompilerManager`.
+
+    Inductor pieces: ``load`` turns a verified artifact into a runnable without running
+    Inductor, ``save`` writes the ``standalone_compile`` artifact. Eager pieces have nothing
+    worth saving (the runnable is the FX graph), so they are neither looked up nor counted.
+    Every failure here is a logged miss; the compile path then compiles as if uncached.
+    """
+
+    def __init__(self, cache: CompileCache) -> None:
+        self.cache = cache
+
+    @staticmethod
+    def _cacheable(compiler: Any) -> bool:
+        return getattr(compiler, "name", "") == "inductor" and _compiled_artifact_class() \
+            is not None
+
+    @staticmethod
+    def _graph_key(compiler: Any, graph: Any, example_inputs: Sequence[Any],
+                   compile_range: Any) -> str:
+        return graph_hash(graph, example_inputs, [list(_range_bounds(compile_range)),
+                                                  getattr(compiler, "name", "")])
+
+    def load(self, compiler: Any, graph: Any, example_inputs: list[Any], compile_range: Any,
+             piece_index: int) -> Callable[..., Any] | None:
+        if not self._cacheable(compiler):
+            return None
+        gkey = self._graph_key(compiler, graph, example_inputs, compile_range)
+        found = self.cache.load_artifact(piece_index, compile_range, gkey)
+        if found is None:
+            self.cache.record_miss()
+            return None
+        path, payload = found
+        try:
+            runnable = self._load_payload(payload, path.parent)
+        except Exception as exc:  # any failure is a miss: torch key mismatch, unpickling, ...
+            self.cache.discard(path, f"{type(exc).__name__}: {exc}")
+            self.cache.record_miss()
+            return None
+        self.cache.record_hit()
+        if not _returns_tuple(graph):
+            runnable = _SingleOutput(runnable)
+        return runnable
+
+    @staticmethod
+    def _load_payload(payload: bytes, where: Path) -> Callable[..., Any]:
+        cls = _compiled_artifact_class()
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=".load.", suffix=".bin")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+            return cls.load(path=tmp, format="binary")  # type: ignore[no-any-return]
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def save(self, compiler: Any, graph: Any, example_inputs: list[Any], compile_range: Any,
+             piece_index: int, runnable: Callable[..., Any]) -> None:
+        if not self._cacheable(compiler) or not callable(getattr(runnable, "save", None)):
+            return
+        gkey = self._graph_key(compiler, graph, example_inputs, compile_range)
+        try:
+            entry = self.cache._entry()
+            fd, tmp = tempfile.mkstemp(dir=entry, prefix=".save.", suffix=".bin")
+            os.close(fd)
+            try:
+                runnable.save(path=tmp, format="binary")  # type: ignore[attr-defined]
+                payload = Path(tmp).read_bytes()
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            self.cache.save_artifact(piece_index, compile_range, payload, graph_key=gkey,
+                                     compiler=getattr(compiler, "name", ""))
+        except CacheError:
+            raise
+        except Exception as exc:  # e.g. a graph standalone_compile cannot serialise
+            logger.warning("could not save the compiled piece %d for sizes %s to the cache "
+                           "(%s: %s); the next start compiles it again", piece_index,
+                           compile_range, type(exc).__name__, exc)
+
+
+def _source_name(node: Any) -> str | None:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return None
+    name = source.name  # a property in torch 2.13, a method in older builds
+    return str(name() if callable(name) else name)
+
+
+class _OutputRecorder:
+    """Wraps the compiled graph Dynamo's bytecode calls, to see the first call's graph outputs
+    (so the forward's return value can be expressed in terms of them for the saved trace)."""
+
+    __slots__ = ("fn", "outputs")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.outputs: list[Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if self.outputs is None:
+            self.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        return out
+
+
+class _LoadedTrace:
+    """The forward of a warm start that skipped Dynamo: binds the call's arguments to the
+    graph inputs exactly as Dynamo's bytecode did (same source expressions), calls the compiled
+    graph and rebuilds the return value from the graph outputs."""
+
+    def __init__(self, module: Any, fn: Callable[..., Any], sources: Sequence[str],
+                 out_spec: str, out_leaves: Sequence[tuple[str, Any]]) -> None:
+        import torch.utils._pytree as pytree
+
+        func: Any = module.forward.__func__
+        code = func.__code__
+        nargs = code.co_argcount + code.co_kwonlyargcount
+        names = list(code.co_varnames[:nargs])
+        params = names[: code.co_argcount]
+        if code.co_posonlyargcount:
+            params.insert(code.co_posonlyargcount, "/")
+        extra = code.co_argcount
+        if code.co_flags & inspect.CO_VARARGS:
+            params.append("*" + code.co_varnames[nargs])
+            extra += 1
+        elif code.co_kwonlyargcount:
+            params.append("*")
+        params.extend(names[code.co_argcount:])
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            params.append("**" + code.co_varnames[nargs + (1 if code.co_flags &
+                                                            inspect.CO_VARARGS else 0)])
+        local_names = [p.lstrip("*") for p in params if p not in ("/", "*")]
+        frame = ", ".join(f"{n!r}: {n}" for n in local_names)
+        body = ", ".join(sources)
+        # L mirrors the frame Dynamo traced (its locals at entry), G the forward's globals.
+        text = (f"def _bind({', '.join(params)}):\n    L = {{{frame}}}\n"
+                f"    return ({body},)\n")
+        namespace: dict[str, Any] = {"G": func.__globals__, "__builtins__": {}}
+        exec(compile(text, "<freezeframe saved trace>", "exec"), namespace)
+        bind = namespace["_bind"]
+        bind.__defaults__ = func.__defaults__
+        bind.__kwdefaults__ = func.__kwdefaults__
+        self._module = module
+        self._bind = bind
+        self._fn = fn
+        self._spec = pytree.treespec_loads(out_spec)
+        self._leaves = list(out_leaves)
+        self._unflatten = pytree.tree_unflatten
+        self._single = self._spec.is_leaf() and self._leaves[0][0] == "out"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outs = self._fn(*self._bind(self._module, *args, **kwargs))
+        if self._single:
+            return outs[self._leaves[0][1]]
+        leaves = [outs[v] if kind == "out" else v for kind, v in self._leaves]
+        return self._unflatten(leaves, self._spec)
+
+
+class ModelCache:
+    """Drives the cache for one :class:`~freezeframe.compile.model.CompiledModel`.
+
+    The compile path calls :meth:`wrap_backend` around its Dynamo backend when it builds the
+    trace, and routes calls through :meth:`__call__` (in place of the trace-once callable).
+    The first call opens the cache (the input signature is part of the key), takes the model
+    lock and then either
+
+    * loads the saved trace (sources unchanged) and feeds the stored graph to the backend, so
+      Dynamo never runs and every Inductor piece comes from an artifact; or
+    * traces with Dynamo as usual, records the traced files, and saves the trace afterwards
+      when the forward's inputs and outputs can be expressed without Dynamo's bytecode.
+
+    The saved trace assumes what trace-once already assumes: guards are dropped and forward has
+    no Python side effects outside the graph.
+    """
+
+    def __init__(self, model: Any, dynamic_arg_dims: Mapping[str, Any] | None = None, *,
+                 model_key: str | None = None) -> None:
+        self._model = model
+        self._dims = dict(dynamic_arg_dims or {})
+        self._user_key = model_key
+        self.trace: Callable[..., Any] | None = None  # the trace-once callable, set by the model
+        self._backend: Callable[..., Any] | None = None
+        self._recorder: _OutputRecorder | None = None
+        self._graph_blob: bytes | None = None
+        self._sources: list[str] | None = None
+        self._run: Callable[..., Any] | None = None
+        self.cache: CompileCache | None = None
+        self.trace_loaded = False
+
+    # -- hooks for the compile path -------------------------------------------------------
+    def wrap_backend(self, backend: Callable[..., Any]) -> Callable[..., Any]:
+        """The Dynamo backend to trace with: records traced files for the key and keeps what
+        the saved trace needs, then calls ``backend``."""
+        self._backend = backend
+
+        def cached_backend(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+            if self.cache is not None:
+                self.cache.add_traced_files(traced_files_from_graph(gm))
+                self._keep_graph(gm)
+            fn = backend(gm, example_inputs)
+            if self.cache is not None and self._graph_blob is not None:
+                self._recorder = _OutputRecorder(fn)
+                return self._recorder
+            return fn
+
+        return cached_backend
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._run is not None:
+            return self._run(*args, **kwargs)
+        return self._first_call(args, kwargs)
+
+    # -- first call -----------------------------------------------------------------------
+    def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        model, trace = self._model, self.trace
+        if trace is None:
+            raise CacheError("ModelCache.trace was not set; the compile path must assign the "
+                             "trace-once callable before the first call")
+        self.cache = CompileCache.open(model.config, stats=model.stats, module=model.module,
+                                       args=args, kwargs=kwargs, dynamic_arg_dims=self._dims,
+                                       model_key=self._user_key)
+        if self.cache is None:
+            self._run = trace
+            return trace(*args, **kwargs)
+        manager = getattr(model, "manager", None)
+        if manager is not None:
+            manager.cache = PieceCache(self.cache)
+        with self.cache.lock(), self.cache.inductor_dir(model.config.backend == "inductor"):
+            loaded = self._try_saved_trace()
+            if loaded is not None:
+                self._run = loaded
+                return loaded(*args, **kwargs)
+            out = trace(*args, **kwargs)
+            self._save_trace(out)
+        self._run = trace
+        return out
+
+    def _keep_graph(self, gm: Any) -> None:
+        try:
+            from torch.fx._graph_pickler import GraphPickler, Options
+        except ImportError:  # pragma: no cover - torch without a graph pickler
+            return
+        sources = []
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            name = _source_name(node)
+            if name is None or not (name.startswith("L[") or name.startswith("G[")):
+                logger.debug("graph input %s has no plain source; no saved trace", node.name)
+                return
+            sources.append(name)
+        try:
+            self._graph_blob = GraphPickler.dumps(gm, Options(ops_filter=None))
+        except Exception as exc:
+            logger.info("the traced graph cannot be serialised (%s: %s); warm starts will "
+                        "trace with Dynamo", type(exc).__name__, exc)
+            return
+        self._sources = sources
+
+    def _save_trace(self, out: Any) -> None:
+        import pickle
+
+        import torch
+        import torch.utils._pytree as pytree
+
+        cache, rec = self.cache, self._recorder
+        if cache is None or rec is None or rec.outputs is None or self._sources is None:
+            return
+        leaves, spec = pytree.tree_flatten(out)
+        described: list[tuple[str, Any]] = []
+        for leaf in leaves:
+            index = next((i for i, o in enumerate(rec.outputs) if o is leaf), None)
+            if index is not None:
+                described.append(("out", index))
+            elif not isinstance(leaf, torch.Tensor) and _primitive(leaf):
+                described.append(("const", leaf))
+            else:
+                logger.info("forward returns a value that is not a graph output; warm starts "
+                            "will trace with Dynamo")
+                return
+        try:
+            spec_text = pytree.treespec_dumps(spec)
+        except Exception as exc:
+            logger.info("forward's return structure cannot be saved (%s); warm starts will "
+                        "trace with Dynamo", exc)
+            return
+        payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
+                                "out_spec": spec_text, "out_leaves": described})
+        try:
+            cache.save_trace(payload, {"inputs": len(self._sources)})
+        except CacheError:
+            raise
+        except Exception as exc:
+            logger.warning("could not save the trace (%s: %s)", type(exc).__name__, exc)
+
+    def _try_saved_trace(self) -> Callable[..., Any] | None:
+        import pickle
+
+        cache = self.cache
+        if cache is None or self._backend is None:
+            return None
+        if getattr(getattr(self._model.module, "forward", None), "__func__", None) is None:
+            return None
+        found = cache.load_trace()
+        if found is None:
+            return None
+        try:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.fx._graph_pickler import GraphPickler
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            data = pickle.loads(found[1])
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            gm: Any = GraphPickler.loads(data["graph"], fake_mode)
+            gm.recompile()
+            example_inputs = [n.meta.get("example_value", n.meta.get("val"))
+                              for n in gm.graph.nodes if n.op == "placeholder"]
+        except Exception as exc:
+            cache.discard(cache.trace_path(), f"{type(exc).__name__}: {exc}")
+            return None
+        fn = self._backend(gm, example_inputs)  # compile errors here are real errors
+        self.trace_loaded = True
+        self._model.stats.inc("traces_loaded")
+        logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
+        return _LoadedTrace(self._model.module, fn, data["sources"], data["out_spec"],
+                            data["out_leaves"])
