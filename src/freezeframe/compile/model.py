@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from freezeframe.compile.backend import CompileBackend
+from freezeframe.compile.cache import ModelCache
 from freezeframe.compile.compilers import CompilerManager, make_compiler
 from freezeframe.compile.split import Piece
 from freezeframe.compile.trace import TraceOnce, resolve_dynamic_arg_dims
@@ -71,6 +72,7 @@ class CompiledModel(nn.Module):
         self.manager: CompilerManager | None = None
         self._backend: CompileBackend | None = None
         self._trace: TraceOnce | None = None
+        self._cache: ModelCache | None = None
         self._stock: Callable[..., Any] | None = None
         mode = config.mode
         if mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.PIECEWISE):
@@ -81,10 +83,13 @@ class CompiledModel(nn.Module):
             self._backend = CompileBackend(config, self.stats, self.manager,
                                            graph_backend=self._graph_backend,
                                            window=self.capture_window, model_key=self.model_key)
-            self._trace = TraceOnce(module, self._backend, dims)
+            # The on-disk cache wraps the backend (traced files, saved trace) and the first call.
+            self._cache = ModelCache(self, dims, model_key=model_key)
+            self._trace = TraceOnce(module, self._cache.wrap_backend(self._backend), dims)
+            self._cache.trace = self._trace
         elif mode is CompilationMode.STOCK_TORCH_COMPILE:
             self._stock = torch.compile(module.forward, backend=self._stock_backend)
-        self._run: Callable[..., Any] = (self._trace if self._trace is not None
+        self._run: Callable[..., Any] = (self._cache if self._cache is not None
                                          else self._stock if self._stock is not None
                                          else module.forward)
 
