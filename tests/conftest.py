@@ -32,3 +32,11 @@ def ff_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtu
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="freezeframe"):
         yield caplog
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never read or write the user's on-disk compile cache, and a trace saved by one
+    test is never loaded by another: the cache is off unless a test turns it on (the cache
+    tests delete this variable and give a tmp_path cache_dir)."""
+    monkeypatch.setenv("FREEZEFRAME_DISABLE_CACHE", "1")
