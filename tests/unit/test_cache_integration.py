@@ -1,0 +1,187 @@
+"""The compile cache end to end: separate processes compile and load the same model.
+
+Every process gets a tmp_path cache root (never the user's cache). Eager tests exercise the saved
+trace (a warm start without Dynamo); the ``inductor`` tests compile real Inductor pieces and
+check that a warm start runs no Inductor at all, that two concurrent processes compile each
+piece once between them, and that a corrupt artifact is recompiled, not loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import freezeframe as ff
+from freezeframe.compile import cache as ff_cache
+from tests.helpers.toy_models import SillyModel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# One process: compile SillyModel (5 pieces, 3 capturable), run two sizes, print the counters
+# and outputs as JSON on the last line.
+_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{src!r}, {root!r}]
+    import torch
+    import freezeframe as ff
+    {model_import}
+    cfg = ff.CompilationConfig(mode="piecewise", backend={backend!r},
+                               splitting_ops=["silly::attention"], cudagraph_mode="none",
+                               cache_dir={cache_dir!r})
+    model = ff.compile({model_expr}, cfg, dynamic_arg_dims={{"x": 0}})
+    outs = [model(torch.zeros(2)).tolist(), model(torch.arange(5.0)).tolist()]
+    print(json.dumps({{"stats": model.stats.snapshot(), "outs": outs}}))
+""")
+
+
+def _child_code(cache_dir: Path, backend: str, *, model_import: str | None = None,
+                model_expr: str = "SillyModel()") -> str:
+    return _CHILD.format(src=str(ROOT / "src"), root=str(ROOT), backend=backend,
+                         cache_dir=str(cache_dir), model_expr=model_expr,
+                         model_import=model_import
+                         or "from tests.helpers.toy_models import SillyModel")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(ff_cache.ENV_DISABLE_CACHE, None)
+    env.pop(ff_cache.ENV_CACHE_DIR, None)
+    return env
+
+
+def _run(code: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _start(code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def _expected(xs: list[float]) -> list[float]:
+    return [9 * x + 19 for x in xs]  # SillyModel is 9x + 19 elementwise
+
+
+OUTS = [_expected([0.0, 0.0]), _expected([0.0, 1.0, 2.0, 3.0, 4.0])]
+
+
+# -- eager: the saved trace ----------------------------------------------------------------
+def test_eager_warm_start_loads_the_trace_in_process(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager",
+                               splitting_ops=["silly::attention"], cudagraph_mode="none",
+                               cache_dir=str(tmp_path / "c"))
+    cold = ff.compile(SillyModel(), cfg, dynamic_arg_dims={"x": 0})
+    with cold.stats.expect(graphs_traced=1, traces_loaded=0, artifacts_saved=1,
+                           artifacts_loaded=0, eager_compiles=3, cache_hits=0, cache_misses=0):
+        assert cold(torch.zeros(2)).tolist() == OUTS[0]
+    warm = ff.compile(SillyModel(), cfg, dynamic_arg_dims={"x": 0})
+    with warm.stats.expect(graphs_traced=1, traces_loaded=1, artifacts_saved=0,
+                           artifacts_loaded=1, eager_compiles=3, pieces=5):
+        assert warm(torch.zeros(2)).tolist() == OUTS[0]
+    assert warm(torch.arange(5.0)).tolist() == OUTS[1]
+    assert [p.is_splitting_op for p in warm.pieces] == [False, True, False, True, False]
+
+
+def test_cache_off_touches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager",
+                               splitting_ops=["silly::attention"], cudagraph_mode="none",
+                               cache_dir=str(tmp_path / "c"), use_cache=False)
+    model = ff.compile(SillyModel(), cfg, dynamic_arg_dims={"x": 0})
+    with model.stats.expect(artifacts_saved=0, traces_loaded=0, graphs_traced=1):
+        assert model(torch.zeros(2)).tolist() == OUTS[0]
+    assert not (tmp_path / "c").exists()
+
+
+_VARIANT = """
+import torch
+from torch import nn
+from tests.helpers.silly import attention
+
+class Variant(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + {a}
+        x = attention(x, x, x)
+        return x + 1
+"""
+
+
+def test_source_change_invalidates_the_trace(tmp_path: Path) -> None:
+    mod_dir = tmp_path / "mods"
+    mod_dir.mkdir()
+    src = mod_dir / "variant_model.py"
+    src.write_text(_VARIANT.format(a=1))
+    imp = f"sys.path.insert(0, {str(mod_dir)!r}); from variant_model import Variant"
+    code = _child_code(tmp_path / "c", "eager", model_import=imp, model_expr="Variant()")
+    first = _run(code)
+    assert first["outs"][0] == [4.0, 4.0]  # 3 * (0 + 1) + 1
+    assert first["stats"].get("traces_loaded", 0) == 0
+    second = _run(code)
+    assert second["stats"]["traces_loaded"] == 1 and second["outs"] == first["outs"]
+    src.write_text(_VARIANT.format(a=2))
+    third = _run(code)
+    assert third["stats"].get("traces_loaded", 0) == 0  # Dynamo traced the new source
+    assert third["outs"][0] == [7.0, 7.0]  # 3 * (0 + 2) + 1: never the stale trace
+    assert len(ff_cache.list_entries(tmp_path / "c")) == 2
+
+
+# -- Inductor: artifacts ---------------------------------------------------------------------
+@pytest.mark.inductor
+def test_inductor_cold_then_warm_then_corrupt(tmp_path: Path) -> None:
+    code = _child_code(tmp_path / "c", "inductor")
+    cold = _run(code)
+    assert cold["outs"] == OUTS
+    s = cold["stats"]
+    assert (s["inductor_compiles"], s["cache_misses"], s.get("cache_hits", 0)) == (3, 3, 0)
+    assert s["artifacts_saved"] == 4  # 3 pieces x 1 range + the trace
+    warm = _run(code)
+    assert warm["outs"] == OUTS
+    w = warm["stats"]
+    assert w.get("inductor_compiles", 0) == 0 and w.get("cache_misses", 0) == 0
+    assert (w["cache_hits"], w["artifacts_loaded"], w["traces_loaded"]) == (3, 4, 1)
+    assert w["backend_compilations"] == s["backend_compilations"] == 3
+
+    # damage one piece: it is detected, recompiled and rewritten; the others still load
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    victim = entry.path / "piece_2_range_1_8192.bin"
+    blob = victim.read_bytes()
+    victim.write_bytes(blob[: len(blob) // 2])
+    fixed = _run(code)
+    assert fixed["outs"] == OUTS
+    f = fixed["stats"]
+    assert (f["inductor_compiles"], f["cache_misses"], f["cache_hits"]) == (1, 1, 2)
+    ff_cache.unpack_artifact(victim.read_bytes())  # whole again
+
+
+@pytest.mark.inductor
+def test_inductor_two_processes_compile_once(tmp_path: Path) -> None:
+    code = _child_code(tmp_path / "c", "inductor")
+    procs = [_start(code), _start(code)]
+    results = [_finish(p) for p in procs]
+    assert all(r["outs"] == OUTS for r in results)
+    compiles = sorted(r["stats"].get("inductor_compiles", 0) for r in results)
+    hits = sorted(r["stats"].get("cache_hits", 0) for r in results)
+    assert compiles == [0, 3] and hits == [0, 3]
+    leftovers = [p for p in (tmp_path / "c").rglob("*.tmp")]
+    assert leftovers == []
