@@ -277,3 +277,13 @@ def test_weak_ref_tensor_views_the_same_memory() -> None:
 def test_cuda_backend_construction_touches_no_cuda() -> None:
     backend = CudaBackend()  # no pool is created until the first capture
     assert backend.name == "cuda" and "pools=[]" in repr(backend)
+
+
+def test_debug_check_names_a_shape_change_at_the_same_address() -> None:
+    buffer = torch.zeros(8)
+    w = make(lambda a: a * 2, debug=True)
+    with step(2):
+        w(buffer[:2])
+        with pytest.raises(InputMismatchError, match=r"argument 0 .* is \(3,\) torch.float32, "
+                                                     r"but the graph was captured with \(2,\)"):
+            w(buffer[:3])  # same address, wrong size for the descriptor

@@ -104,16 +104,28 @@ class _Entry:
     warmups_done: int = 0
     graph: CapturedGraph | None = None
     output: Any = None
-    # (argument position or keyword name, data_ptr) for every tensor argument, in debug mode
-    input_addresses: list[tuple[int | str, int]] | None = None
+    # what each tensor argument looked like at capture (debug mode only)
+    input_addresses: list[_TensorArg] | None = None
 
 
-def _tensor_addresses(args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> list[tuple[int | str, int]]:
-    found: list[tuple[int | str, int]] = [
-        (i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    found.extend((k, v.data_ptr()) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    return found
+@dataclasses.dataclass(frozen=True)
+class _TensorArg:
+    """Where a tensor argument lived and what it was, for the debug-mode replay check."""
+
+    name: int | str  # argument position, or keyword name
+    address: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def where(self) -> str:
+        return f"argument {self.name}" if isinstance(self.name, int) else f"keyword {self.name!r}"
+
+
+def _tensor_addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[_TensorArg]:
+    named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    return [_TensorArg(name, value.data_ptr(), tuple(value.shape), value.dtype)
+            for name, value in named if isinstance(value, torch.Tensor)]
 
 
 class GraphWrapper:
@@ -256,20 +268,25 @@ class GraphWrapper:
         self.stats.inc("replays")
         return entry.output
 
-    def _check_addresses(self, key: BatchDescriptor, captured: list[tuple[int | str, int]],
-                         new: list[tuple[int | str, int]]) -> None:
-        if [name for name, _ in captured] != [name for name, _ in new]:
+    def _check_addresses(self, key: BatchDescriptor, captured: list[_TensorArg],
+                         new: list[_TensorArg]) -> None:
+        graph = f"the {self.runtime_mode.name} graph for {key}"
+        if [a.name for a in captured] != [a.name for a in new]:
             raise InputMismatchError(
-                f"the {self.runtime_mode.name} graph for {key} was captured with tensor "
-                f"arguments at {[n for n, _ in captured]} but is replayed with tensor "
-                f"arguments at {[n for n, _ in new]}; call it with the same arguments it was "
-                "captured with")
-        for (name, old_ptr), (_, new_ptr) in zip(captured, new, strict=True):
-            if old_ptr != new_ptr:
-                where = f"argument {name}" if isinstance(name, int) else f"keyword {name!r}"
+                f"{graph} was captured with tensor arguments at {[a.name for a in captured]} "
+                f"but is replayed with tensor arguments at {[a.name for a in new]}; call it "
+                "with the same arguments it was captured with")
+        for old, now in zip(captured, new, strict=True):
+            if old.address != now.address:
                 raise InputMismatchError(
-                    f"{where} of the {self.runtime_mode.name} graph for {key} has address "
-                    f"{new_ptr:#x}, but the graph was captured reading address {old_ptr:#x}: "
-                    "a replay reads the captured buffer, so this call would silently use stale "
-                    "data. Copy the new data into the captured buffer (captured.copy_(new) or "
-                    "write into a slice of a persistent buffer) instead of passing a new tensor")
+                    f"{now.where} of {graph} has address {now.address:#x}, but the graph was "
+                    f"captured reading address {old.address:#x}: a replay reads the captured "
+                    "buffer, so this call would silently use stale data. Copy the new data "
+                    "into the captured buffer (captured.copy_(new) or write into a slice of a "
+                    "persistent buffer) instead of passing a new tensor")
+            if (old.shape, old.dtype) != (now.shape, now.dtype):
+                raise InputMismatchError(
+                    f"{now.where} of {graph} is {tuple(now.shape)} {now.dtype}, but the graph "
+                    f"was captured with {tuple(old.shape)} {old.dtype}: a replay always works "
+                    "on the captured shape. Pad the batch to the descriptor's size (the "
+                    "dispatcher's padded num_tokens) and pass the slice of that size")
