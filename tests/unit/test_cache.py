@@ -327,3 +327,35 @@ def test_cli_list_info_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert cache_cli.main(["cache", "clear", "--dir", root, "-y"]) == 0
     assert "removed 1 entry" in capsys.readouterr().out
     assert ff_cache.list_entries(tmp_path / "c") == []
+
+
+def test_saved_trace_fit_check() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from freezeframe.compile.cache import _first_mismatch
+
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env) as mode:
+        sym = shape_env.create_unbacked_symint()
+        x = mode.from_tensor(torch.zeros(4, 8))
+        w = torch.empty(sym, 8)
+    expected = [x, w, sym]
+    assert _first_mismatch([torch.zeros(4, 8), torch.zeros(3, 8), 3], expected) is None
+    assert _first_mismatch([torch.zeros(4, 8), torch.zeros(9, 8), 9], expected) is None
+    assert "dim 1" in _first_mismatch([torch.zeros(4, 9), torch.zeros(3, 8), 3], expected)
+    assert "torch.float64" in _first_mismatch(
+        [torch.zeros(4, 8, dtype=torch.float64), torch.zeros(3, 8), 3], expected)
+    assert "graph inputs" in _first_mismatch([torch.zeros(4, 8)], expected)
+
+
+def test_plain_tensor_attributes_and_dataclasses_are_in_the_key(tmp_path: Path) -> None:
+    a, b = Tiny(), Tiny()
+    a.kv = torch.zeros(16, 2)
+    b.kv = torch.zeros(32, 2)
+    assert ff_cache.module_signature(a) != ff_cache.module_signature(b)
+    b.kv = torch.ones(16, 2)  # values do not matter, shapes do
+    assert ff_cache.module_signature(a) == ff_cache.module_signature(b)
+    a.cfg = CompilationConfig(max_num_seqs=8)
+    b.cfg = CompilationConfig(max_num_seqs=16)
+    assert ff_cache.module_signature(a) != ff_cache.module_signature(b)

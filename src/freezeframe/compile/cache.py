@@ -300,14 +300,31 @@ def _primitive(value: Any) -> bool:
     return False
 
 
+def _describe(value: Any) -> Any:
+    """A stable description of a module attribute for the key: plain values as themselves,
+    tensors by shape/dtype (a KV cache kept as a plain attribute), dataclasses by their fields,
+    anything else by type only (its repr may hold an address)."""
+    import torch
+
+    if _primitive(value):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype), value.device.type]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [type(value).__qualname__,
+                {f.name: _describe(getattr(value, f.name)) for f in dataclasses.fields(value)}]
+    return ["object", type(value).__qualname__]
+
+
 def module_signature(module: torch.nn.Module) -> str:
-    """A hash of what shapes the trace besides the source: each submodule's class and plain
-    attributes (``eps``, ``num_heads``...), and every parameter's and buffer's name, shape,
-    dtype and device. Two instances of one class with different sizes get different keys."""
+    """A hash of what shapes the trace besides the source: each submodule's class and public
+    attributes (``eps``, ``num_heads``, config dataclasses, plain tensor attributes...), and
+    every parameter's and buffer's name, shape, dtype and device. Two instances of one class
+    with different sizes get different keys."""
     items: list[Any] = []
     for name, sub in module.named_modules():
-        attrs = {k: v for k, v in sorted(vars(sub).items())
-                 if not k.startswith("_") and _primitive(v)}
+        attrs = {k: _describe(v) for k, v in sorted(vars(sub).items())
+                 if not k.startswith("_")}
         items.append([name, type(sub).__module__, type(sub).__qualname__, attrs])
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         items.append([name, list(tensor.shape), str(tensor.dtype), tensor.device.type,
@@ -952,8 +969,8 @@ class _LoadedTrace:
     graph inputs exactly as Dynamo's bytecode did (same source expressions), calls the compiled
     graph and rebuilds the return value from the graph outputs."""
 
-    def __init__(self, module: Any, fn: Callable[..., Any], sources: Sequence[str],
-                 out_spec: str, out_leaves: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, module: Any, sources: Sequence[str], out_spec: str,
+                 out_leaves: Sequence[tuple[str, Any]]) -> None:
         import torch.utils._pytree as pytree
 
         func: Any = module.forward.__func__
@@ -986,14 +1003,18 @@ class _LoadedTrace:
         bind.__kwdefaults__ = func.__kwdefaults__
         self._module = module
         self._bind = bind
-        self._fn = fn
+        self.fn: Callable[..., Any] | None = None  # the compiled graph, set once checked
         self._spec = pytree.treespec_loads(out_spec)
         self._leaves = list(out_leaves)
         self._unflatten = pytree.tree_unflatten
         self._single = self._spec.is_leaf() and self._leaves[0][0] == "out"
 
+    def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """The graph inputs for a call, evaluated as Dynamo's bytecode would."""
+        return self._bind(self._module, *args, **kwargs)  # type: ignore[no-any-return]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs = self._fn(*self._bind(self._module, *args, **kwargs))
+        outs = self.fn(*self._bind(self._module, *args, **kwargs))  # type: ignore[misc]
         if self._single:
             return outs[self._leaves[0][1]]
         leaves = [outs[v] if kind == "out" else v for kind, v in self._leaves]
@@ -1070,7 +1091,7 @@ class ModelCache:
         if manager is not None:
             manager.cache = PieceCache(self.cache)
         with self.cache.lock(), self.cache.inductor_dir(model.config.backend == "inductor"):
-            loaded = self._try_saved_trace()
+            loaded = self._try_saved_trace(args, kwargs)
             if loaded is not None:
                 self._run = loaded
                 return loaded(*args, **kwargs)
@@ -1137,7 +1158,8 @@ class ModelCache:
         except Exception as exc:
             logger.warning("could not save the trace (%s: %s)", type(exc).__name__, exc)
 
-    def _try_saved_trace(self) -> Callable[..., Any] | None:
+    def _try_saved_trace(self, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Callable[..., Any] | None:
         import pickle
 
         cache = self.cache
@@ -1159,12 +1181,44 @@ class ModelCache:
             gm.recompile()
             example_inputs = [n.meta.get("example_value", n.meta.get("val"))
                               for n in gm.graph.nodes if n.op == "placeholder"]
+            loaded = _LoadedTrace(self._model.module, data["sources"], data["out_spec"],
+                                  data["out_leaves"])
         except Exception as exc:
             cache.discard(cache.trace_path(), f"{type(exc).__name__}: {exc}")
             return None
-        fn = self._backend(gm, example_inputs)  # compile errors here are real errors
+        mismatch = _first_mismatch(loaded.bind(*args, **kwargs), example_inputs)
+        if mismatch is not None:
+            logger.info("the saved trace does not fit this call (%s); tracing with Dynamo",
+                        mismatch)
+            return None
+        loaded.fn = self._backend(gm, example_inputs)  # compile errors here are real errors
         self.trace_loaded = True
         self._model.stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
-        return _LoadedTrace(self._model.module, fn, data["sources"], data["out_spec"],
-                            data["out_leaves"])
+        return loaded
+
+
+def _first_mismatch(actual: Sequence[Any], expected: Sequence[Any]) -> str | None:
+    """Why the real graph inputs of this call do not fit the saved trace's placeholders, or
+    None: same count, tensors with the same dtype, device type, rank and every static size
+    (symbolic sizes fit anything), plain ints for symbolic ones."""
+    import torch
+
+    if len(actual) != len(expected):
+        return f"{len(actual)} graph inputs, the trace has {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return f"input {i} is {type(a).__name__}, the trace has a tensor"
+            if a.dtype != e.dtype or a.device.type != e.device.type or a.dim() != e.dim():
+                return (f"input {i} is {a.dtype}/{a.device.type}/rank {a.dim()}, the trace has "
+                        f"{e.dtype}/{e.device.type}/rank {e.dim()}")
+            for d, (sa, se) in enumerate(zip(a.shape, e.shape, strict=True)):
+                if isinstance(se, int) and sa != se:
+                    return f"input {i} has size {sa} in dim {d}, the trace has {se}"
+        elif isinstance(e, torch.SymInt):
+            if not isinstance(a, int):
+                return f"input {i} is {type(a).__name__}, the trace has a size"
+        elif e is not None and not isinstance(a, type(e)):
+            return f"input {i} is {type(a).__name__}, the trace has {type(e).__name__}"
+    return None
