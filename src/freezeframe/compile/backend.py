@@ -142,15 +142,18 @@ class CompileBackend:
         self._called = True
         self.stats.inc("graphs_traced")
         start = time.perf_counter()
+        # Dynamo hands over real example tensors; the symbolic shapes live in the graph's
+        # placeholder metadata, and those fake values are what the rest works from.
+        fake_inputs = _placeholder_values(gm) or list(example_inputs)
         fn: Callable[..., Any]
         if self.config.mode is CompilationMode.DYNAMO_TRACE_ONCE:
-            fn = self._compile_whole(gm, example_inputs)
+            fn = self._compile_whole(gm, fake_inputs)
         else:
-            fn = self._compile_piecewise(gm, example_inputs)
+            fn = self._compile_piecewise(gm, fake_inputs)
         graphs_on = (self.graph_backend is not None
                      and self.config.cudagraph_mode is not CUDAGraphMode.NONE)
         if self.config.cudagraph_copy_inputs and graphs_on:
-            fn = _CopyInputs(fn, example_inputs, self.config.max_num_tokens)
+            fn = _CopyInputs(fn, fake_inputs, self.config.max_num_tokens)
         self.compile_seconds = time.perf_counter() - start
         logger.info("%s: compiled %d piece(s) (%d capturable) with %s in %.3f s total",
                     self.model_key, len(self.pieces), sum(p.capturable for p in self.pieces),
