@@ -1114,12 +1114,36 @@ class ModelCache:
                 logger.debug("graph input %s has no plain source; no saved trace", node.name)
                 return
             sources.append(name)
+        # Only the placeholders' fake values are stored (some intermediate fake tensors hold
+        # unpicklable state); the loader re-derives the others by fake propagation.
+        # A placeholder that is a view (say a reshaped block table) is stored as a plain tensor
+        # of the same sizes and strides: what the graph sees, without the view's base.
+        stripped: dict[tuple[Any, str], Any] = {}
+        for node in gm.graph.nodes:
+            for key in ("example_value", "val"):
+                if key not in node.meta:
+                    continue
+                if node.op != "placeholder":
+                    stripped[(node, key)] = node.meta.pop(key)
+                else:
+                    value = node.meta[key]
+                    plain = _unviewed(value)
+                    if plain is not value:
+                        stripped[(node, key)] = value
+                        node.meta[key] = plain
         try:
-            self._graph_blob = GraphPickler.dumps(gm, Options(ops_filter=None))
+            # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold
+            # real tensors and weak references).
+            self._graph_blob = GraphPickler.dumps(
+                gm, Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__))
         except Exception as exc:
             logger.info("the traced graph cannot be serialised (%s: %s); warm starts will "
-                        "trace with Dynamo", type(exc).__name__, exc)
+                        "trace with Dynamo", type(exc).__name__, exc,
+                        exc_info=logger.isEnabledFor(logging.DEBUG))
             return
+        finally:
+            for (node, key), value in stripped.items():
+                node.meta[key] = value
         self._sources = sources
 
     def _save_trace(self, out: Any) -> None:
@@ -1181,6 +1205,7 @@ class ModelCache:
             gm.recompile()
             example_inputs = [n.meta.get("example_value", n.meta.get("val"))
                               for n in gm.graph.nodes if n.op == "placeholder"]
+            _propagate_fake_values(gm, example_inputs, fake_mode)
             loaded = _LoadedTrace(self._model.module, data["sources"], data["out_spec"],
                                   data["out_leaves"])
         except Exception as exc:
@@ -1196,6 +1221,33 @@ class ModelCache:
         self._model.stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
         return loaded
+
+
+_KEEP_META = frozenset({"example_value", "val", "stack_trace", "tensor_meta"})
+
+
+def _unviewed(value: Any) -> Any:
+    """A fake tensor that is a view, as a fresh tensor of the same sizes/strides/dtype."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or not value._is_view():
+        return value
+    mode = getattr(value, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        plain = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                    device=value.device, requires_grad=value.requires_grad)
+    return plain
+
+
+def _propagate_fake_values(gm: Any, example_inputs: Sequence[Any], fake_mode: Any) -> None:
+    """Recompute every node's fake value (``example_value`` / ``val``, as Dynamo leaves them)
+    from the placeholders', so splitting and Inductor see the graph as Dynamo produced it."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_inputs)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output") and "val" in node.meta:
+            node.meta.setdefault("example_value", node.meta["val"])
 
 
 def _first_mismatch(actual: Sequence[Any], expected: Sequence[Any]) -> str | None:
