@@ -152,3 +152,12 @@ def test_not_a_module_or_config():
         ff.compile(lambda x: x, config("piecewise"))
     with pytest.raises(ff.ConfigError, match="expected a CompilationConfig"):
         ff.compile(Affine(1.0), {"mode": "piecewise"})
+
+
+def test_first_call_of_size_one_is_an_error():
+    model = ff.compile(BranchOnSize(), config("piecewise"))
+    with pytest.raises(ff.CompileError, match="size 1 along its dynamic dim 0"):
+        model(torch.ones(1))
+    assert model.stats.graphs_traced == 0
+    assert model(X4).tolist() == [2, 4, 6, 8]          # a proper first call still works
+    assert model(torch.ones(1)).tolist() == [2]

@@ -146,10 +146,16 @@ class CompileBackend:
         # placeholder metadata, and those fake values are what the rest works from.
         fake_inputs = _placeholder_values(gm) or list(example_inputs)
         fn: Callable[..., Any]
-        if self.config.mode is CompilationMode.DYNAMO_TRACE_ONCE:
-            fn = self._compile_whole(gm, fake_inputs)
-        else:
-            fn = self._compile_piecewise(gm, fake_inputs)
+        try:
+            if self.config.mode is CompilationMode.DYNAMO_TRACE_ONCE:
+                fn = self._compile_whole(gm, fake_inputs)
+            else:
+                fn = self._compile_piecewise(gm, fake_inputs)
+        except BaseException:
+            # Nothing usable was built: let a later first call try again from scratch.
+            self._called = False
+            self.pieces, self.piece_backends, self.wrappers = [], [], []
+            raise
         graphs_on = (self.graph_backend is not None
                      and self.config.cudagraph_mode is not CUDAGraphMode.NONE)
         if self.config.cudagraph_copy_inputs and graphs_on:

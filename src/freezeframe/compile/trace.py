@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -116,6 +117,7 @@ class TraceOnce:
         self._forward_func = getattr(module.forward, "__func__", None)
         self._compiled: Callable[..., Any] | None = None
         self._fast: Callable[..., Any] | None = None
+        self._lock = threading.Lock()  # one trace even if two threads make the first call
         self.traced = False
 
     @property
@@ -139,6 +141,15 @@ class TraceOnce:
                         f"dynamic_arg_dims[{name!r}]: dim {d} does not exist on a tensor of "
                         f"shape {tuple(value.shape)}; give a dim in [-{value.dim()}, "
                         f"{value.dim() - 1}]")
+                if value.shape[d] < 2:
+                    # Dynamo specialises sizes 0 and 1 even when marked dynamic, and with
+                    # guards dropped that size-1 trace would silently serve every size.
+                    raise CompileError(
+                        f"the first call traces the model, but argument {name!r} has size "
+                        f"{value.shape[d]} along its dynamic dim {d}; Dynamo turns sizes 0 and 1 "
+                        "into constants, so the one trace would not be dynamic. Make the first "
+                        "call with a batch of at least 2 (a warm-up at the largest size is "
+                        "typical)")
                 torch._dynamo.mark_dynamic(value, d % value.dim())
 
     def first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -161,6 +172,9 @@ class TraceOnce:
         try:
             with _dynamo_limits():
                 out = self._compiled(*args, **kwargs)
+        except BaseException:
+            self._compiled = None  # a failed first call leaves nothing half-built behind
+            raise
         finally:
             handle.remove()
         self.traced = True
@@ -179,6 +193,9 @@ class TraceOnce:
         if self._fast is not None:
             return self._fast(self._module, *args, **kwargs)
         if self._compiled is None:
-            return self.first_call(args, kwargs)
+            with self._lock:
+                if self._compiled is None:
+                    return self.first_call(args, kwargs)
+            return self(*args, **kwargs)  # another thread traced meanwhile
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._compiled(*args, **kwargs)
