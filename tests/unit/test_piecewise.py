@@ -99,6 +99,8 @@ def test_size_outside_every_range_is_a_clear_error():
     msg = str(err.value)
     assert "65" in msg and "[1, 64]" in msg and "max_num_tokens" in msg
     assert "Raise max_num_tokens" in msg
+    with pytest.raises(ff.ShapeOutOfRangeError, match="skip empty batches"):
+        model(torch.randn(0, 2))
 
 
 # -- a user's own splitting op ---------------------------------------------------------------

@@ -112,7 +112,8 @@ class PiecewiseBackend:
         """Compile every entry up front, so no step ever pays for a compile."""
         start = time.perf_counter()
         if self.size_source is None:
-            # No symbolic size reaches this piece: one static compile serves every batch.
+            # No bare size symbol reaches this piece (static shapes, or only expressions such
+            # as 2*s0): one compile over the whole range serves every batch.
             full = Range(1, self.max_num_tokens)
             self._static = self._manager.compile(self.graph, self.fake_args, full,
                                                  self.piece_index)
@@ -141,6 +142,10 @@ class PiecewiseBackend:
         for r, fn in self._by_range:
             if r.start <= size <= r.end:
                 return fn
+        if size < 1:
+            raise ShapeOutOfRangeError(
+                f"piece {self.piece_index}: runtime size {size}; compiled pieces run batches of "
+                "at least 1 token, so skip empty batches before calling the model")
         ranges = ", ".join(str(r) for r in self.compile_ranges)
         raise ShapeOutOfRangeError(
             f"piece {self.piece_index}: runtime size {size} is outside every compile range "
