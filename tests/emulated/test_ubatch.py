@@ -320,3 +320,75 @@ def test_capture_outside_window_is_refused(model: CommModel) -> None:
     with pytest.raises(ff.CaptureError, match="capture window is closed"):
         _step(wrapper, _inputs(8), _plan([4, 4], 8), CUDAGraphMode.FULL)
     assert wrapper.graphs == {}
+
+
+# -- end to end: ff.compile + GraphRunner with micro_batching on ---------------------------------
+
+
+@torch.library.custom_op("ffubatchtest::fake_comm", mutates_args=())
+def fake_comm(x: torch.Tensor) -> torch.Tensor:
+    """A "communication" op. Yield points live inside a custom op: Dynamo records the op as one
+    call and never traces its Python, which runs (and yields) at execution time."""
+    ff.ubatch.yield_to_comm()
+    y = x * 2 + 1
+    ff.ubatch.yield_to_compute()
+    return y
+
+
+@fake_comm.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class CompiledCommModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        base = CommModel()
+        self.w1, self.w2 = base.w1, base.w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = fake_comm(x @ self.w1)
+        return torch.relu(h @ self.w2)
+
+
+def _e2e_config(**kw: Any) -> CompilationConfig:
+    fields: dict[str, Any] = dict(
+        mode="dynamo_trace_once", backend="eager", cudagraph_mode="full",
+        graph_backend="emulated", cudagraph_capture_sizes=[8], max_num_tokens=8,
+        max_num_seqs=8, micro_batching=True, micro_batch_decode_threshold=2,
+        micro_batch_prefill_threshold=2)
+    fields.update(kw)
+    return CompilationConfig(**fields)
+
+
+def test_runner_captures_split_full_graph_and_replays_it() -> None:
+    from freezeframe.runtime import GraphRunner, Tokens
+
+    cfg = _e2e_config()
+    eager = CompiledCommModel()
+    model = ff.compile(eager, cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
+    assert runner._ubatch is not None
+    runner._ubatch.timeout_s = 60
+    with model.stats.expect(graphs_captured=1):
+        runner.capture()
+    assert runner._ubatch is not None and list(runner._ubatch.graphs) == [8]
+    # the first (tracing) call ran unsplit, outside any micro-batch thread
+    assert model.stats.micro_batch_unsplit_first_calls == 1
+
+    for tokens, seed in ((7, 11), (5, 12), (8, 13)):  # all pad to 8 and split at 4
+        x = _inputs(tokens, seed=seed)
+        with torch.inference_mode():
+            expected = eager(x)
+        with model.stats.expect(replays=1, graphs_captured=0, micro_batch_fallbacks=0):
+            out = runner(x)
+        assert torch.equal(out, expected)
+
+    # 3 tokens padded to 8: the cut at 4 would leave micro-batch 1 all padding, so the step
+    # runs unsplit; its size was captured split, so it runs eagerly (counted)
+    x = _inputs(3, seed=14)
+    with torch.inference_mode():
+        expected = eager(x)
+    with model.stats.expect(micro_batch_fallbacks=1, replays=0, graphs_captured=0):
+        out = runner(x)
+    assert torch.equal(out, expected)

@@ -346,10 +346,20 @@ class _SplitGraph:
         self.main.replay()
 
 
-def _slice_arg(value: Any, sl: MicroBatchSlice, num_tokens_padded: int) -> Any:
-    """Token-dimension tensors (dim 0 of size ``num_tokens_padded``) are sliced; anything else
-    (weights, scalars, per-request tensors of another size) is passed through."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == num_tokens_padded:
+def _slice_arg(value: Any, sl: MicroBatchSlice, num_tokens_padded: int,
+               kind: str | None = None) -> Any:
+    """Slice one model argument for micro-batch ``sl``.
+
+    ``kind`` ("tokens", "requests", "static") comes from the runner's input specs when known.
+    Without it, a tensor whose dim 0 is ``num_tokens_padded`` is taken to be per-token and
+    sliced; anything else (weights, scalars, per-request tensors of another size) is shared.
+    A per-request tensor is sliced by the (padded) request range, straddling requests included.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or kind == "static":
+        return value
+    if kind == "requests":
+        return value[sl.req_start:sl.req_stop]
+    if kind == "tokens" or (kind is None and value.shape[0] == num_tokens_padded):
         return value[sl.token_start:sl.token_stop]
     return value
 
@@ -400,6 +410,7 @@ class MicroBatchWrapper:
         sm_partition: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
         slice_extras: Callable[[int, MicroBatchSlice, Mapping[str, Any]], Mapping[str, Any]]
         | None = None,
+        input_kinds: Mapping[str | int, str] | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"MicroBatchWrapper: timeout_s must be > 0, got {timeout_s}")
@@ -412,10 +423,38 @@ class MicroBatchWrapper:
         self.timeout_s = float(timeout_s)
         self.sm_partition = sm_partition
         self.slice_extras = slice_extras
+        # argument name (or position) -> "tokens" | "requests" | "static"
+        self.input_kinds: Mapping[str | int, str] = dict(input_kinds or {})
         self._device = device
         self._comm_stream: Any = None  # created on first CUDA use
         self.graphs: dict[int, _SplitGraph] = {}  # total padded tokens -> split capture
         self.last_trace: list[tuple[int, str]] = []
+
+    @classmethod
+    def for_runner(cls, model: Callable[..., Any], config: Any, *,
+                   input_kinds: Mapping[str | int, str] | None = None,
+                   stats: Stats | None = None) -> MicroBatchWrapper:
+        """The wrapper a :class:`~freezeframe.runtime.GraphRunner` puts around ``model`` when
+        ``config.micro_batching`` is on.
+
+        It sits *above* the model, so the model's own FULL wrapper handles unsplit steps, and
+        inside a micro-batch (mode NONE) every wrapper of the model calls through. Split FULL
+        graphs are captured here with a backend resolved from the config (on CUDA its own pool,
+        separate from the model's) and the model's capture window.
+        """
+        backend = None
+        if config.cudagraph_mode.has_full_cudagraphs():
+            from freezeframe.graphs import resolve_backend
+
+            backend = resolve_backend(config)
+        model_stats = getattr(model, "stats", None)
+        return cls(model, backend=backend, unsplit=model,
+                   stats=model_stats if isinstance(model_stats, Stats) else stats,
+                   window=getattr(model, "capture_window", None), input_kinds=input_kinds)
+
+    def clear(self) -> None:
+        """Drop every split graph (the next split step of each size captures again)."""
+        self.graphs.clear()
 
     # -- entry --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -424,6 +463,15 @@ class MicroBatchWrapper:
         mode = fctx.mode if fctx is not None else CUDAGraphMode.NONE
         if plan is None:
             return self._run_unsplit(fctx, mode, args, kwargs)
+        if getattr(self.runnable, "traced", True) is False:
+            # A compiled model traces on its first call and holds its trace lock across that
+            # whole call; a micro-batch yielding inside it would stall its siblings on the
+            # lock. So the first call runs unsplit (and eagerly: nothing is captured).
+            assert fctx is not None
+            self.stats.inc("micro_batch_unsplit_first_calls")
+            extras = {k: v for k, v in fctx.extras.items() if k != PLAN_KEY}
+            with forward_context(fctx.batch_descriptor, mode=CUDAGraphMode.NONE, **extras):
+                return self.runnable(*args, **kwargs)
         self.stats.inc("micro_batched_steps")
         key = plan.num_tokens_padded
         if mode is CUDAGraphMode.FULL and self.backend is not None:
@@ -537,8 +585,11 @@ class MicroBatchWrapper:
             ctx = MicroBatchContext(index=index, num_micro_batches=n, slice=sl,
                                     _schedule=sched, comm_stream=comm,
                                     sm_partition=self.sm_partition)
-            sub_args = tuple(_slice_arg(a, sl, plan.num_tokens_padded) for a in args)
-            sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded) for k, v in kwargs.items()}
+            kinds = self.input_kinds
+            sub_args = tuple(_slice_arg(a, sl, plan.num_tokens_padded, kinds.get(i))
+                             for i, a in enumerate(args))
+            sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded, kinds.get(k))
+                          for k, v in kwargs.items()}
             desc, extras = self._thread_context(fctx, plan, index)
             try:
                 if use_cuda:

@@ -46,6 +46,7 @@ __all__ = [
     "dp_micro_batch_metadata",
     "last_micro_batch_empty",
     "pad_last_slice",
+    "plan_for_step",
     "plan_micro_batches",
     "should_micro_batch",
     "slice_attention_metadata",
@@ -287,6 +288,7 @@ def plan_micro_batches(
     uniform_decode: bool = False,
     split_point: int | Sequence[int] | None = None,
     dp_group: Any = None,
+    sync: bool = True,
 ) -> MicroBatchPlan | None:
     """Decide whether to split this step and, if so, how. ``None`` means: run it unsplit.
 
@@ -294,6 +296,7 @@ def plan_micro_batches(
     scheduled ones. When ``torch.distributed`` is initialised every rank of ``dp_group`` (default:
     the world) must call this for the same step: the ranks vote, and one "no" makes everybody run
     unsplit. The vote and the per-micro-batch token counts travel in a single all-reduce.
+    ``sync=False`` decides locally (for processes whose process group is not data parallel).
     """
     num_tokens = sum(int(n) for n in num_scheduled_tokens)
     if num_tokens_padded is None:
@@ -317,7 +320,8 @@ def plan_micro_batches(
         padded = pad_last_slice(slices, num_tokens_padded, num_reqs_padded)
         plan = MicroBatchPlan(tuple(slices), tuple(padded), num_tokens, num_tokens_padded)
     local_counts = [s.num_tokens for s in plan.padded_slices] if plan is not None else [0] * n
-    agreed, across = _exchange(plan is not None, local_counts, dp_group)
+    agreed, across = (_exchange(plan is not None, local_counts, dp_group) if sync
+                      else (plan is not None, None))
     if not agreed:
         if plan is not None:
             logger.debug("micro-batching declined by another data-parallel rank; running unsplit")
@@ -326,6 +330,45 @@ def plan_micro_batches(
     if across is not None:
         plan = dataclasses.replace(plan, dp=tuple(dp_micro_batch_metadata_from_rows(across)))
     return plan
+
+
+def plan_for_step(
+    config: CompilationConfig,
+    num_tokens: int,
+    num_reqs: int | None,
+    num_tokens_padded: int,
+    num_reqs_padded: int | None,
+    *,
+    uniform_decode: bool,
+    query_len: int = 1,
+    num_scheduled_tokens: Sequence[int] | None = None,
+    dp_group: Any = None,
+    sync: bool = True,
+) -> MicroBatchPlan | None:
+    """The plan for one runner step (the runner's hook; see :class:`~freezeframe.runtime.
+    GraphRunner`). ``None`` when micro-batching is off (decided without any collective: every
+    rank has the same config) or the step runs unsplit.
+
+    Per-request token counts come from ``num_scheduled_tokens`` when the caller knows them
+    (the runner takes them from ``extras["num_scheduled_tokens"]``); a uniform-decode step has
+    ``query_len`` tokens per request; otherwise the layout is unknown and the step is treated as
+    one request (token slicing is unaffected; only request slices need the real layout).
+    """
+    if not config.micro_batching:
+        return None
+    if num_scheduled_tokens is not None:
+        counts = [int(n) for n in num_scheduled_tokens]
+        if sum(counts) != num_tokens:
+            raise ValueError(
+                f"num_scheduled_tokens sums to {sum(counts)} but the step has {num_tokens} "
+                "tokens; pass one count per request, in request order")
+    elif uniform_decode and num_reqs:
+        counts = [query_len] * num_reqs
+    else:
+        counts = [num_tokens]
+    reqs_padded = max(num_reqs_padded or 0, len(counts))
+    return plan_micro_batches(config, counts, num_tokens_padded, reqs_padded,
+                              uniform_decode=uniform_decode, dp_group=dp_group, sync=sync)
 
 
 # -- data parallel -----------------------------------------------------------------------------
