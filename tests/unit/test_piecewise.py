@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from torch import nn
@@ -230,12 +232,25 @@ def test_inductor_compile_ranges_with_a_pass():
 
     seen = []
 
-    def record(graph):
-        symbolic = any(isinstance(s, torch.SymInt) for n in graph.nodes
-                       if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-                       for s in n.meta["val"].shape)
-        seen.append((current_compile_range(), symbolic))
+    class Record:
+        """Records each compile's range and whether its inputs are symbolic. A fresh uuid
+        per test run: the pass is part of Inductor's cache key, so a new uuid makes Inductor
+        really compile (and run the pass) instead of reusing an earlier run's code."""
 
+        def __init__(self):
+            self._uuid = uuid.uuid4().hex
+
+        def uuid(self):
+            return self._uuid
+
+        def __call__(self, graph):
+            symbolic = any(isinstance(s, torch.SymInt) for n in graph.nodes
+                           if n.op == "placeholder"
+                           and isinstance(n.meta.get("val"), torch.Tensor)
+                           for s in n.meta["val"].shape)
+            seen.append((current_compile_range(), symbolic))
+
+    record = Record()
     cfg = config(backend="inductor", splitting_ops=None, compile_ranges_endpoints=[8],
                  compile_sizes=[16], max_num_tokens=64, inductor_passes={"record": record})
     model = ff.compile(AttnSandwich(), cfg)
