@@ -14,6 +14,8 @@ Layout (``<root>`` from :func:`resolve_cache_root`)::
     <root>/
       models/<base key>.json        which entry a model's last trace produced + its source hashes
       locks/<base key>.lock         flock: one process compiles a model, the others wait, then load
+      inductor/                     Inductor's own cache while freezeframe compiles or loads
+                                    (built CPU kernels, so a warm start runs no C++ compiler)
       <key>/                        one entry per (base factors, traced source contents)
         key_factors.json            every factor that went into the key, readable
         index.json                  this entry's artifacts (informational; files self-check)
@@ -800,6 +802,8 @@ def clear(root: Path, keys: Sequence[str] | None = None,
         removed += 1
         if on_removed is not None:
             on_removed(entry.path)
+    if wanted is None:  # everything: Inductor's kernel cache kept beside the entries too
+        shutil.rmtree(root / "inductor", ignore_errors=True)
     models = root / "models"
     if models.is_dir():
         for pointer in models.glob("*.json"):
