@@ -26,6 +26,13 @@ Model side. A model calls the yield points through :mod:`freezeframe.ubatch`::
 
 Outside a micro-batched step every yield point is a no-op, so the same model runs unsplit.
 
+Yield points must not be traced: inside a compiled model, call them from the Python body of a
+custom op (the communication op itself, or a splitting op), which Dynamo records as one call and
+which runs, and yields, at execution time. A tensor allocated on the comm stream and read later
+on the compute stream belongs to the comm stream's allocator pool; call
+``t.record_stream(torch.cuda.current_stream())`` after switching back if it may be freed while
+the compute stream still reads it (the usual PyTorch multi-stream rule).
+
 Failure. If one micro-batch raises, the schedule is aborted: every thread waiting for the baton
 wakes up and unwinds, and the caller gets the original exception. Every wait has a deadline, so a
 thread that never yields again (a deadlock in user code) becomes a :class:`MicroBatchError`
