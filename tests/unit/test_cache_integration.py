@@ -102,6 +102,16 @@ def test_eager_warm_start_loads_the_trace_in_process(tmp_path: Path,
     assert warm(torch.arange(5.0)).tolist() == OUTS[1]
     assert [p.is_splitting_op for p in warm.pieces] == [False, True, False, True, False]
 
+    # a damaged saved trace is detected, Dynamo traces again and the trace is rewritten
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    trace = entry.path / "trace.bin"
+    trace.write_bytes(trace.read_bytes()[:-7])
+    again = ff.compile(SillyModel(), cfg, dynamic_arg_dims={"x": 0})
+    with again.stats.expect(graphs_traced=1, traces_loaded=0, artifacts_saved=1,
+                            artifacts_loaded=0):
+        assert again(torch.zeros(2)).tolist() == OUTS[0]
+    ff_cache.unpack_artifact(trace.read_bytes())  # whole again
+
 
 def test_cache_off_touches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
