@@ -154,10 +154,27 @@ def test_not_a_module_or_config():
         ff.compile(Affine(1.0), {"mode": "piecewise"})
 
 
-def test_first_call_of_size_one_is_an_error():
+class Rowwise(nn.Module):
+    """Reshapes through the batch dim, which a size-1 constant trace would bake in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.view(x.shape[0], 2, 3) * 3).reshape(x.shape[0], -1).sum(-1)
+
+
+def test_first_call_of_size_one_traces_a_symbolic_batch():
+    model = ff.compile(Rowwise(), config("piecewise"))
+    one = torch.arange(6.0).reshape(1, 6)
+    assert torch.equal(model(one), Rowwise()(one))
+    assert model.stats.graphs_traced == 1
+    for n in (2, 3, 7):                                  # one trace serves every later size
+        x = torch.randn(n, 6)
+        assert torch.allclose(model(x), Rowwise()(x))
+    assert model.stats.graphs_traced == 1
+
+
+def test_first_call_of_size_zero_is_an_error():
     model = ff.compile(BranchOnSize(), config("piecewise"))
-    with pytest.raises(ff.CompileError, match="size 1 along its dynamic dim 0"):
-        model(torch.ones(1))
+    with pytest.raises(ff.CompileError, match="empty along its dynamic dim 0"):
+        model(torch.ones(0))
     assert model.stats.graphs_traced == 0
     assert model(X4).tolist() == [2, 4, 6, 8]          # a proper first call still works
-    assert model(torch.ones(1)).tolist() == [2]

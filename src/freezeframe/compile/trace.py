@@ -106,6 +106,18 @@ def _dynamo_limits() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _size_oblivious(enabled: bool) -> Iterator[None]:
+    """Scoped: trace backed sizes size-obliviously, so a size-1 dynamic dim stays symbolic."""
+    if not enabled:
+        yield
+        return
+    from torch.fx.experimental import _config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
 class TraceOnce:
     """Owns the one Dynamo trace of ``module.forward`` and the fast call path after it."""
 
@@ -125,7 +137,9 @@ class TraceOnce:
         """True once later calls run the captured bytecode directly (no Dynamo at all)."""
         return self._fast is not None
 
-    def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Mark the dynamic dims; True when one has size 1 and the trace must be size-oblivious."""
+        size_oblivious = False
         try:
             bound = inspect.signature(self._module.forward).bind(*args, **kwargs)
         except TypeError as exc:
@@ -141,22 +155,25 @@ class TraceOnce:
                         f"dynamic_arg_dims[{name!r}]: dim {d} does not exist on a tensor of "
                         f"shape {tuple(value.shape)}; give a dim in [-{value.dim()}, "
                         f"{value.dim() - 1}]")
-                if value.shape[d] < 2:
-                    # Dynamo specialises sizes 0 and 1 even when marked dynamic, and with
-                    # guards dropped that size-1 trace would silently serve every size.
+                if value.shape[d] == 0:
                     raise CompileError(
-                        f"the first call traces the model, but argument {name!r} has size "
-                        f"{value.shape[d]} along its dynamic dim {d}; Dynamo turns sizes 0 and 1 "
-                        "into constants, so the one trace would not be dynamic. Make the first "
-                        "call with a batch of at least 2 (a warm-up at the largest size is "
+                        f"the first call traces the model, but argument {name!r} is empty along "
+                        f"its dynamic dim {d}; an empty batch cannot be traced. Make the first "
+                        "call with a batch of at least 1 (a warm-up at the largest size is "
                         "typical)")
+                if value.shape[d] == 1:
+                    # Dynamo turns size 1 into a constant even when marked dynamic, and with
+                    # guards dropped that size-1 trace would silently serve every size; tracing
+                    # size-obliviously keeps the dim symbolic.
+                    size_oblivious = True
                 torch._dynamo.mark_dynamic(value, d % value.dim())
+        return size_oblivious
 
     def first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Trace (through ``backend``), run once, and capture the bytecode for later calls."""
         from torch._dynamo import convert_frame
 
-        self._mark_dynamic(args, kwargs)
+        size_oblivious = self._mark_dynamic(args, kwargs)
         code = getattr(self._forward_func, "__code__", None)
         captured: list[types.CodeType] = []
 
@@ -170,7 +187,7 @@ class TraceOnce:
                                        options={"guard_filter_fn": _drop_all_guards})
         handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
         try:
-            with _dynamo_limits():
+            with _dynamo_limits(), _size_oblivious(size_oblivious):
                 out = self._compiled(*args, **kwargs)
         except BaseException:
             self._compiled = None  # a failed first call leaves nothing half-built behind
