@@ -94,9 +94,6 @@ def test_silly_full_replays_the_whole_forward_without_python() -> None:
     assert silly.get_counter() == 0  # attention's Python body was inside the graph
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile/backend.py _CopyInputs looks for SymInt sizes in the example inputs Dynamo hands "
-    "the backend, which are real tensors, so no input is copied (engineer B's area)"))
 def test_silly_copy_inputs_with_fresh_tensors() -> None:
     """§7.3 as vLLM writes it: cudagraph_copy_inputs copies each new input into an internal
     static buffer, so the caller may pass fresh tensors to PIECEWISE graphs."""
