@@ -39,7 +39,21 @@ Safety rules, because loading an artifact runs the code in it:
   and then loads what it saved instead of compiling the same thing again.
 
 Eager pieces have nothing worth saving (the "compiled" runnable is the FX graph itself), so the
-cache stores no artifact for them; only the saved trace helps an eager model.
+cache stores no artifact for them and does not count them as hits or misses; only the saved
+trace helps an eager model.
+
+Counters (``model.stats``): ``cache_hits`` / ``cache_misses`` count Inductor piece x range
+lookups (a hit produced a runnable without Inductor; a miss, including a corrupt or unloadable
+artifact, was compiled); ``artifacts_saved`` / ``artifacts_loaded`` count files written / read
+and verified (pieces and the trace); ``traces_loaded`` is 1 when Dynamo did not run.
+``backend_compilations`` counts a hit too, as vLLM does, so it never depends on the cache state.
+
+When the saved trace is not used (Dynamo traces as usual): no pointer for this base key, a
+recorded source file changed, the trace file is damaged, a graph input cannot be named from the
+forward's arguments, the forward returns something other than graph outputs and constants, or
+this call's inputs do not fit the traced placeholders (dtype, rank, static sizes). Like
+trace-once itself it assumes a forward without Python side effects outside the graph; module
+state that the key does not see (a global flag read by forward) needs a ``model_key``.
 """
 
 from __future__ import annotations
