@@ -95,6 +95,23 @@ def test_piecewise_replays_read_new_data_every_step() -> None:
             assert torch.equal(runner(x), 9 * x + 19)
 
 
+def test_capture_frees_graphs_captured_outside_the_runner() -> None:
+    """Graphs from low-level forward_context calls read the caller's tensors; a runner that
+    replayed them would return stale results, so capture() frees and recaptures them."""
+    cfg = config("piecewise")
+    model = ff.compile(SillyModel(), cfg)
+    model(torch.randn(4, 3))  # trace
+    mine = torch.zeros(2, 3)
+    with ff.forward_context(BatchDescriptor(num_tokens=2), mode=PW):
+        model(mine)  # captures 3 piece graphs on `mine`
+    assert model.stats.graphs_captured == 3
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    runner.capture()
+    assert runner.stats.foreign_graphs_dropped == 3
+    x = torch.full((2, 3), 5.0)
+    assert torch.equal(runner(x), 9 * x + 19)
+
+
 # -- padded rows -----------------------------------------------------------------------------
 class CacheWriter(nn.Module):
     """Writes every real token into a cache row chosen by its slot id and scales by a per-token

@@ -542,6 +542,7 @@ class GraphRunner:
             logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
             self.report = CaptureReport(device=device_name)
             return self.report
+        self._drop_foreign_graphs()
         window = getattr(self.model, "capture_window", None)
         total = sum(len(descs) for _, descs in groups)
         records: list[GraphCapture] = []
@@ -571,6 +572,24 @@ class GraphRunner:
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
         return report
+
+    def _drop_foreign_graphs(self) -> None:
+        """Free graphs the model captured before this runner existed.
+
+        Such graphs (from low-level ``ff.forward_context`` calls) read the caller's tensors, not
+        this runner's static buffers; replaying them here would silently return stale results.
+        """
+        wrappers = getattr(self.model, "graph_wrappers", None)
+        if not callable(wrappers):
+            return
+        foreign = [w for w in wrappers() if w.captured_descriptors]
+        if foreign:
+            logger.warning("GraphRunner.capture: the model already held graphs captured outside "
+                           "this runner (%d wrappers); they read other tensors, so they are "
+                           "freed and captured again on the runner's buffers", len(foreign))
+            for wrapper in foreign:
+                wrapper.clear()
+            self.stats.inc("foreign_graphs_dropped", len(foreign))
 
     def _num_warmups(self, num_tokens: int) -> int:
         """The configured warm-ups, but at least one eager pass before the very first capture
