@@ -359,3 +359,51 @@ def test_plain_tensor_attributes_and_dataclasses_are_in_the_key(tmp_path: Path) 
     a.cfg = CompilationConfig(max_num_seqs=8)
     b.cfg = CompilationConfig(max_num_seqs=16)
     assert ff_cache.module_signature(a) != ff_cache.module_signature(b)
+
+
+def test_stale_temp_files_are_removed_fresh_ones_kept(tmp_path: Path) -> None:
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x")
+    old = cache.entry_dir / ".piece_1_range_1_8.bin.abc.tmp"
+    new = cache.entry_dir / ".piece_2_range_1_8.bin.def.tmp"
+    old.write_bytes(b"half")
+    new.write_bytes(b"half")
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    cache.save_artifact(1, Range(1, 8), b"y")
+    assert not old.exists() and new.exists()
+
+
+def test_lock_degrades_when_it_cannot_be_created(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A read-only cache (say one baked into an image) still loads: no lock, a warning."""
+    cache = _open(tmp_path)
+    real_open = os.open
+
+    def deny(path: str, *a: object, **kw: object) -> int:
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", deny)
+    with caplog.at_level("WARNING", logger="freezeframe.compile.cache"), cache.lock():
+        pass
+    assert "cannot create the compile lock" in caplog.text
+
+
+def test_a_file_in_place_of_a_cache_dir_is_a_clear_error(tmp_path: Path) -> None:
+    cache = _open(tmp_path)
+    (cache.root / "locks").write_text("not a directory")
+    with pytest.raises(CacheError, match="is not a directory"):
+        cache.lock()
+
+
+def test_freezeframe_cli_has_the_cache_command(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from freezeframe import cli
+
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x")
+    assert cli.main(["cache", "list", "--dir", str(tmp_path / "c")]) == 0
+    assert cache.key in capsys.readouterr().out

@@ -438,6 +438,20 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     return _sha([gm.code, inputs, extra])[:32]
 
 
+_STALE_TEMP_S = 600.0
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Remove temporary files a crashed process left behind (older than ten minutes, so a
+    write in progress elsewhere is never touched)."""
+    now = time.time()
+    for pattern in (".*.tmp", ".load.*", ".save.*"):
+        for p in directory.glob(pattern):
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime > _STALE_TEMP_S:
+                    p.unlink()
+
+
 # ---------------------------------------------------------------------------------------------
 # locking
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +463,12 @@ def _flock(path: Path, *, what: str) -> Iterator[None]:
     except ImportError:  # pragma: no cover - non-POSIX: atomic writes still keep files whole
         yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:  # a read-only cache: nothing will be written, so no lock is needed
+        logger.warning("cannot create the compile lock %s (%s); going on without it", path, exc)
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -584,6 +603,7 @@ class CompileCache:
 
     def _entry(self) -> Path:
         entry = ensure_private_dir(self.entry_dir)
+        _remove_stale_temps(entry)
         factors = entry / _FACTORS_NAME
         if not factors.exists():
             body = {
@@ -602,7 +622,12 @@ class CompileCache:
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """Exclusive per-model lock: hold it across tracing and compiling, so a second process
         starting the same model waits and then loads instead of compiling again."""
-        locks = ensure_private_dir(self.root / "locks")
+        try:
+            locks = ensure_private_dir(self.root / "locks")
+        except OSError as exc:
+            logger.warning("cannot create %s (%s); compiling without the cross-process lock",
+                           self.root / "locks", exc)
+            return contextlib.nullcontext()
         return _flock(locks / f"{self.base_key}.lock", what=f"model {self.base_key}")
 
     def inductor_dir(self, active: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -619,7 +644,12 @@ class CompileCache:
             from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
         except ImportError:  # pragma: no cover - older torch: Inductor keeps its default dir
             return contextlib.nullcontext()
-        path = ensure_private_dir(self.root / "inductor")
+        try:
+            path = ensure_private_dir(self.root / "inductor")
+        except OSError as exc:
+            logger.warning("cannot create %s (%s); Inductor keeps its default cache directory",
+                           self.root / "inductor", exc)
+            return contextlib.nullcontext()
         return temporary_cache_dir(str(path))
 
     # -- counting --------------------------------------------------------------------------
