@@ -114,7 +114,7 @@ def _size_oblivious(enabled: bool) -> Iterator[None]:
         return
     from torch.fx.experimental import _config as fx_config
 
-    with fx_config.patch(backed_size_oblivious=True):
+    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
         yield
 
 
