@@ -5,7 +5,8 @@ it and run the first step (which traces and compiles, or loads). The cold start 
 cache root; the warm starts reuse it. Inductor's own cache is pointed at a fresh directory
 for every process, so only freezeframe's cache can make a warm start fast.
 
-    python scripts/bench_cache.py [--warm-runs 2] [--preset tiny] [--keep DIR]
+    python scripts/bench_cache.py [--warm-runs 2] [--preset tiny] [--compile-sizes 8,16]
+                                  [--keep DIR]
 
 Prints, per start, the first-call time (trace + compile, or load) and the whole process
 time to the first output, then the warm/cold ratios. Target: warm first call <= 10% of cold.
@@ -43,7 +44,7 @@ kv = KVCacheConfig(num_blocks=32, block_size=16, max_model_len=128)
 base = build_llama({preset!r}, kv, seed=0)
 cfg = ff.CompilationConfig(mode="piecewise", backend="inductor", splitting_ops=[ATTENTION_OP],
                            cudagraph_mode="none", max_num_seqs=8, max_num_tokens=64,
-                           cache_dir={cache_dir!r})
+                           compile_sizes={compile_sizes!r}, cache_dir={cache_dir!r})
 model = ff.compile(base, cfg, dynamic_arg_dims=dict(LlamaModel.DYNAMIC_ARG_DIMS))
 # a mixed step of several tokens (a dynamic dim first seen with size 1 would be specialised)
 step = build_step([RequestChunk((1, 2, 3, 4, 5), 0, (0,)), RequestChunk((7, 8, 9), 0, (1,))],
@@ -60,12 +61,13 @@ print(json.dumps({{
 """
 
 
-def _start(cache_dir: Path, preset: str) -> dict[str, Any]:
+def _start(cache_dir: Path, preset: str, compile_sizes: list[int]) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("FREEZEFRAME_DISABLE_CACHE", None)
     inductor_dir = tempfile.mkdtemp(prefix="ff_bench_inductor_")
     env["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
-    code = _CHILD.format(src=str(ROOT / "src"), preset=preset, cache_dir=str(cache_dir))
+    code = _CHILD.format(src=str(ROOT / "src"), preset=preset, cache_dir=str(cache_dir),
+                         compile_sizes=compile_sizes)
     wall = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny", help="Llama preset (default: tiny)")
     parser.add_argument("--warm-runs", type=int, default=2, help="warm starts to time")
+    parser.add_argument("--compile-sizes", default="",
+                        help="comma-separated concrete compile sizes (more Inductor work per "
+                        "start; default: none, one general-shape compile per piece)")
     parser.add_argument("--keep", metavar="DIR",
                         help="use DIR as the cache root and keep it (must not exist)")
     args = parser.parse_args(argv)
@@ -96,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parent = Path(tempfile.mkdtemp(prefix="ff_bench_cache_"))
         cache_dir = parent / "cache"
+    sizes = [int(x) for x in args.compile_sizes.split(",") if x.strip()]
     try:
-        cold = _start(cache_dir, args.preset)
-        warms = [_start(cache_dir, args.preset) for _ in range(max(1, args.warm_runs))]
+        cold = _start(cache_dir, args.preset, sizes)
+        warms = [_start(cache_dir, args.preset, sizes) for _ in range(max(1, args.warm_runs))]
     finally:
         if parent is not None:
             shutil.rmtree(parent, ignore_errors=True)
@@ -109,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 "artifacts_loaded", "traces_loaded")
         return " ".join(f"{k}={s.get(k, 0)}" for k in keys)
 
-    print(f"freezeframe compile cache: Llama preset {args.preset!r}, Inductor, "
-          f"{len(warms)} warm start(s); python {sys.version.split()[0]}")
+    print(f"freezeframe compile cache: Llama preset {args.preset!r}, Inductor, compile sizes "
+          f"{sizes or 'none'}, {len(warms)} warm start(s); python {sys.version.split()[0]}")
     print(f"{'start':<8}{'first call':>12}{'process':>10}{'imports':>10}  counters")
     rows = [("cold", cold)] + [(f"warm{i + 1}", w) for i, w in enumerate(warms)]
     for name, r in rows:
