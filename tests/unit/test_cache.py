@@ -407,3 +407,18 @@ def test_freezeframe_cli_has_the_cache_command(tmp_path: Path,
     cache.save_artifact(0, Range(1, 8), b"x")
     assert cli.main(["cache", "list", "--dir", str(tmp_path / "c")]) == 0
     assert cache.key in capsys.readouterr().out
+
+
+def test_editing_an_inductor_pass_changes_the_key(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    mod_dir = tmp_path / "mods"
+    mod_dir.mkdir()
+    src = mod_dir / "my_cache_test_pass.py"
+    src.write_text("def my_pass(graph):\n    return None\n")
+    monkeypatch.syspath_prepend(str(mod_dir))
+    passes = {"p": "my_cache_test_pass.my_pass"}
+    first = _open(tmp_path, inductor_passes=passes).key
+    assert _open(tmp_path, inductor_passes=passes).key == first
+    src.write_text("def my_pass(graph):\n    graph.lint()\n")
+    assert _open(tmp_path, inductor_passes=passes).key != first
+    assert ff_cache.pass_sources({"q": "no_such_module.fn"}) == {"q": None}

@@ -23,8 +23,9 @@ Layout (``<root>`` from :func:`resolve_cache_root`)::
         piece_<i>_range_<s>_<e>.bin one compiled piece for one compile range or size
 
 The *base key* hashes what is known before tracing: the freezeframe version, the config's
-``cache_key()``, torch's version and Inductor's system factors, the module's structure and the
-example-input signature, and the user's optional ``model_key``. The entry *key* adds the contents
+``cache_key()``, the source files of the config's Inductor passes, torch's version and
+Inductor's system factors, the module's structure and the example-input signature, and the
+user's optional ``model_key``. The entry *key* adds the contents
 of every source file Dynamo traced, which is only known after a trace (or, on a warm start, from
 the ``models/`` pointer, whose recorded files are re-hashed before it is trusted).
 
@@ -101,6 +102,7 @@ __all__ = [
     "list_entries",
     "module_signature",
     "pack_artifact",
+    "pass_sources",
     "resolve_cache_root",
     "torch_factors",
     "traced_files_from_graph",
@@ -394,6 +396,34 @@ def hash_sources(paths: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def pass_sources(passes: Mapping[str, Any]) -> dict[str, str | None]:
+    """``{pass name: sha256 of the file defining it}`` for the config's Inductor passes.
+
+    The config's own key names a pass only by its qualified name, and Inductor keys a custom
+    pass by its ``uuid()``; neither changes when the pass's body is edited, so the defining
+    file's contents join the key here. None when the file cannot be found (a builtin or a
+    lambda typed at a prompt); such a pass is keyed by name only.
+    """
+    import importlib
+
+    out: dict[str, str | None] = {}
+    for name, value in sorted(passes.items()):
+        fn = value
+        if isinstance(value, str):
+            module_name, _, attr = value.rpartition(".")
+            try:
+                fn = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError, ValueError):
+                out[name] = None
+                continue
+        try:
+            path = inspect.getsourcefile(fn) or inspect.getsourcefile(type(fn))
+        except TypeError:
+            path = None
+        out[name] = hash_sources([path]).get(path) if path else None
+    return out
+
+
 _STACK_FILE_RE = re.compile(r'File "([^"]+)", line \d+')
 
 
@@ -557,6 +587,9 @@ class CompileCache:
             **torch_factors(),
             "model_key": model_key,
         }
+        passes = pass_sources(config.inductor_passes)
+        if passes:
+            factors["inductor_passes"] = passes
         if module is not None:
             forward = type(module).forward
             factors["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
