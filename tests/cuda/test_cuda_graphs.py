@@ -30,6 +30,7 @@ from freezeframe.graphs import CaptureWindow, GraphOptions, GraphWrapper, resolv
 from freezeframe.graphs.cuda import CudaBackend
 from freezeframe.stats import Stats
 from tests.helpers import silly
+from tests.helpers.configs import silly_config
 from tests.helpers.toy_models import (
     LlamaConfig,
     SillyModel,
@@ -57,12 +58,7 @@ def side_stream() -> Iterator[torch.cuda.Stream]:
 
 
 def config(cudagraph_mode: str = "piecewise", **changes: Any) -> CompilationConfig:
-    base: dict[str, Any] = dict(mode="piecewise", backend="eager",
-                                splitting_ops=["silly::attention"],
-                                cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=[1, 2],
-                                graph_backend="cuda", use_cache=False)
-    base.update(changes)
-    return CompilationConfig(**base)
+    return silly_config("cuda", cudagraph_mode, **changes)
 
 
 def run(model: Any, mode: CUDAGraphMode, desc: int | BatchDescriptor | None,

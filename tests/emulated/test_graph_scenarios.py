@@ -20,6 +20,7 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.errors import CaptureError, InputMismatchError
 from tests.helpers import silly
+from tests.helpers.configs import silly_config
 from tests.helpers.toy_models import (
     LlamaConfig,
     SillyModel,
@@ -34,12 +35,7 @@ NONE = CUDAGraphMode.NONE
 
 
 def config(cudagraph_mode: str = "piecewise", **changes: Any) -> CompilationConfig:
-    base: dict[str, Any] = dict(mode="piecewise", backend="eager",
-                                splitting_ops=["silly::attention"],
-                                cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=[1, 2],
-                                graph_backend="emulated", use_cache=False)
-    base.update(changes)
-    return CompilationConfig(**base)
+    return silly_config("emulated", cudagraph_mode, **changes)
 
 
 def run(model: torch.nn.Module, mode: CUDAGraphMode, desc: int | BatchDescriptor | None,
