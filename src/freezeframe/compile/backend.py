@@ -7,7 +7,6 @@ graph inputs on every later step.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from freezeframe.compile.piecewise import PiecewiseBackend, _concrete
 from freezeframe.compile.split import Piece, SplitGraph, split_graph
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import CompileError, ShapeOutOfRangeError
+from freezeframe.graphs import GraphOptions, GraphWrapper
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
 
@@ -185,9 +185,7 @@ class CompileBackend:
         fake_args = _piece_fake_args(split, example_inputs)
 
         graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
-        graphs: Any = None
-        if self.graph_backend is not None and graph_mode.has_piecewise_cudagraphs():
-            graphs = importlib.import_module("freezeframe.graphs")
+        wrap = self.graph_backend is not None and graph_mode.has_piecewise_cudagraphs()
         for k, piece in enumerate(capturable):
             backend = PiecewiseBackend(
                 piece.graph, fake_args[piece.name], piece_index=piece.index,
@@ -197,14 +195,12 @@ class CompileBackend:
             backend.compile_all()
             self.piece_backends.append(backend)
             runnable: Any = backend
-            if graphs is not None:
+            if wrap:
                 first, last = k == 0, k == len(capturable) - 1
-                options = graphs.GraphOptions(log=first, gc_disable=not first,
-                                              weak_ref_output=last)
-                runnable = graphs.GraphWrapper(backend, CUDAGraphMode.PIECEWISE,
-                                               self.graph_backend, options=options,
-                                               stats=self.stats, window=self.window,
-                                               debug=self.config.debug)
+                options = GraphOptions(log=first, gc_disable=not first, weak_ref_output=last)
+                runnable = GraphWrapper(backend, CUDAGraphMode.PIECEWISE, self.graph_backend,
+                                        options=options, stats=self.stats, window=self.window,
+                                        debug=self.config.debug)
                 self.wrappers.append(runnable)
             # A plain attribute, not a child module: the stitching code calls self.submod_<i>.
             delattr(split.stitching, piece.name)

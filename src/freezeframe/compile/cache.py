@@ -77,7 +77,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from freezeframe.errors import CacheError
+from freezeframe.errors import CacheError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -399,23 +399,22 @@ def hash_sources(paths: Iterable[str]) -> dict[str, str]:
 def pass_sources(passes: Mapping[str, Any]) -> dict[str, str | None]:
     """``{pass name: sha256 of the file defining it}`` for the config's Inductor passes.
 
-    The config's own key names a pass only by its qualified name, and Inductor keys a custom
-    pass by its ``uuid()``; neither changes when the pass's body is edited, so the defining
-    file's contents join the key here. None when the file cannot be found (a builtin or a
-    lambda typed at a prompt); such a pass is keyed by name only.
+    The config's own key names a string pass by its name and a callable by its own source, and
+    Inductor keys a custom pass by its ``uuid()``; none of them changes when a helper the pass
+    calls is edited, so the defining file's contents join the key here. None when the pass or
+    its file cannot be found (a builtin or a lambda typed at a prompt); such a pass is keyed by
+    the config alone.
     """
-    import importlib
+    # Imported here: the compilers pull in torch, which `freezeframe cache list` never needs.
+    from freezeframe.compile.compilers import resolve_pass
 
     out: dict[str, str | None] = {}
     for name, value in sorted(passes.items()):
-        fn = value
-        if isinstance(value, str):
-            module_name, _, attr = value.rpartition(".")
-            try:
-                fn = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError, ValueError):
-                out[name] = None
-                continue
+        try:
+            fn = resolve_pass(name, value)
+        except ConfigError:
+            out[name] = None
+            continue
         try:
             path = inspect.getsourcefile(fn) or inspect.getsourcefile(type(fn))
         except TypeError:

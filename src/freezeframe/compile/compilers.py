@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from freezeframe.errors import CompileError, ConfigError
+from freezeframe.graphs.emulated import opaque
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
 
@@ -97,7 +98,8 @@ class EagerCompiler:
         return graph
 
 
-def _resolve_pass(name: str, value: str | Callable[..., Any]) -> Callable[..., Any]:
+def resolve_pass(name: str, value: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The callable an ``inductor_passes`` entry names (a callable, or 'module.function')."""
     if callable(value):
         return value
     module_name, _, attr = str(value).rpartition(".")
@@ -159,7 +161,7 @@ class InductorCompiler:
                  passes: Mapping[str, str | Callable[..., Any]] | None = None) -> None:
         self._stats = stats
         self._compile_config = dict(compile_config or {})
-        self._passes = [(n, _resolve_pass(n, v)) for n, v in (passes or {}).items()]
+        self._passes = [(n, resolve_pass(n, v)) for n, v in (passes or {}).items()]
         if self._passes and "post_grad_custom_post_pass" in self._compile_config:
             raise ConfigError(
                 "inductor_compile_config sets post_grad_custom_post_pass and inductor_passes is "
@@ -205,17 +207,6 @@ def make_compiler(backend: str, stats: Stats, compile_config: Mapping[str, Any] 
     raise ConfigError(f"backend: unknown compiler {backend!r}; use 'eager' or 'inductor'")
 
 
-def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark an Inductor-compiled callable as one unit for emulated graphs, when the graphs
-    package provides ``emulated.opaque`` (it is optional for the compile path)."""
-    try:
-        emulated = importlib.import_module("freezeframe.graphs.emulated")
-    except ImportError:
-        return fn
-    mark = getattr(emulated, "opaque", None)
-    return mark(fn) if callable(mark) else fn
-
-
 class CompilerManager:
     """Compile-or-load for one compiled model; every piece x range/size goes through here."""
 
@@ -253,7 +244,7 @@ class CompilerManager:
                 self.cache.save(self.compiler, graph, example_inputs, compile_range,
                                 piece_index, runnable)
         if self.compiler.name == "inductor":
-            runnable = _opaque(runnable)
+            runnable = opaque(runnable)
         elapsed = time.perf_counter() - start
         self.compile_seconds += elapsed
         logger.debug("%s piece %d for sizes %s in %.3f s%s", "loaded" if loaded else "compiled",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -17,20 +16,12 @@ from freezeframe.compile.split import Piece
 from freezeframe.compile.trace import TraceOnce, resolve_dynamic_arg_dims
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import ConfigError
+from freezeframe.graphs import CaptureWindow, GraphOptions, GraphWrapper, resolve_backend
 from freezeframe.stats import Stats
 
 __all__ = ["CompiledModel", "compile"]
 
 logger = logging.getLogger(__name__)
-
-
-def _graphs_module() -> Any:
-    """``freezeframe.graphs`` if it is importable; the compile path works without it."""
-    try:
-        return importlib.import_module("freezeframe.graphs")
-    except ImportError as exc:
-        logger.debug("freezeframe.graphs unavailable (%s); graphs are off", exc)
-        return None
 
 
 class CompiledModel(nn.Module):
@@ -55,19 +46,10 @@ class CompiledModel(nn.Module):
         self.config = config
         self.stats = Stats()
         self.model_key = model_key or f"{type(module).__module__}.{type(module).__qualname__}"
-        self.capture_window: Any = None
-        self._graph_backend: Any = None
-        graphs = None
         graph_mode = cast(CUDAGraphMode, config.cudagraph_mode)
-        if graph_mode is not CUDAGraphMode.NONE:
-            graphs = _graphs_module()
-        if graphs is not None:
-            self.capture_window = graphs.CaptureWindow()
-            self._graph_backend = graphs.resolve_backend(config)
-        elif graph_mode is not CUDAGraphMode.NONE:
-            logger.warning("%s: cudagraph_mode %s asked for graphs but freezeframe.graphs is "
-                           "not available; running without graphs", self.model_key,
-                           graph_mode.name)
+        self.capture_window = CaptureWindow()
+        # None when graphs are off (cudagraph_mode NONE, or "auto" without CUDA).
+        self._graph_backend: Any = resolve_backend(config)
 
         self.manager: CompilerManager | None = None
         self._backend: CompileBackend | None = None
@@ -93,13 +75,11 @@ class CompiledModel(nn.Module):
                                          else self._stock if self._stock is not None
                                          else module.forward)
 
-        self._full_wrapper: Any = None
-        if graphs is not None and self._graph_backend is not None \
-                and graph_mode.has_full_cudagraphs():
-            self._full_wrapper = graphs.GraphWrapper(
-                self._run, CUDAGraphMode.FULL, self._graph_backend,
-                options=graphs.GraphOptions(), stats=self.stats, window=self.capture_window,
-                debug=config.debug)
+        self._full_wrapper: GraphWrapper | None = None
+        if self._graph_backend is not None and graph_mode.has_full_cudagraphs():
+            self._full_wrapper = GraphWrapper(
+                self._run, CUDAGraphMode.FULL, self._graph_backend, options=GraphOptions(),
+                stats=self.stats, window=self.capture_window, debug=config.debug)
 
     # -- stock torch.compile ---------------------------------------------------------------
     def _stock_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
