@@ -189,7 +189,11 @@ def test_padded_rows_are_finite_and_never_touch_real_slots(tiny: LlamaModel, pat
     logits = tiny.compute_logits(hidden)
     assert logits.isfinite().all()
     torch.testing.assert_close(logits[:4], plain, atol=1e-5, rtol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(_cache_state(tiny), after_plain, strict=True))
+    # Same slots written with the same values, up to float rounding: a matmul over 11 rows may
+    # take another BLAS kernel than one over 4 (differences ~1e-7 on some CPUs).
+    for a, b in zip(_cache_state(tiny), after_plain, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a != 0, b != 0)  # no slot written that the plain step left empty
     assert int(tiny.layers[0].attn.k_cache[0].abs().sum()) == 0  # slot 0 belongs to no request
 
 

@@ -27,23 +27,48 @@ class BranchOnSize(nn.Module):
         return x * 100
 
 
+class TellsWhoRuns(nn.Module):
+    """x * 2 when traced, x * 100 when the Python runs: tells whether Dynamo ran."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return x * 2
+        return x * 100
+
+
 X4 = torch.tensor([1.0, 2.0, 3.0, 4.0])
 X3 = torch.tensor([1.0, 2.0, 3.0])
 
 
 @pytest.mark.parametrize("mode", ["dynamo_trace_once", "piecewise"])
 def test_second_size_reuses_the_first_trace(mode):
-    model = ff.compile(BranchOnSize(), config(mode))
+    model = ff.compile(TellsWhoRuns(), config(mode))
     assert isinstance(model, nn.Module)
-    with model.stats.expect(graphs_traced=1, backend_compilations=1):
+    with model.stats.expect(graphs_traced=1, backend_compilations=1, retraces=0):
         assert model(X4).tolist() == [2, 4, 6, 8]
-        # the raw module would give [100, 200, 300]; the size-4 trace is reused
+        # the Python forward would give [100, 200, 300]; the size-4 trace is reused
         assert model(X3).tolist() == [2, 4, 6]
         assert model(torch.ones(50)).tolist() == [2] * 50
+    assert model.num_traces == 1
+
+
+@pytest.mark.parametrize("mode", ["dynamo_trace_once", "piecewise"])
+def test_a_branch_on_the_batch_size_traces_each_side_once_and_warns(mode):
+    model = ff.compile(BranchOnSize(), config(mode))
+    with pytest.warns(UserWarning, match=r"branches on a dynamic size \(x\.shape\[0\] >= 4"):
+        assert model(X4).tolist() == [2, 4, 6, 8]
+    assert model.stats.size_branches == 1
+    with pytest.warns(UserWarning, match=r"x\.shape\[0\] < 4"):
+        assert model(X3).tolist() == [100, 200, 300]  # the other side, as eager
+    with model.stats.expect(graphs_traced=0, retraces=0):
+        assert model(torch.ones(2)).tolist() == [100, 100]
+        assert model(torch.ones(50)).tolist() == [2] * 50
+        assert model(torch.ones(1)).tolist() == [100]
+    assert (model.num_traces, model.stats.retraces, model.stats.graphs_traced) == (2, 1, 2)
 
 
 def test_hot_path_bypasses_dynamo():
-    model = ff.compile(BranchOnSize(), config("dynamo_trace_once"))
+    model = ff.compile(TellsWhoRuns(), config("dynamo_trace_once"))
     model(X4)
     assert model._trace.uses_bytecode
     # Under force_eager, anything that still went through torch.compile would run the

@@ -3,6 +3,11 @@
 Dynamo calls it once per :class:`~freezeframe.compile.model.CompiledModel` with the traced FX
 graph and fake example inputs; it returns the callable Dynamo's bytecode will call with the flat
 graph inputs on every later step.
+
+In mode PIECEWISE the splitting-op names are checked against torch's op registry when the
+backend is built (in ``ff.compile``): a name that resolves to no registered op is a
+:class:`~freezeframe.errors.ConfigError`. A registered splitting op that the trace never calls
+is logged as a warning and counted in ``stats.splitting_ops_unused``, once per op.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from torch import fx
 
 from freezeframe.compile.compilers import CompilerManager
 from freezeframe.compile.piecewise import PiecewiseBackend, _concrete
-from freezeframe.compile.split import Piece, SplitGraph, split_graph
+from freezeframe.compile.split import Piece, SplitGraph, check_splitting_ops, split_graph
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import CompileError, ShapeOutOfRangeError
 from freezeframe.graphs import GraphOptions, GraphWrapper
@@ -132,6 +137,9 @@ class CompileBackend:
         self.stitching: fx.GraphModule | None = None
         self.compile_seconds = 0.0
         self._called = False
+        self._unused_reported: set[str] = set()
+        if config.mode is CompilationMode.PIECEWISE and config.splitting_ops:
+            check_splitting_ops(config.splitting_ops)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if self._called:
@@ -177,6 +185,7 @@ class CompileBackend:
     def _compile_piecewise(self, gm: fx.GraphModule,
                            example_inputs: Sequence[Any]) -> Callable[..., Any]:
         split = split_graph(gm, self.config.splitting_ops or ())
+        self._report_unused_ops(split)
         self.stitching = split.stitching
         self.pieces = list(split.pieces)
         capturable = split.capturable
@@ -206,3 +215,20 @@ class CompileBackend:
             delattr(split.stitching, piece.name)
             setattr(split.stitching, piece.name, runnable)
         return split.stitching.forward
+
+    def _report_unused_ops(self, split: SplitGraph) -> None:
+        """Warn about (and count) each splitting op the trace never calls: nothing is split at
+        it, which is what a user who named it did not expect."""
+        for name in self.config.splitting_ops or ():
+            if name in split.matched_ops or name in self._unused_reported:
+                continue
+            self._unused_reported.add(name)
+            self.stats.inc("splitting_ops_unused")
+            namespace, _, rest = name.partition("::")
+            op, _, overload = rest.partition(".")
+            hint = (f"; an overload-specific name matches only calls of that overload "
+                    f"(torch.ops.{namespace}.{op}.{overload}(...)); write '{namespace}::{op}' "
+                    "to match every call of the op" if overload else "")
+            logger.warning("%s: splitting op %r never appears in the traced graph, so nothing "
+                           "is split at it; check that forward calls torch.ops.%s.%s, or remove "
+                           "it from splitting_ops%s", self.model_key, name, namespace, op, hint)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -12,10 +15,11 @@ from torch import nn
 from freezeframe.compile.backend import CompileBackend
 from freezeframe.compile.cache import ModelCache
 from freezeframe.compile.compilers import CompilerManager, make_compiler
+from freezeframe.compile.signature import CallSignature, Signer, SizeGuards, incompatibility
 from freezeframe.compile.split import Piece
-from freezeframe.compile.trace import TraceOnce, resolve_dynamic_arg_dims
+from freezeframe.compile.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
-from freezeframe.errors import ConfigError
+from freezeframe.errors import CompileError, ConfigError, InputMismatchError
 from freezeframe.graphs import CaptureWindow, GraphOptions, GraphWrapper, resolve_backend
 from freezeframe.stats import Stats
 
@@ -24,17 +28,51 @@ __all__ = ["CompiledModel", "compile"]
 logger = logging.getLogger(__name__)
 
 
+# A model gets one trace per distinct call structure (see freezeframe.compile.signature); a
+# forward whose structure keeps changing (an int argument that counts steps) would otherwise
+# trace forever. Past this many traces a new structure is an error that names what changed.
+MAX_TRACES = 8
+
+
+@dataclasses.dataclass
+class _Variant:
+    """One trace of the model and everything built from it: the call structure it serves,
+    the trace, its compiled pieces and graph wrappers, its on-disk cache, its FULL wrapper."""
+
+    signature: CallSignature | None  # None until its first call
+    trace: TraceOnce
+    backend: CompileBackend
+    cache: ModelCache
+    full_wrapper: GraphWrapper | None
+    guards: SizeGuards | None = None  # the trace's conditions on sizes; None until traced
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.full_wrapper is not None:
+            return self.full_wrapper(*args, **kwargs)
+        return self.cache(*args, **kwargs)
+
+
 class CompiledModel(nn.Module):
     """A module compiled per ``config``: traced once on the first call, then run as compiled
     pieces (and graphs) for every batch size.
 
-    Holds every piece of compile state for this one instance (trace, pieces, compiled
+    Holds every piece of compile state for this one instance (traces, pieces, compiled
     entries, graph wrappers, ``stats``), so two compiled models never share anything.
+
+    Every call is checked against what the trace assumed (:mod:`freezeframe.compile.signature`):
+    a tensor with another dtype, device, rank or fixed size is an
+    :class:`~freezeframe.errors.InputMismatchError`; another call *structure* (``None`` where
+    a tensor was, another plain value, another memory layout, arguments sharing storage, a
+    batch size on the other side of a Python branch in ``forward``) gets its own trace,
+    counted in ``stats.retraces`` and logged, up to :data:`MAX_TRACES` traces.
+
+    Calls run under ``torch.inference_mode()`` unless ``inference_mode=False`` was given to
+    :func:`compile` (graph capture records no autograd history).
     """
 
     def __init__(self, module: nn.Module, config: CompilationConfig,
                  dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None = None, *,
-                 model_key: str | None = None) -> None:
+                 model_key: str | None = None, inference_mode: bool = True) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"ff.compile: expected an nn.Module, got {type(module).__name__}")
@@ -42,44 +80,243 @@ class CompiledModel(nn.Module):
             raise ConfigError(f"ff.compile: expected a CompilationConfig, got "
                               f"{type(config).__name__}; build one with "
                               "ff.CompilationConfig(...) or CompilationConfig.from_dict(...)")
+        if not isinstance(inference_mode, bool):
+            raise ConfigError(f"ff.compile: inference_mode must be True or False, got "
+                              f"{inference_mode!r}")
         self.module = module
         self.config = config
         self.stats = Stats()
         self.model_key = model_key or f"{type(module).__module__}.{type(module).__qualname__}"
-        graph_mode = cast(CUDAGraphMode, config.cudagraph_mode)
+        self.inference_mode = inference_mode
+        self._user_key = model_key
         self.capture_window = CaptureWindow()
         # None when graphs are off (cudagraph_mode NONE, or "auto" without CUDA).
         self._graph_backend: Any = resolve_backend(config)
+        self._graph_mode = cast(CUDAGraphMode, config.cudagraph_mode)
 
         self.manager: CompilerManager | None = None
-        self._backend: CompileBackend | None = None
-        self._trace: TraceOnce | None = None
-        self._cache: ModelCache | None = None
+        self._dims: dict[str, tuple[int, ...]] = {}
+        self._signer: Signer | None = None
+        self._variants: list[_Variant] = []
+        self._routes: dict[tuple[Any, ...], list[_Variant]] = {}
+        self._lock = threading.RLock()  # one thread traces; the others wait for it
+        self._warned: set[str] = set()
         self._stock: Callable[..., Any] | None = None
+        self._full_wrapper: GraphWrapper | None = None
+        self._spare: _Variant | None = None
         mode = config.mode
         if mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.PIECEWISE):
-            dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
+            self._dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
             compiler = make_compiler(config.backend, self.stats, config.inductor_compile_config,
                                      config.inductor_passes)
             self.manager = CompilerManager(compiler, self.stats, model_key=self.model_key)
-            self._backend = CompileBackend(config, self.stats, self.manager,
-                                           graph_backend=self._graph_backend,
-                                           window=self.capture_window, model_key=self.model_key)
-            # The on-disk cache wraps the backend (traced files, saved trace) and the first call.
-            self._cache = ModelCache(self, dims, model_key=model_key)
-            self._trace = TraceOnce(module, self._cache.wrap_backend(self._backend), dims)
-            self._cache.trace = self._trace
-        elif mode is CompilationMode.STOCK_TORCH_COMPILE:
+            self._signer = Signer(module.forward, self._dims, grad_matters=not inference_mode)
+            if not inference_mode and self._graph_backend is not None \
+                    and self._graph_mode is not CUDAGraphMode.NONE:
+                logger.info("%s: inference_mode=False with graphs on; calls that record "
+                            "autograd history cannot be captured", self.model_key)
+            # Built now so its FULL wrapper is visible before the first call; the first call
+            # gives it its structure.
+            self._spare = self._new_variant(None)
+            return
+        if mode is CompilationMode.STOCK_TORCH_COMPILE:
             self._stock = torch.compile(module.forward, backend=self._stock_backend)
-        self._run: Callable[..., Any] = (self._cache if self._cache is not None
-                                         else self._stock if self._stock is not None
-                                         else module.forward)
+        run = self._stock if self._stock is not None else module.forward
+        if self._graph_backend is not None and self._graph_mode.has_full_cudagraphs():
+            self._full_wrapper = self._make_full_wrapper(run)
 
-        self._full_wrapper: GraphWrapper | None = None
-        if self._graph_backend is not None and graph_mode.has_full_cudagraphs():
-            self._full_wrapper = GraphWrapper(
-                self._run, CUDAGraphMode.FULL, self._graph_backend, options=GraphOptions(),
-                stats=self.stats, window=self.capture_window, debug=config.debug)
+    def _make_full_wrapper(self, run: Callable[..., Any]) -> GraphWrapper:
+        return GraphWrapper(run, CUDAGraphMode.FULL, self._graph_backend,
+                            options=GraphOptions(), stats=self.stats,
+                            window=self.capture_window, debug=self.config.debug)
+
+    # -- variants -------------------------------------------------------------------------
+    def _new_variant(self, signature: CallSignature | None) -> _Variant:
+        assert self.manager is not None
+        backend = CompileBackend(self.config, self.stats, self.manager,
+                                 graph_backend=self._graph_backend, window=self.capture_window,
+                                 model_key=self.model_key)
+        # The on-disk cache wraps the backend (traced files, saved trace) and the first call.
+        cache = ModelCache(self, self._dims, model_key=self._user_key)
+        trace = TraceOnce(self.module, cache.wrap_backend(backend), self._dims)
+        cache.trace = trace
+        full = None
+        if self._graph_backend is not None and self._graph_mode.has_full_cudagraphs():
+            full = self._make_full_wrapper(cache)
+        return _Variant(signature, trace, backend, cache, full)
+
+    def _accepts(self, variant: _Variant, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> bool:
+        guards = variant.guards
+        if guards is None or guards.trivial:
+            return guards is not None
+        assert self._signer is not None
+        return guards.accepts(self._signer.dynamic_sizes(args, kwargs))
+
+    def _route(self, key: tuple[Any, ...], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        """A call whose key has no ready variant: find one, or trace a new one (one thread at
+        a time; a thread that waited finds the variant another one traced)."""
+        assert self._signer is not None
+        with self._lock:
+            for variant in self._routes.get(key, ()):
+                if self._accepts(variant, args, kwargs):
+                    return variant(args, kwargs)
+            signature = self._signer.signature(args, kwargs)
+            sizes = self._signer.dynamic_sizes(args, kwargs)
+            same = [v for v in self._variants if v.signature == signature]
+            for variant in same:
+                if self._accepts(variant, args, kwargs):
+                    routes = self._routes.setdefault(key, [])
+                    if variant not in routes:
+                        routes.append(variant)
+                    return variant(args, kwargs)
+            for variant in same:
+                self._check_consistent_sizes(variant, sizes)
+            for variant in self._variants:
+                if variant.signature is None:
+                    continue
+                why = incompatibility(variant.signature, signature, self._dims)
+                if why is not None:
+                    raise InputMismatchError(f"{self.model_key}: {why}")
+            if len(self._variants) >= MAX_TRACES:
+                raise CompileError(
+                    f"{self.model_key}: this call would need trace number "
+                    f"{len(self._variants) + 1}, above the limit of {MAX_TRACES}. Each new call "
+                    f"structure is traced separately; this one is {signature.describe()}, and "
+                    f"the first trace had {self._first_structure()}. Keep the "
+                    "call structure fixed: pass values that change per call (step counters, "
+                    "flags) as tensors, keep tensors contiguous, and avoid Python branches on "
+                    "the batch size in forward")
+            why = self._dynamo_off()
+            if why is not None:
+                return self._run_eager(why, args, kwargs)
+            return self._trace_new(key, signature, sizes, args, kwargs)
+
+    def _first_structure(self) -> str:
+        first = self._variants[0].signature if self._variants else None
+        return first.describe() if first is not None else "no structure yet"
+
+    def _check_consistent_sizes(self, variant: _Variant,
+                                sizes: Mapping[tuple[str, int], int]) -> None:
+        """Raise when the call breaks an equality the trace found between two dynamic sizes
+        (``x`` and ``positions`` must have as many rows): eager would fail on it too."""
+        if variant.guards is None:
+            return
+        symbols = variant.trace.size_symbols
+        for expr, where in variant.guards.conditions:
+            if not is_size_equality(expr):
+                continue
+            a, b = symbols.get(expr.lhs), symbols.get(expr.rhs)
+            if a is None or b is None or a not in sizes or b not in sizes:
+                continue
+            if sizes[a] != sizes[b]:
+                raise InputMismatchError(
+                    f"{self.model_key}: argument {a[0]!r} has {sizes[a]} along dim {a[1]} but "
+                    f"argument {b[0]!r} has {sizes[b]} along dim {b[1]}; the model needs them "
+                    f"equal (at {where}). Pass both with the same size")
+
+    def _dynamo_off(self) -> str | None:
+        """Why Dynamo will not trace right now (``TORCH_COMPILE_DISABLE=1``, a disabled Dynamo
+        config, the ``force_eager`` stance), or None."""
+        if torch._dynamo.config.disable:
+            return "Dynamo is disabled (TORCH_COMPILE_DISABLE=1 or torch._dynamo.config.disable)"
+        stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+        if getattr(stance, "stance", "default") == "force_eager":
+            return "the torch.compiler stance is force_eager"
+        return None
+
+    def _run_eager(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The documented fallback when Dynamo cannot trace: run the module as it is, counted
+        in ``stats.compile_disabled`` and warned about once per model."""
+        self.stats.inc("compile_disabled")
+        if "compile_disabled" not in self._warned:
+            self._warned.add("compile_disabled")
+            message = (f"{self.model_key}: {why}, so this call runs the module eagerly (no "
+                       "trace, no compiled pieces, no graphs); calls keep running eagerly until "
+                       "Dynamo is enabled again, and are counted in stats.compile_disabled")
+            logger.warning(message)
+            warnings.warn(message, stacklevel=7)
+        return self.module(*args, **kwargs)
+
+    def _trace_new(self, key: tuple[Any, ...], signature: CallSignature,
+                   sizes: Mapping[tuple[str, int], int], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        if self._spare is not None:
+            variant, self._spare = self._spare, None
+            variant.signature = signature
+        else:
+            variant = self._new_variant(signature)
+        if self._variants:
+            self.stats.inc("retraces")
+            logger.warning("%s: a call with a new structure (%s) is traced again (trace %d); "
+                           "the first trace had %s", self.model_key, signature.describe(),
+                           len(self._variants) + 1, self._first_structure())
+        # The tracing call runs uncaptured even inside a FULL forward context: Dynamo cannot
+        # trace inside a capture. A later call of that descriptor captures.
+        try:
+            out = variant.cache(*args, **kwargs)
+        except BaseException:
+            if not self._variants and self._spare is None:
+                # Nothing of the failed trace is kept: a fresh spare takes its place, so the
+                # model looks as it did before the call and the next call traces again.
+                self._spare = self._new_variant(None)
+            raise
+        trace = variant.trace
+        only: dict[tuple[str, int], int] = {}
+        if self.config.backend == "inductor":
+            # Inductor specialises code on a size-1 dim even when Dynamo kept it symbolic, so
+            # a trace made at size 1 serves size 1 only; another size traces again.
+            only = {where: 1 for where, n in sizes.items() if n == 1}
+        variant.guards = SizeGuards(trace.size_conditions, trace.size_symbols, only)
+        self._warn_branches(trace)
+        self._variants.append(variant)
+        self._routes.setdefault(key, []).append(variant)
+        return out
+
+    def _warn_branches(self, trace: TraceOnce) -> None:
+        for expr, where in trace.size_conditions:
+            if is_size_equality(expr):
+                continue  # two sizes that must be equal: checked per call, not a branch
+            text = str(expr)
+            for sym, (name, dim) in trace.size_symbols.items():
+                text = text.replace(str(sym), f"{name}.shape[{dim}]")
+            if text in self._warned:
+                continue
+            self._warned.add(text)
+            self.stats.inc("size_branches")
+            message = (f"{self.model_key}: forward branches on a dynamic size ({text}, at "
+                       f"{where}); this trace serves only the sizes where that holds, and a "
+                       "size on the other side is traced separately (counted in "
+                       "stats.retraces). Make forward's control flow independent of the batch "
+                       "size to trace once")
+            logger.warning(message)
+            warnings.warn(message, stacklevel=8)
+
+    # -- calling ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Inside someone else's trace: be inlined as the plain module.
+            return self.module(*args, **kwargs)
+        if self.inference_mode and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        signer = self._signer
+        if signer is None:
+            if self._full_wrapper is not None:
+                return self._full_wrapper(*args, **kwargs)
+            run = self._stock if self._stock is not None else self.module.forward
+            return run(*args, **kwargs)
+        key = signer.key(args, kwargs)
+        for variant in self._routes.get(key, ()):
+            guards = variant.guards
+            if guards is not None and (guards.trivial or guards.accepts(
+                    signer.dynamic_sizes(args, kwargs))):
+                return variant(args, kwargs)
+        return self._route(key, args, kwargs)
 
     # -- stock torch.compile ---------------------------------------------------------------
     def _stock_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -99,27 +336,38 @@ class CompiledModel(nn.Module):
     # -- public surface --------------------------------------------------------------------
     @property
     def pieces(self) -> list[Piece]:
-        """The split pieces in execution order (empty before the first call)."""
-        return list(self._backend.pieces) if self._backend is not None else []
+        """The split pieces of the first trace in execution order (empty before the first
+        call)."""
+        return list(self._variants[0].backend.pieces) if self._variants else []
 
     @property
     def traced(self) -> bool:
-        return self._trace is not None and self._trace.traced
+        return bool(self._variants)
+
+    @property
+    def num_traces(self) -> int:
+        """How many traces this model holds (one per call structure seen)."""
+        return len(self._variants)
+
+    @property
+    def _trace(self) -> TraceOnce | None:
+        return self._variants[0].trace if self._variants else None
+
+    @property
+    def _backend(self) -> CompileBackend | None:
+        return self._variants[0].backend if self._variants else None
 
     def graph_wrappers(self) -> list[Any]:
-        """Every graph wrapper this model owns (piecewise ones, then the FULL one)."""
-        out = list(self._backend.wrappers) if self._backend is not None else []
+        """Every graph wrapper this model owns (per trace: the piecewise ones, then the FULL
+        one)."""
+        out: list[Any] = []
+        for variant in [*self._variants, *([self._spare] if self._spare else [])]:
+            out.extend(variant.backend.wrappers)
+            if variant.full_wrapper is not None:
+                out.append(variant.full_wrapper)
         if self._full_wrapper is not None:
             out.append(self._full_wrapper)
         return out
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            # Inside someone else's trace: be inlined as the plain module.
-            return self.module(*args, **kwargs)
-        if self._full_wrapper is not None:
-            return self._full_wrapper(*args, **kwargs)
-        return self._run(*args, **kwargs)
 
     def extra_repr(self) -> str:
         mode = cast(CompilationMode, self.config.mode)
@@ -130,11 +378,15 @@ class CompiledModel(nn.Module):
 
 def compile(module: nn.Module, config: CompilationConfig,
             dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None = None, *,
-            model_key: str | None = None) -> CompiledModel:
+            model_key: str | None = None, inference_mode: bool = True) -> CompiledModel:
     """Compile ``module`` per ``config``; returns an ``nn.Module`` to call instead of it.
 
     ``dynamic_arg_dims`` maps forward argument names to the dim(s) whose size varies between
     calls (default: dim 0 of every Tensor / Optional[Tensor] argument). ``model_key`` names
     this model in logs and in the compile cache (default: the module's class path).
+    ``inference_mode`` (default True) runs every call under ``torch.inference_mode()``, as
+    serving engines do; pass False to keep the caller's autograd mode (a call that records
+    autograd history then cannot be captured as a graph).
     """
-    return CompiledModel(module, config, dynamic_arg_dims, model_key=model_key)
+    return CompiledModel(module, config, dynamic_arg_dims, model_key=model_key,
+                         inference_mode=inference_mode)

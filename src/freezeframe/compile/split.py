@@ -5,11 +5,17 @@ a piece of its own; everything between two splitting ops becomes one *capturable
 pieces are stitched back together by a small top-level ``GraphModule`` whose ``submod_<i>``
 children run in the original order, so in-place mutations (an attention op writing its output
 buffer) happen exactly where they did in the model.
+
+Splitting-op names are checked against torch's op registry by :func:`check_splitting_ops`
+(the compile path calls it in ``ff.compile``): a name that resolves to no registered op is a
+:class:`~freezeframe.errors.ConfigError` naming the closest registered names, because a typo
+would otherwise leave the op silently inside a captured piece.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import operator
 from collections.abc import Iterable, Sequence
@@ -19,7 +25,9 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["Piece", "SplitGraph", "matches_splitting_op", "split_graph"]
+from freezeframe.errors import ConfigError
+
+__all__ = ["Piece", "SplitGraph", "check_splitting_ops", "matches_splitting_op", "split_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +54,12 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class SplitGraph:
-    """The stitching module and its pieces in execution order."""
+    """The stitching module, its pieces in execution order, and the splitting-op names that
+    matched at least one node of the graph (``matched_ops``, a subset of the names asked for)."""
 
     stitching: fx.GraphModule
     pieces: tuple[Piece, ...]
+    matched_ops: frozenset[str] = frozenset()
 
     @property
     def capturable(self) -> tuple[Piece, ...]:
@@ -65,6 +75,16 @@ def _op_names(target: Any) -> tuple[str, str | None] | None:
     return None
 
 
+def _matching_ops(target: Any, splitting_ops: Iterable[str]) -> list[str]:
+    """Every name in ``splitting_ops`` that ``target`` matches."""
+    names = _op_names(target)
+    if names is None:
+        return []
+    packet, overload = names
+    return [wanted for wanted in splitting_ops
+            if wanted == packet or (overload is not None and wanted == f"{packet}.{overload}")]
+
+
 def matches_splitting_op(target: Any, splitting_ops: Iterable[str]) -> bool:
     """Whether a ``call_function`` target is one of ``splitting_ops``.
 
@@ -72,16 +92,106 @@ def matches_splitting_op(target: Any, splitting_ops: Iterable[str]) -> bool:
     only that overload (a bare packet target does not say which overload runs, so it does not
     match an overload-specific name).
     """
-    names = _op_names(target)
-    if names is None:
-        return False
-    packet, overload = names
-    for wanted in splitting_ops:
-        if wanted == packet:
-            return True
-        if overload is not None and wanted == f"{packet}.{overload}":
-            return True
-    return False
+    return bool(_matching_ops(target, splitting_ops))
+
+
+# -- registry check -------------------------------------------------------------------------------
+_MAX_LISTED = 12  # registered names listed in an error, at most
+
+
+def _packet(namespace: str, op: str) -> torch._ops.OpOverloadPacket | None:
+    """The registered op ``namespace::op``, or None. ``torch.ops.<ns>.<op>`` resolves an op
+    from the dispatcher (and TorchScript's registry) on first access."""
+    try:
+        found = getattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return None
+    return found if isinstance(found, torch._ops.OpOverloadPacket) else None
+
+
+def _registered_ops() -> dict[str, set[str]]:
+    """Namespace -> op names (overloads dropped) of every op the dispatcher knows."""
+    out: dict[str, set[str]] = {}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = qualified.partition("::")
+        out.setdefault(namespace, set()).add(rest.partition(".")[0])
+    return out
+
+
+def _is_subsequence(short: str, long: str) -> bool:
+    chars = iter(long)
+    return all(c in chars for c in short)
+
+
+def _closest(word: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    """Up to ``n`` candidates close to ``word``: difflib's close matches, with candidates that
+    ``word`` abbreviates (its letters in order, "atn" for "attention") ranked first."""
+    pool = set(candidates)
+    close = set(difflib.get_close_matches(word, pool, n=n, cutoff=0.5))
+    close.update(c for c in pool if len(word) >= 2 and _is_subsequence(word, c))
+
+    def rank(c: str) -> tuple[bool, float, str]:
+        return (not _is_subsequence(word, c), -difflib.SequenceMatcher(None, word, c).ratio(), c)
+
+    return sorted(close, key=rank)[:n]
+
+
+def _listing(names: Iterable[str]) -> str:
+    ordered = sorted(names)
+    more = f", ... ({len(ordered) - _MAX_LISTED} more)" if len(ordered) > _MAX_LISTED else ""
+    return ", ".join(ordered[:_MAX_LISTED]) + more
+
+
+def _registration_problem(name: str, registry: dict[str, set[str]]) -> str | None:
+    """Why ``name`` (``ns::op`` or ``ns::op.overload``) names no registered op, or None."""
+    namespace, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    packet = _packet(namespace, op)
+    if packet is not None:
+        if overload and overload not in packet.overloads():
+            return (f"{name!r}: op '{namespace}::{op}' has no overload {overload!r}; its "
+                    f"overloads are {sorted(packet.overloads())}; write '{namespace}::{op}' "
+                    "for all overloads")
+        return None
+    ops = registry.get(namespace)
+    if ops:
+        close = _closest(op, ops)
+        guess = (f"did you mean {' or '.join(repr(f'{namespace}::{c}') for c in close)}?"
+                 if close else "no registered op of that namespace has a close name")
+        return (f"{name!r} is not a registered op; {guess} (ops registered in namespace "
+                f"{namespace!r}: {_listing(ops)})")
+    spaces = _closest(namespace, registry)
+    guesses = [f"{ns}::{c}" for ns in spaces for c in _closest(op, registry[ns], n=1)]
+    guess = f"did you mean {' or '.join(map(repr, guesses))}? " if guesses else ""
+    near = (f"closest namespaces: {', '.join(map(repr, spaces))}" if spaces
+            else "no registered namespace has a close name")
+    return f"{name!r}: no op is registered in namespace {namespace!r}; {guess}({near})"
+
+
+def check_splitting_ops(names: Iterable[str]) -> None:
+    """Raise :class:`ConfigError` when a splitting-op name resolves to no registered op.
+
+    ``names`` are normalised config names (``ns::op`` or ``ns::op.overload``). Ops defined with
+    ``torch.library`` are registered when the module defining them is imported, so the check
+    belongs where the model is compiled, not where the config is built. Every bad name is
+    reported in one error, each with the closest registered names.
+    """
+    registry: dict[str, set[str]] | None = None
+    problems = []
+    for name in names:
+        namespace, _, rest = name.partition("::")
+        if _packet(namespace, rest.partition(".")[0]) is not None and "." not in rest:
+            continue  # the common case: no need to list the whole registry
+        if registry is None:
+            registry = _registered_ops()
+        problem = _registration_problem(name, registry)
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise ConfigError(
+            "splitting_ops: " + "; ".join(problems) + ". Fix the name, or import the module "
+            "that registers the op (torch.library.custom_op or Library.define) before "
+            "ff.compile")
 
 
 def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
@@ -93,11 +203,14 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
     """
     piece_of: dict[fx.Node, int] = {}
     splitting_ids: set[int] = set()
+    matched: set[str] = set()
     current = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_function" and matches_splitting_op(node.target, splitting_ops):
+        hits = _matching_ops(node.target, splitting_ops) if node.op == "call_function" else []
+        if hits:
+            matched.update(hits)
             current += 1
             piece_of[node] = current
             splitting_ids.add(current)
@@ -122,4 +235,4 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
                             is_splitting_op=int(name.split("_", 1)[1]) in splitting_ids))
     logger.debug("split graph into %d pieces (%d at splitting ops %s)", len(pieces),
                  len(splitting_ids), list(splitting_ops))
-    return SplitGraph(stitching=stitching, pieces=tuple(pieces))
+    return SplitGraph(stitching=stitching, pieces=tuple(pieces), matched_ops=frozenset(matched))

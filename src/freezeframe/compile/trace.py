@@ -6,8 +6,8 @@ dropped (``guard_filter_fn``), and the bytecode Dynamo generates for ``forward``
 with a bytecode hook that is registered only while the first call runs. Later calls execute
 that bytecode as a plain Python function, so neither Dynamo's frame evaluation nor any guard
 runs on the hot path. When the bytecode cannot be captured (``forward`` is not a plain Python
-function), later calls go through the compiled function under the ``fail_on_recompile``
-stance, so a second trace is an error instead of a silent recompile.
+function), later calls go through the compiled function, whose one cache entry has no guard
+left to fail; the backend refuses a second trace, so a recompile is an error, never silent.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import re
 import threading
 import types
 import typing
@@ -93,6 +95,37 @@ def resolve_dynamic_arg_dims(forward: Callable[..., Any],
     return out
 
 
+_USER_LOC_RE = re.compile(r"^(?P<code>.*?)\s+#\s+(?P<file>\S+):(?P<line>\d+) in (?P<fn>\S+)$")
+
+
+def is_size_equality(expr: Any) -> bool:
+    """``Eq(s0, s1)``: two dynamic sizes the trace found equal (rows of two arguments)."""
+    import sympy
+
+    return (isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol)
+            and isinstance(expr.rhs, sympy.Symbol))
+
+
+def _from_user_branch(guard: Any) -> bool:
+    """Whether Dynamo added ``guard`` while evaluating the user's own Python on a size (an
+    ``if``, ``bool()``, ``assert`` on ``x.shape[0]``), as opposed to the 0/1 and contiguity
+    assumptions torch's shape functions make, which trace-once deliberately ignores."""
+    frame = getattr(getattr(guard, "sloc", None), "framework_loc", None)
+    filename = getattr(frame, "filename", None) or (frame if isinstance(frame, str) else "")
+    return f"_dynamo{os.sep}variables{os.sep}" in filename
+
+
+def _user_location(text: str | None) -> str:
+    """``file:line in fn (`code`)`` from Dynamo's ``code  # file:line in fn``."""
+    if not text:
+        return "an unknown line"
+    match = _USER_LOC_RE.match(text.strip())
+    if match is None:
+        return text.strip()
+    path = match["file"].lstrip(".").lstrip("/")
+    return f"{os.path.basename(path)}:{match['line']} in {match['fn']} (`{match['code']}`)"
+
+
 @contextlib.contextmanager
 def _dynamo_limits() -> Iterator[None]:
     cfg = torch._dynamo.config
@@ -131,6 +164,14 @@ class TraceOnce:
         self._fast: Callable[..., Any] | None = None
         self._lock = threading.Lock()  # one trace even if two threads make the first call
         self.traced = False
+        # Every guard Dynamo built for the trace (and that trace-once then dropped): the values
+        # the trace specialised on (``CONSTANT_MATCH`` on ``self.scale``, ``G['consts'].SCALE``,
+        # ...), for whoever must re-check them without Dynamo (the saved trace).
+        self.guard_entries: list[Any] = []
+        # The trace's conditions on dynamic sizes (Python branches on them): (sympy expression,
+        # where in the user's code), and which (argument, dim) each size symbol stands for.
+        self.size_conditions: list[tuple[Any, str]] = []
+        self.size_symbols: dict[Any, tuple[str, int]] = {}
 
     @property
     def uses_bytecode(self) -> bool:
@@ -182,9 +223,18 @@ class TraceOnce:
                 captured.append(new)
             return None  # keep Dynamo's code as it is
 
+        def drop_and_record(entries: Sequence[Any]) -> list[bool]:
+            self.guard_entries = list(entries)
+            return _drop_all_guards(entries)
+
+        def observing_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
+            fn = self._backend(gm, example_inputs)
+            self._record_size_conditions()
+            return fn
+
         self._compiled = torch.compile(self._module.forward, fullgraph=True, dynamic=False,
-                                       backend=self._backend,
-                                       options={"guard_filter_fn": _drop_all_guards})
+                                       backend=observing_backend,
+                                       options={"guard_filter_fn": drop_and_record})
         handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
         try:
             with _dynamo_limits(), _size_oblivious(size_oblivious):
@@ -206,6 +256,36 @@ class TraceOnce:
                         "torch.compile with recompiles forbidden", type(self._module).__name__)
         return out
 
+    def _record_size_conditions(self) -> None:
+        """Keep the shape guards on dynamic dims (read inside the backend, where the tracing
+        context still holds the shape environment)."""
+        from torch._guards import TracingContext
+
+        ctx = TracingContext.try_get()
+        shape_env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+        if shape_env is None:
+            return
+        symbols: dict[Any, tuple[str, int]] = {}
+        for sym, sources in getattr(shape_env, "var_to_sources", {}).items():
+            for source in sources:
+                base = getattr(source, "base", None)
+                name = getattr(base, "local_name", None)
+                idx = getattr(source, "idx", None)
+                prop = getattr(getattr(source, "prop", None), "name", None)
+                if name in self._dims and isinstance(idx, int) and prop == "SIZE":
+                    symbols[sym] = (name, idx)
+                    break
+        conditions: list[tuple[Any, str]] = []
+        for guard in getattr(shape_env, "guards", ()):
+            free: set[Any] = getattr(guard.expr, "free_symbols", set())
+            if free and free <= symbols.keys() and (is_size_equality(guard.expr)
+                                                    or _from_user_branch(guard)):
+                sloc = getattr(guard, "sloc", None)
+                conditions.append((guard.expr,
+                                   _user_location(getattr(sloc, "maybe_user_loc", None))))
+        self.size_symbols = symbols
+        self.size_conditions = conditions
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fast is not None:
             return self._fast(self._module, *args, **kwargs)
@@ -214,5 +294,7 @@ class TraceOnce:
                 if self._compiled is None:
                     return self.first_call(args, kwargs)
             return self(*args, **kwargs)  # another thread traced meanwhile
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return self._compiled(*args, **kwargs)
+        # No guard is left to fail, so Dynamo reuses the trace; should it trace anyway, the
+        # backend refuses a second trace. (No process-wide compile stance is set here: another
+        # thread or model would see it.)
+        return self._compiled(*args, **kwargs)

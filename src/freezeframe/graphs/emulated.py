@@ -172,7 +172,9 @@ class _OpStep:
     def run(self) -> None:
         result = self.func(*self.args, **self.kwargs)
         if self.targets:
-            _copy_into(self.targets, _fresh_outputs(self.func, result), self.name)
+            fresh = ([t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+                     if self.func.is_view else _fresh_outputs(self.func, result))
+            _copy_into(self.targets, fresh, self.name)
 
 
 class _OpaqueStep:
@@ -200,12 +202,21 @@ class _OpaqueStep:
 _Step = _OpStep | _OpaqueStep
 
 
+def _aliases_an_input(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+    """Whether every tensor ``out`` holds shares storage with a tensor argument."""
+    inputs = {t.untyped_storage().data_ptr()
+              for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return all(t.untyped_storage().data_ptr() in inputs for t in outs)
+
+
 class _Recorder(TorchDispatchMode):
     """Runs every ATen op for real and records it with the exact tensors it touched."""
 
     def __init__(self) -> None:
         super().__init__()
         self.steps: list[_Step] = []
+        self.saw_inference = False  # whether any op ran under inference_mode
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
                            args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
@@ -219,6 +230,8 @@ class _Recorder(TorchDispatchMode):
                 "synchronize the host during capture and fail. Move it out of the captured "
                 "region (compute it before the forward, or make the op a splitting op so it "
                 "runs between graphs)")
+        if torch.is_inference_mode_enabled():
+            self.saw_inference = True
         if func.namespace not in ("aten", "prims", "prim"):
             return self._run_custom_op(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -227,10 +240,15 @@ class _Recorder(TorchDispatchMode):
 
     def _record(self, func: torch._ops.OpOverload, args: tuple[Any, ...],
                 kwargs: dict[str, Any], out: Any) -> None:
-        if func.is_view or func in _ALLOCATION_ONLY:
+        if func in _ALLOCATION_ONLY or (func.is_view and _aliases_an_input(args, kwargs, out)):
             # A view aliases memory the graph already tracks; an allocation has no contents.
+            # An op that *may* return a view (``aten.to.dtype``, which reaches the mode under
+            # inference_mode) but returned new memory is recorded like any other.
             return
-        targets = _fresh_outputs(func, out)
+        if func.is_view:  # returned new memory (see above): all of it is the step's output
+            targets = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        else:
+            targets = _fresh_outputs(func, out)
         if not targets and not _mutates_an_argument(func):
             return  # a query with no effect on any tensor (e.g. a size or a flag)
         self.steps.append(_OpStep(func, args, kwargs, targets))
@@ -341,6 +359,9 @@ class EmulatedBackend:
         inference = torch.is_inference_mode_enabled()
         with recorder:
             output = fn()
+        # A region that entered inference_mode itself (a compiled model does) made inference
+        # tensors, which only inference_mode may write again on replay.
+        inference = inference or recorder.saw_inference
         return EmulatedGraph(recorder.steps, inference=inference), output
 
     def weak_ref(self, output: Any) -> Any:

@@ -1,0 +1,341 @@
+"""What a trace assumed about its call, and whether a later call fits it.
+
+Trace-once drops every Dynamo guard, so nothing inside Dynamo checks a later call any more.
+This module puts back the checks that matter, at the cost of one small tuple per call:
+
+* :class:`CallSignature` describes a call's *structure*: for each argument of ``forward``,
+  whether it is a tensor (dtype, device, rank, the sizes of its non-dynamic dims, contiguity),
+  ``None``, a plain value (which the trace specialised on), a container of those, or another
+  object; which tensor arguments share storage; the autograd mode when it matters.
+* :class:`Signer` computes, per call, a hashable *key* that changes whenever the structure
+  does (sizes of dynamic dims excluded), and, once per new key, the :class:`CallSignature`.
+* :func:`incompatibility` says whether a new structure is an input error (a tensor with
+  another dtype, device, rank or fixed size than the trace had: an :class:`InputMismatchError`
+  naming the argument and the fix) or merely another structure worth its own trace (``None``
+  where a tensor was, another plain value, another memory layout, aliasing).
+* :class:`SizeGuards` holds the trace's conditions on dynamic sizes (``if x.shape[0] > 4:``
+  in ``forward``) and says whether a call's sizes satisfy them.
+
+Example: ``forward(self, x: Tensor, mask: Optional[Tensor] = None, scale: float = 1.0)`` with
+``x`` dynamic in dim 0 has, for ``model(torch.randn(8, 16))``, the structure
+``x: tensor float32 cpu (*, 16) contiguous; mask: None; scale: 1.0``; a call with a mask, or
+``scale=2.0``, is a new structure (traced again); a call with ``torch.randn(8, 32)`` is an
+input error (dim 1 was fixed at 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from freezeframe.errors import InputMismatchError
+
+__all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "incompatibility"]
+
+logger = logging.getLogger(__name__)
+
+_PLAIN = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device)
+_MAX_DEPTH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as the trace saw it; dynamic dims have size ``None``."""
+
+    dtype: torch.dtype
+    device: torch.device
+    sizes: tuple[int | None, ...]
+    strides: tuple[int, ...] | None  # None when contiguous
+    requires_grad: bool
+
+    def describe(self) -> str:
+        shape = ", ".join("*" if s is None else str(s) for s in self.sizes)
+        layout = "contiguous" if self.strides is None else f"strides {self.strides}"
+        return f"a {self.dtype} tensor on {self.device} of shape ({shape}), {layout}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSpec:
+    """A plain value the trace specialised on (an int, a float, a string, a dtype...)."""
+
+    value: Any
+
+    def describe(self) -> str:
+        return f"the {type(self.value).__name__} {self.value!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerSpec:
+    """A list, tuple, dict or dataclass whose items are described in turn."""
+
+    kind: str
+    keys: tuple[Any, ...]
+    items: tuple[Any, ...]
+
+    def describe(self) -> str:
+        return f"a {self.kind} of {len(self.items)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectSpec:
+    """Any other object, known by its type only."""
+
+    type_name: str
+
+    def describe(self) -> str:
+        return f"a {self.type_name}"
+
+
+ArgSpec = TensorSpec | ValueSpec | ContainerSpec | ObjectSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSignature:
+    """The structure of one call of ``forward``, arguments bound by name, defaults applied."""
+
+    args: tuple[tuple[str, ArgSpec], ...]
+    aliases: tuple[tuple[str, ...], ...]  # groups of argument paths sharing storage
+    grad_enabled: bool | None  # None when the autograd mode is not part of the structure
+
+    def arg(self, name: str) -> ArgSpec | None:
+        return next((spec for n, spec in self.args if n == name), None)
+
+    def describe(self) -> str:
+        parts = [f"{n}={spec.describe()}" for n, spec in self.args]
+        if self.aliases:
+            parts.append("sharing storage: " + "; ".join(" & ".join(g) for g in self.aliases))
+        return ", ".join(parts)
+
+
+def _dims_of(dims: Sequence[int], rank: int) -> frozenset[int]:
+    return frozenset(d % rank for d in dims if -rank <= d < rank) if rank else frozenset()
+
+
+class Signer:
+    """Describes calls of one ``forward`` given its dynamic dims (``{arg name: dims}``)."""
+
+    def __init__(self, forward: Callable[..., Any],
+                 dynamic_arg_dims: Mapping[str, Sequence[int]], *,
+                 grad_matters: bool) -> None:
+        self._sig = inspect.signature(forward)
+        params = list(self._sig.parameters.values())
+        self._positional = [p.name for p in params
+                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._dims = {name: tuple(d) for name, d in dynamic_arg_dims.items()}
+        self._grad_matters = grad_matters
+
+    # -- the per-call key (hot path) ------------------------------------------------------
+    def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """A hashable key equal for two calls of the same structure (dynamic sizes aside).
+
+        Calls spelled differently (positional vs keyword) may get different keys for the same
+        structure; :meth:`signature` then gives equal signatures.
+        """
+        positional = self._positional
+        parts: list[Any] = []
+        storages: list[int] | None = None
+        n_tensors = 0
+        for i, value in enumerate(args):
+            name = positional[i] if i < len(positional) else i
+            parts.append(self._leaf_key(name, value))
+            if isinstance(value, torch.Tensor):
+                n_tensors += 1
+        for name, value in kwargs.items():
+            parts.append((name, self._leaf_key(name, value)))
+            if isinstance(value, torch.Tensor):
+                n_tensors += 1
+        if n_tensors > 1:
+            storages = [v.untyped_storage().data_ptr() for v in (*args, *kwargs.values())
+                        if isinstance(v, torch.Tensor)]
+            if len(set(storages)) != len(storages):
+                parts.append(("aliases", tuple(storages.index(s) for s in storages)))
+        if self._grad_matters:
+            parts.append(torch.is_grad_enabled())
+        return tuple(parts)
+
+    def _leaf_key(self, name: Any, value: Any, depth: int = 0) -> Any:
+        if isinstance(value, torch.Tensor):
+            dims = self._dims.get(name, ()) if depth == 0 else ()
+            shape = value.shape
+            if dims:
+                rank = len(shape)
+                dyn = _dims_of(dims, rank)
+                sizes: tuple[Any, ...] = tuple(-1 if d in dyn else s for d, s in enumerate(shape))
+            else:
+                sizes = tuple(shape)
+            layout = True if value.is_contiguous() else value.stride()
+            return (value.dtype, value.device, sizes, layout, value.requires_grad)
+        if isinstance(value, _PLAIN):
+            return (type(value), value)
+        if isinstance(value, (list, tuple)) and depth < _MAX_DEPTH:
+            return (type(value), tuple(self._leaf_key(None, v, depth + 1) for v in value))
+        if isinstance(value, dict) and depth < _MAX_DEPTH:
+            return (dict, tuple((k, self._leaf_key(None, v, depth + 1))
+                                for k, v in value.items()))
+        if (dataclasses.is_dataclass(value) and not isinstance(value, type)
+                and depth < _MAX_DEPTH):
+            return (type(value), tuple(self._leaf_key(None, getattr(value, f.name), depth + 1)
+                                       for f in dataclasses.fields(value)))
+        return (type(value),)
+
+    # -- the full description (once per new key) ------------------------------------------
+    def signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallSignature:
+        """The structure of a call, arguments bound by name and defaults applied.
+
+        Raises :class:`InputMismatchError` when the arguments do not bind to ``forward``.
+        """
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InputMismatchError(
+                f"the arguments do not fit forward{self._sig}: {exc}; call the compiled model "
+                "as you would call the module") from None
+        bound.apply_defaults()
+        specs: list[tuple[str, ArgSpec]] = []
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for name, value in bound.arguments.items():
+            specs.append((name, self._spec(name, value, name, tensors, 0)))
+        groups: dict[int, list[str]] = {}
+        for path, tensor in tensors:
+            groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(path)
+        aliases = tuple(tuple(g) for g in groups.values() if len(g) > 1)
+        grad = torch.is_grad_enabled() if self._grad_matters else None
+        return CallSignature(tuple(specs), aliases, grad)
+
+    def _spec(self, name: str, value: Any, path: str,
+              tensors: list[tuple[str, torch.Tensor]], depth: int) -> ArgSpec:
+        if isinstance(value, torch.Tensor):
+            tensors.append((path, value))
+            dyn = _dims_of(self._dims.get(name, ()) if depth == 0 else (), value.dim())
+            sizes = tuple(None if d in dyn else int(s) for d, s in enumerate(value.shape))
+            strides = None if value.is_contiguous() else tuple(value.stride())
+            return TensorSpec(value.dtype, value.device, sizes, strides, value.requires_grad)
+        if isinstance(value, _PLAIN):
+            return ValueSpec(value)
+        if isinstance(value, (list, tuple)) and depth < _MAX_DEPTH:
+            return ContainerSpec(type(value).__name__, tuple(range(len(value))), tuple(
+                self._spec(name, v, f"{path}[{i}]", tensors, depth + 1)
+                for i, v in enumerate(value)))
+        if isinstance(value, dict) and depth < _MAX_DEPTH:
+            return ContainerSpec("dict", tuple(value), tuple(
+                self._spec(name, v, f"{path}[{k!r}]", tensors, depth + 1)
+                for k, v in value.items()))
+        if (dataclasses.is_dataclass(value) and not isinstance(value, type)
+                and depth < _MAX_DEPTH):
+            fields = dataclasses.fields(value)
+            return ContainerSpec(type(value).__qualname__, tuple(f.name for f in fields), tuple(
+                self._spec(name, getattr(value, f.name), f"{path}.{f.name}", tensors, depth + 1)
+                for f in fields))
+        return ObjectSpec(type(value).__qualname__)
+
+    def dynamic_sizes(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                      ) -> dict[tuple[str, int], int]:
+        """``{(arg name, dim): size}`` of every dynamic dim of this call."""
+        out: dict[tuple[str, int], int] = {}
+        positional = self._positional
+        named: list[tuple[str, Any]] = [
+            (positional[i] if i < len(positional) else str(i), v) for i, v in enumerate(args)]
+        named.extend(kwargs.items())
+        for name, value in named:
+            dims = self._dims.get(name)
+            if dims and isinstance(value, torch.Tensor):
+                for d in _dims_of(dims, value.dim()):
+                    out[(name, d)] = int(value.shape[d])
+        return out
+
+
+def _fix_for(name: str, old: TensorSpec, new: TensorSpec,
+             dims: Sequence[int]) -> str | None:
+    """Why a tensor argument cannot be served by a trace that saw ``old``, or None."""
+    if new.dtype != old.dtype:
+        return (f"argument {name!r} is {new.dtype}, but the model was traced with {old.dtype}; "
+                f"pass {name}.to({old.dtype}) (or compile a separate model for {new.dtype})")
+    if new.device != old.device:
+        return (f"argument {name!r} is on {new.device}, but the model was traced with it on "
+                f"{old.device}; move it with {name}.to({str(old.device)!r}) (the model's "
+                "weights live there)")
+    if len(new.sizes) != len(old.sizes):
+        return (f"argument {name!r} has {len(new.sizes)} dims, but the model was traced with "
+                f"{len(old.sizes)} ({old.describe()}); pass a tensor of that rank")
+    for d, (a, b) in enumerate(zip(old.sizes, new.sizes, strict=True)):
+        if a is not None and b is not None and a != b:
+            dyn = list(dims)
+            return (f"argument {name!r} has size {b} in dim {d}, but dim {d} was fixed at {a} "
+                    f"when the model was traced (only dims {dyn} of {name!r} vary between "
+                    f"calls); if dim {d} should vary, pass dynamic_arg_dims={{{name!r}: "
+                    f"{sorted({*dyn, d})}}} to ff.compile")
+    return None
+
+
+def incompatibility(traced: CallSignature, new: CallSignature,
+                    dynamic_arg_dims: Mapping[str, Sequence[int]]) -> str | None:
+    """A message when ``new`` is an input error against ``traced``, or None when ``new`` is
+    only another structure (which a new trace may serve)."""
+    for name, old in traced.args:
+        spec = new.arg(name)
+        if isinstance(old, TensorSpec) and isinstance(spec, TensorSpec):
+            why = _fix_for(name, old, spec, dynamic_arg_dims.get(name, ()))
+            if why is not None:
+                return why
+        elif isinstance(old, TensorSpec) and isinstance(spec, (ContainerSpec, ObjectSpec)):
+            return (f"argument {name!r} is {spec.describe()}, but the model was traced with "
+                    f"{old.describe()}; pass a tensor (torch.as_tensor(...) on "
+                    f"{old.device}, dtype {old.dtype})")
+        elif isinstance(old, TensorSpec) and isinstance(spec, ValueSpec) and \
+                spec.value is not None:
+            return (f"argument {name!r} is {spec.describe()}, but the model was traced with "
+                    f"{old.describe()}; pass a tensor")
+    return None
+
+
+class SizeGuards:
+    """The conditions a trace placed on dynamic sizes, as a predicate over a call's sizes.
+
+    Dynamo records a condition for every Python decision on a symbolic size (``if
+    x.shape[0] > 4:``); trace-once drops them, so here they are evaluated per call instead
+    (memoised per distinct sizes, so each batch size costs one evaluation).
+    """
+
+    def __init__(self, conditions: Sequence[tuple[Any, str]],
+                 symbols: Mapping[Any, tuple[str, int]],
+                 only_sizes: Mapping[tuple[str, int], int] | None = None) -> None:
+        self.conditions = list(conditions)  # (sympy expression, where in the user's code)
+        self._symbols = dict(symbols)
+        self._only = dict(only_sizes or {})
+        self._memo: dict[tuple[int, ...], bool] = {}
+        self._keys = sorted({*self._symbols.values(), *self._only})
+
+    @property
+    def trivial(self) -> bool:
+        return not self.conditions and not self._only
+
+    def accepts(self, sizes: Mapping[tuple[str, int], int]) -> bool:
+        if self.trivial:
+            return True
+        try:
+            probe = tuple(sizes[k] for k in self._keys)
+        except KeyError:
+            return False
+        hit = self._memo.get(probe)
+        if hit is None:
+            hit = self._evaluate(dict(zip(self._keys, probe, strict=True)))
+            self._memo[probe] = hit
+        return hit
+
+    def _evaluate(self, sizes: Mapping[tuple[str, int], int]) -> bool:
+        import sympy
+
+        for key, size in self._only.items():
+            if sizes[key] != size:
+                return False
+        subs = {sym: sympy.Integer(sizes[where]) for sym, where in self._symbols.items()}
+        for expr, _ in self.conditions:
+            value = expr.xreplace(subs)
+            if value is not sympy.true and not bool(value):
+                return False
+        return True

@@ -1,0 +1,309 @@
+"""Every call of a compiled model is checked against what its trace assumed (issue: never a
+wrong answer). A new call structure gets its own trace; an input error raises and says what to
+do; nothing is ever silently served by a trace made for something else."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe.compile.model import MAX_TRACES
+from freezeframe.errors import CompileError, InputMismatchError
+from tests.helpers.toy_models import LlamaConfig, ToyLlama
+
+MODES = ["dynamo_trace_once", "piecewise"]
+
+
+def config(mode: str = "piecewise", **changes: object) -> ff.CompilationConfig:
+    base: dict[str, object] = dict(mode=mode, backend="eager", cudagraph_mode="none",
+                                   use_cache=False)
+    base.update(changes)
+    return ff.CompilationConfig(**base)
+
+
+class OptionalBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.lin(x)
+        if bias is not None:
+            y = y + bias
+        return y * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("first_with_bias", [False, True])
+def test_optional_argument_none_then_tensor_traces_each_structure(mode, first_with_bias):
+    torch.manual_seed(0)
+    eager = OptionalBias()
+    model = ff.compile(eager, config(mode))
+    x, bias = torch.randn(3, 4), torch.randn(3, 4)
+    calls = [((x, bias), {}), ((x,), {})] if first_with_bias else [((x,), {}), ((x, bias), {})]
+    calls += [((torch.randn(5, 4),), {}), ((torch.randn(6, 4),), {"bias": torch.randn(6, 4)})]
+    for args, kwargs in calls:
+        torch.testing.assert_close(model(*args, **kwargs), eager(*args, **kwargs))
+    assert (model.num_traces, model.stats.retraces, model.stats.graphs_traced) == (2, 1, 2)
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_another_dtype_is_a_clear_error_not_garbage(mode):
+    model = ff.compile(Scale(), config(mode))
+    model(torch.ones(2, 3))
+    with pytest.raises(InputMismatchError,
+                       match=r"argument 'x' is torch.float64, but the model was traced with "
+                             r"torch.float32; pass x.to\(torch.float32\)"):
+        model(torch.ones(2, 3, dtype=torch.float64))
+    assert model.stats.graphs_traced == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.ones(2, 3, 1), r"argument 'x' has 3 dims, but the model was traced with 2"),
+    (torch.ones(2, 5), r"argument 'x' has size 5 in dim 1, but dim 1 was fixed at 3 when the "
+                       r"model was traced \(only dims \[0\] of 'x' vary between calls\); if dim "
+                       r"1 should vary, pass dynamic_arg_dims=\{'x': \[0, 1\]\} to ff.compile"),
+    ([[1.0, 2.0, 3.0]], r"argument 'x' is a list of 1, but the model was traced with a "
+                        r"torch.float32 tensor on cpu of shape \(\*, 3\), contiguous; pass a "
+                        r"tensor"),
+    (torch.ones(2, 3, device="meta"), r"argument 'x' is on meta, but the model was traced "
+                                      r"with it on cpu; move it with x.to\('cpu'\)"),
+])
+def test_wrong_rank_size_type_or_device_names_the_argument_and_the_fix(bad, message):
+    model = ff.compile(Scale(), config())
+    model(torch.ones(4, 3))
+    with pytest.raises(InputMismatchError, match=message):
+        model(bad)
+    torch.testing.assert_close(model(torch.ones(2, 3)), torch.tensor([[1.0, 2.0, 3.0]] * 2))
+
+
+class MulInPlaceThenAdd(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x + y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aliased_arguments_get_their_own_trace(mode):
+    model = ff.compile(MulInPlaceThenAdd(), config(mode))
+    a, b = torch.ones(3), torch.ones(3)
+    assert model(a, b).tolist() == [3.0, 3.0, 3.0]
+    c = torch.ones(4)
+    assert model(c, c).tolist() == [4.0] * 4  # eager: x and y are one tensor, 2 + 2
+    assert c.tolist() == [2.0] * 4
+    assert model.stats.retraces == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_transposed_input_gets_its_own_trace(mode):
+    class RowSums(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.cumsum(1) * 2
+
+    eager = RowSums()
+    model = ff.compile(eager, config(mode))
+    x = torch.arange(12.0).reshape(4, 3)
+    torch.testing.assert_close(model(x), eager(x))
+    t = torch.arange(12.0).reshape(3, 4).t()  # (4, 3), strides (1, 4)
+    torch.testing.assert_close(model(t), eager(t))
+    assert model.stats.retraces == 1
+
+
+class ScaleBy(nn.Module):
+    def forward(self, x: torch.Tensor, factor: int) -> torch.Tensor:
+        return x * factor
+
+
+def test_a_python_scalar_is_part_of_the_structure_and_traces_are_bounded():
+    model = ff.compile(ScaleBy(), config())
+    x = torch.ones(2)
+    for factor in range(1, MAX_TRACES + 1):
+        assert model(x, factor).tolist() == [float(factor)] * 2
+    assert model(torch.ones(3), 3).tolist() == [3.0] * 3  # an old structure: no new trace
+    assert model.num_traces == MAX_TRACES
+    with pytest.raises(CompileError, match=r"trace number 9, above the limit of 8.*factor=the "
+                                           r"int 9.*pass values that change per call"):
+        model(x, MAX_TRACES + 1)
+
+
+def test_positional_and_keyword_spellings_share_one_trace():
+    model = ff.compile(ScaleBy(), config())
+    assert model(torch.ones(2), 3).tolist() == [3.0, 3.0]
+    assert model(torch.ones(2), factor=3).tolist() == [3.0, 3.0]
+    assert model(x=torch.ones(4), factor=3).tolist() == [3.0] * 4
+    assert model.num_traces == 1
+
+
+def test_dynamic_sizes_the_trace_found_equal_must_stay_equal():
+    model = ff.compile(ToyLlama(LlamaConfig(num_layers=1)),
+                       config(splitting_ops=["silly::attention"]))
+    ids = torch.randint(0, 128, (6,))
+    model(ids, torch.arange(6))
+    with pytest.raises(InputMismatchError, match=r"argument 'input_ids' has 6 along dim 0 but "
+                                                  r"argument 'positions' has 5 along dim 0"):
+        model(ids, torch.arange(5))
+
+
+class FirstCallSize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=-1) @ x.t()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_first_call_of_one_row_serves_every_size(mode):
+    eager = FirstCallSize()
+    model = ff.compile(eager, config(mode))
+    for n in (1, 2, 5, 1, 7):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(model(x), eager(x))
+
+
+# -- autograd and inference mode -------------------------------------------------------------
+def graphs_config(cudagraph_mode: str) -> ff.CompilationConfig:
+    return config("piecewise", cudagraph_mode=cudagraph_mode, graph_backend="emulated",
+                  splitting_ops=["silly::attention"], cudagraph_capture_sizes=[1, 2, 4],
+                  max_num_tokens=4)
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full", "full_and_piecewise"])
+def test_graph_capture_works_without_no_grad(graph_mode):
+    eager = ToyLlama(LlamaConfig(num_layers=2, init_value=0.01))
+    model = ff.compile(eager, graphs_config(graph_mode))
+    ids, pos = torch.randint(0, 128, (4,)), torch.arange(4)
+    mode = ff.CUDAGraphMode.FULL if graph_mode == "full" else ff.CUDAGraphMode.PIECEWISE
+    model(ids, pos)  # the trace, autograd on
+    with (model.stats.expect(graphs_captured=1 if graph_mode == "full" else 3),
+          ff.forward_context(4, mode=mode)):
+        model(ids, pos)  # capture, autograd on
+    new_ids = torch.randint(0, 128, (4,))
+    ids.copy_(new_ids)
+    with ff.forward_context(4, mode=mode):
+        out = model(ids, pos)  # replay outside inference mode
+    with torch.no_grad():
+        torch.testing.assert_close(out, eager(new_ids, pos))
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full_and_piecewise"])
+def test_captured_inside_inference_mode_then_called_outside(graph_mode):
+    eager = ToyLlama(LlamaConfig(num_layers=2, init_value=0.01))
+    model = ff.compile(eager, graphs_config(graph_mode))
+    ids, pos = torch.randint(0, 128, (4,)), torch.arange(4)
+    with torch.inference_mode():
+        model(ids, pos)
+        with ff.forward_context(4, mode=ff.CUDAGraphMode.PIECEWISE):
+            model(ids, pos)
+    with ff.forward_context(4, mode=ff.CUDAGraphMode.PIECEWISE):
+        out = model(ids, pos)
+    with torch.no_grad():
+        torch.testing.assert_close(out, eager(ids, pos))
+
+
+def test_the_very_first_call_inside_a_full_forward_context():
+    eager = ToyLlama(LlamaConfig(num_layers=2, init_value=0.01))
+    model = ff.compile(eager, graphs_config("full"))
+    ids, pos = torch.randint(0, 128, (2,)), torch.arange(2)
+    with torch.no_grad():
+        expected = eager(ids, pos)
+    with (model.stats.expect(graphs_traced=1, graphs_captured=0),
+          ff.forward_context(2, mode=ff.CUDAGraphMode.FULL)):
+        torch.testing.assert_close(model(ids, pos), expected)  # traced, not captured
+    with model.stats.expect(graphs_captured=1, replays=1):
+        for _ in range(2):  # captures, then replays
+            with ff.forward_context(2, mode=ff.CUDAGraphMode.FULL):
+                torch.testing.assert_close(model(ids, pos), expected)
+
+
+def test_inference_mode_false_keeps_autograd():
+    eager = Scale()
+    model = ff.compile(eager, config(), inference_mode=False)
+    x = torch.ones(2, 3, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [[1.0, 2.0, 3.0]] * 2
+    with torch.no_grad():
+        assert not model(torch.ones(2, 3)).requires_grad  # another autograd mode: its own trace
+    assert model.stats.retraces == 1
+
+
+def test_outputs_are_inference_tensors_by_default():
+    model = ff.compile(Scale(), config())
+    assert model(torch.ones(2, 3)).is_inference()
+
+
+# -- Dynamo disabled ---------------------------------------------------------------------------
+def test_dynamo_disabled_runs_eagerly_warns_once_and_counts(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    model = ff.compile(Scale(), config())
+    with pytest.warns(UserWarning, match=r"Dynamo is disabled .*runs the module eagerly"):
+        assert model(torch.ones(1, 3)).tolist() == [[1.0, 2.0, 3.0]]
+    assert model(torch.ones(2, 3)).tolist() == [[1.0, 2.0, 3.0]] * 2
+    assert (model.stats.compile_disabled, model.stats.graphs_traced) == (2, 0)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    assert model(torch.ones(2, 3)).tolist() == [[1.0, 2.0, 3.0]] * 2
+    assert model.stats.graphs_traced == 1
+
+
+def test_torch_compile_disable_env_var_in_a_fresh_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import warnings, torch, freezeframe as ff\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x: torch.Tensor):\n"
+        "        return x * 2\n"
+        "m = ff.compile(M(), ff.CompilationConfig(mode='piecewise', backend='eager',"
+        " use_cache=False))\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(m(torch.ones(2)).tolist(), m.stats.compile_disabled, len(w))\n")
+    env = dict(os.environ, TORCH_COMPILE_DISABLE="1")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[2.0, 2.0] 1 1"
+
+
+# -- threads -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_four_threads_making_the_first_call_at_once(mode):
+    torch.manual_seed(0)
+    eager = OptionalBias()
+    model = ff.compile(eager, config(mode))
+    inputs = [torch.randn(n, 4) for n in (2, 3, 5, 7)]
+    outs: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(20):
+                outs[i] = model(inputs[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for i, x in enumerate(inputs):
+        with torch.no_grad():
+            torch.testing.assert_close(outs[i], eager(x))
+    assert (model.stats.graphs_traced, model.num_traces) == (1, 1)
