@@ -258,18 +258,70 @@ def test_key_is_the_same_in_another_process(tmp_path: Path) -> None:
 def test_saved_trace_needs_unchanged_sources(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text("A = 1\n")
-    first = _open(tmp_path)
+    stats = Stats()
+    first = _open(tmp_path, stats=stats)
     assert first.load_trace() is None
     first.add_traced_files([str(src)])
     first.save_trace(b"TRACE", {"n": 1})
-    second = _open(tmp_path)
-    header, payload = second.load_trace()
-    assert payload == b"TRACE" and header["n"] == 1 and second.key == first.key
+    second = _open(tmp_path, stats=stats)
+    saved = second.load_trace()
+    assert saved.payload == b"TRACE" and saved.meta == {"n": 1} and second.key == first.key
     src.write_text("A = 2\n")
-    third = _open(tmp_path)
-    assert third.load_trace() is None
+    third = _open(tmp_path, stats=stats)
+    with stats.expect(saved_trace_rejected=1, artifacts_loaded=0):
+        assert third.load_trace() is None
     third.add_traced_files([str(src)])
     assert third.key != first.key
+
+
+def test_saved_traces_are_kept_per_checked_values(tmp_path: Path) -> None:
+    """One entry keeps a saved trace per set of checked values; ``accept`` picks one."""
+    check = ff_cache.ValueCheck
+
+    def saving(payload: bytes, value: float) -> None:
+        cache = _open(tmp_path)
+        cache.save_trace(payload, checks=[check("value", "L['self']._k", ["float", repr(value)],
+                                                guard="CONSTANT_MATCH")])
+
+    saving(b"TWO", 2.0)
+    saving(b"FIVE", 5.0)
+    saving(b"TWO AGAIN", 2.0)  # replaces the first variant with the same checks
+
+    def wanting(value: float) -> object:
+        def accept(saved: ff_cache.SavedTrace) -> str | None:
+            (c,) = saved.checks
+            return None if c.expected == ["float", repr(value)] else "another value"
+        return accept
+
+    stats = Stats()
+    with stats.expect(saved_trace_rejected=0, artifacts_loaded=1):
+        assert _open(tmp_path, stats=stats).load_trace(wanting(5.0)).payload == b"FIVE"
+    with stats.expect(saved_trace_rejected=0, artifacts_loaded=1):
+        assert _open(tmp_path, stats=stats).load_trace(wanting(2.0)).payload == b"TWO AGAIN"
+    with stats.expect(saved_trace_rejected=1, artifacts_loaded=0):
+        assert _open(tmp_path, stats=stats).load_trace(wanting(3.0)) is None
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    assert entry.has_trace
+
+
+def test_traced_code_without_a_file_is_in_the_key(tmp_path: Path) -> None:
+    def compiled(text: str) -> object:
+        return compile(text, "<stdin>", "exec").co_consts[0]
+
+    one = compiled("def f(x):\n    return x + 1\n")
+    same = compiled("\n\ndef f(x):\n    return x + 1\n")  # moved, not changed
+    two = compiled("def f(x):\n    return x + 2\n")
+    assert ff_cache.code_digests([one]) == ff_cache.code_digests([same])
+    assert ff_cache.code_digests([one]) != ff_cache.code_digests([two])
+    assert ff_cache.code_digests([Tiny.forward.__code__]) == {}  # a real file: hashed instead
+    a, b, c = _open(tmp_path), _open(tmp_path), _open(tmp_path)
+    a.add_traced_code(ff_cache.code_digests([one]))
+    b.add_traced_code(ff_cache.code_digests([same]))
+    c.add_traced_code(ff_cache.code_digests([two]))
+    assert a.key == b.key != c.key
+    assert a.key != _open(tmp_path).key
+    with pytest.raises(CacheError, match="after the cache key was fixed"):
+        a.add_traced_code(ff_cache.code_digests([two]))
 
 
 # -- lock across processes -----------------------------------------------------------------

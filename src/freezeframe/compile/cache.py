@@ -6,28 +6,50 @@ keeping across processes:
 * one compiled artifact per capturable piece and per compile range or concrete size (an
   Inductor ``standalone_compile`` artifact), so a warm start skips Inductor;
 * the Dynamo trace itself (the FX graph plus how its inputs bind to the forward's arguments and
-  the module's parameters), so a warm start can skip Dynamo too when the traced sources are
-  unchanged.
+  the module's parameters), so a warm start can skip Dynamo too when everything the trace
+  depended on is unchanged.
 
 Layout (``<root>`` from :func:`resolve_cache_root`)::
 
     <root>/
-      models/<base key>.json        which entry a model's last trace produced + its source hashes
+      models/<base key>.json        the entries a model's traces produced (newest first), each
+                                    with its source hashes and code digests
       locks/<base key>.lock         flock: one process compiles a model, the others wait, then load
       inductor/                     Inductor's own cache while freezeframe compiles or loads
                                     (built CPU kernels, so a warm start runs no C++ compiler)
-      <key>/                        one entry per (base factors, traced source contents)
+      <key>/                        one entry per (base factors, traced sources and code)
         key_factors.json            every factor that went into the key, readable
         index.json                  this entry's artifacts (informational; files self-check)
-        trace.bin                   the saved Dynamo trace (optional)
+        trace.bin                   the saved Dynamo traces (optional): one per set of values
+                                    the trace specialised on, each with the checks it needs
         piece_<i>_range_<s>_<e>.bin one compiled piece for one compile range or size
 
-The *base key* hashes what is known before tracing: the freezeframe version, the config's
-``cache_key()``, the source files of the config's Inductor passes, torch's version and
-Inductor's system factors, the module's structure and the example-input signature, and the
-user's optional ``model_key``. The entry *key* adds the contents
-of every source file Dynamo traced, which is only known after a trace (or, on a warm start, from
-the ``models/`` pointer, whose recorded files are re-hashed before it is trusted).
+What decides whether something saved is reused:
+
+* The *base key* hashes what is known before tracing: the freezeframe version, the config's
+  ``cache_key()``, the source files of the config's Inductor passes, torch's version and
+  Inductor's system factors, the module's class, structure and public attributes, every
+  parameter's and buffer's shape/dtype/device, the example-input signature (plain argument
+  values included), and the user's optional ``model_key``.
+* The entry *key* adds what the trace read, known only after a trace (or, on a warm start, from
+  the ``models/`` pointer, re-verified before it is trusted): the contents of every source file
+  Dynamo traced or inlined, and a digest of every traced code object that has no source file
+  to hash (``python -c``, ``exec``, ``<stdin>``, a notebook cell): bytecode, constants (nested
+  code included), names and flags (:func:`code_digest`). Such code is found again on a warm
+  start from the module's classes, the forward's globals and the values below; code that
+  cannot be found, or that changed, means no reuse.
+* Every *value the trace specialised on*, taken from the guards Dynamo built for the trace:
+  constants and attributes of any name (``self._k``, ``self.table['a']``, a dtype, a field of
+  a plain object, an enum member, a function or builtin an attribute holds), globals of any
+  module the trace read (``consts.SCALE``), dict keys, sequence lengths, types, whether a
+  submodule has hooks, tensors that are not forward arguments (dtype, device, sizes,
+  strides), and torch's global state (grad mode, inference mode, default dtype/device, autocast,
+  deterministic algorithms, torch-function modes). Guards are built only after the pieces are
+  compiled, so these values select a saved trace *inside* the entry (trace.bin keeps one per
+  set of values) rather than the entry; pieces are safe regardless, since every artifact is
+  checked against its piece's :func:`graph_hash` (the generated code holds the constants).
+  A trace whose guards hold something another process cannot compare (an object compared by
+  identity, a guard kind not handled here, a global Dynamo installed) is not saved at all.
 
 Safety rules, because loading an artifact runs the code in it:
 
@@ -46,26 +68,37 @@ trace helps an eager model.
 Counters (``model.stats``): ``cache_hits`` / ``cache_misses`` count Inductor piece x range
 lookups (a hit produced a runnable without Inductor; a miss, including a corrupt or unloadable
 artifact, was compiled); ``artifacts_saved`` / ``artifacts_loaded`` count files written / read
-and verified (pieces and the trace); ``traces_loaded`` is 1 when Dynamo did not run.
-``backend_compilations`` counts a hit too, as vLLM does, so it never depends on the cache state.
+and verified (pieces and the trace); ``traces_loaded`` is 1 when Dynamo did not run;
+``saved_trace_rejected`` is 1 when a saved trace existed for the model but none fit (the
+reasons are logged at INFO); ``traces_not_saved`` is 1 when the first call's trace could not be
+saved (the reason is logged at INFO). ``backend_compilations`` counts a hit too, as vLLM does,
+so it never depends on the cache state.
 
-When the saved trace is not used (Dynamo traces as usual): no pointer for this base key, a
-recorded source file changed, the trace file is damaged, a graph input cannot be named from the
-forward's arguments, the forward returns something other than graph outputs and constants, or
-this call's inputs do not fit the traced placeholders (dtype, rank, static sizes). Like
-trace-once itself it assumes a forward without Python side effects outside the graph; module
-state that the key does not see (a global flag read by forward) needs a ``model_key``.
+When no saved trace is used (Dynamo traces as usual): no pointer for this base key, a recorded
+source file or code object changed or cannot be found, a value the trace specialised on
+differs or cannot be evaluated, the trace file is damaged, or this call's inputs do not fit
+the traced placeholders (dtype, rank, static sizes). A trace is not saved when a graph input
+cannot be named from the traced frame, the forward returns something other than graph outputs
+and constants, or a guard cannot be re-checked in another process. Like trace-once itself it
+assumes a forward without Python side effects outside the graph (the values are re-checked
+once, on the first call) and one trace for every batch size (symbolic-size guards are not
+re-checked). A value the trace never read through a guard (Dynamo folds ``a is b`` on two
+plain objects without guarding either identity) is not seen; ``model_key`` is the escape hatch.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
+import enum
 import hashlib
+import importlib
 import inspect
 import json
 import logging
 import os
+import pickle
 import platform
 import re
 import shutil
@@ -73,6 +106,7 @@ import stat
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,17 +149,34 @@ ENV_CACHE_DIR = "FREEZEFRAME_CACHE_DIR"
 ENV_DISABLE_CACHE = "FREEZEFRAME_DISABLE_CACHE"
 
 # Bumped whenever the on-disk layout or the artifact header changes, so old entries miss.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 _MAGIC = b"FFCACHE1"
 _HEADER_LEN_BYTES = 4
 _TRACE_NAME = "trace.bin"
 _FACTORS_NAME = "key_factors.json"
 _INDEX_NAME = "index.json"
 _KEY_RE = re.compile(r"^[0-9a-f]{16}$")
+# How many source variants one model's pointer lists, and how many saved traces (one per set of
+# checked values) one entry keeps; the oldest go first.
+_MAX_POINTER_ENTRIES = 8
+_MAX_TRACE_VARIANTS = 8
 
 
 class CorruptArtifactError(CacheError):
     """An artifact file is truncated, altered or not ours; it must never be loaded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTrace:
+    """One saved trace as :meth:`CompileCache.load_trace` offers it: the payload the compile
+    path wrote, the checks a reuse must pass, and the digests of the traced code without a
+    source file (to compare with the code the model runs now)."""
+
+    key: str
+    payload: bytes
+    checks: tuple[ValueCheck, ...]
+    meta: dict[str, Any]
+    code: dict[str, list[str]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,6 +518,541 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     return _sha([gm.code, inputs, extra])[:32]
 
 
+# ---------------------------------------------------------------------------------------------
+# what a saved trace depends on besides its source files
+# ---------------------------------------------------------------------------------------------
+def _needs_code_digest(filename: str) -> bool:
+    """True for code whose file cannot vouch for it: ``<stdin>``, ``<string>`` (``python -c``,
+    ``exec``), FX's ``<eval_with_key>``, a notebook cell's file that is not on disk. Frozen
+    standard-library modules (``<frozen ...>``) come with the Python build, which is a key
+    factor of its own."""
+    if filename.startswith("<frozen "):
+        return False
+    if not filename or filename.startswith("<"):
+        return True
+    return not (os.path.isfile(filename) and os.access(filename, os.R_OK))
+
+
+def _const_text(value: Any) -> Any:
+    if isinstance(value, types.CodeType):
+        return ["code", code_digest(value)]
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [_const_text(v) for v in value]]
+    if isinstance(value, frozenset):  # iteration order follows string hashing: sort
+        return ["frozenset", sorted(json.dumps(_const_text(v)) for v in value)]
+    if isinstance(value, bytes):
+        return ["bytes", value.hex()]
+    return [type(value).__name__, repr(value)]
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of what a code object does, the same in every process for the same source: its
+    bytecode, constants (nested functions and classes by their own digest), names, arguments,
+    flags and exception table. File name and line numbers are left out, so moving code without
+    changing it keeps the digest."""
+    parts = [
+        getattr(code, "co_qualname", code.co_name), code.co_code.hex(),
+        [_const_text(c) for c in code.co_consts], code.co_names, code.co_varnames,
+        code.co_freevars, code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
+        code.co_kwonlyargcount, code.co_flags,
+        getattr(code, "co_exceptiontable", b"").hex(),
+    ]
+    return _sha(parts)[:32]
+
+
+def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _nested_code(const)
+
+
+def code_digests(codes: Iterable[types.CodeType]) -> dict[str, list[str]]:
+    """``{qualified name: sorted digests}`` of the code objects among ``codes`` (and the code
+    nested in them) that have no source file to hash (:func:`_needs_code_digest`)."""
+    found: dict[str, set[str]] = {}
+    for outer in codes:
+        if not _needs_code_digest(outer.co_filename):
+            continue
+        for code in _nested_code(outer):
+            name = getattr(code, "co_qualname", code.co_name)
+            found.setdefault(name, set()).add(code_digest(code))
+    return {name: sorted(d) for name, d in sorted(found.items())}
+
+
+def _traced_code() -> list[types.CodeType]:
+    """Every code object the active Dynamo trace traced or inlined, the traced frame first
+    (empty outside a backend, or on a torch without ``traced_code``)."""
+    try:
+        from torch._guards import TracingContext
+
+        ctx = TracingContext.try_get()
+        return list(getattr(ctx, "traced_code", None) or ())
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        logger.debug("tracing context unavailable: %s", exc)
+        return []
+
+
+def _live_code_digests(roots: Iterable[Any]) -> dict[str, set[str]]:
+    """``{qualified name: digests}`` of the code without a source file that ``roots`` reach: a
+    root's class and its bases (methods, properties, static and class methods), a function's
+    code, nested code, closure cells and, for a function without a source file, the functions
+    and classes of its globals (a helper defined beside a ``python -c`` model)."""
+    found: dict[str, set[str]] = {}
+    seen: set[int] = set()
+    unsourced: dict[str, bool] = {}  # file name -> _needs_code_digest, asked once per file
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.MethodType | staticmethod | classmethod):
+            stack.append(obj.__func__)
+        elif isinstance(obj, property):
+            stack.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
+        elif isinstance(obj, types.FunctionType):
+            code = obj.__code__
+            if code.co_filename not in unsourced:
+                unsourced[code.co_filename] = _needs_code_digest(code.co_filename)
+            if not unsourced[code.co_filename]:
+                continue
+            for inner in _nested_code(code):
+                name = getattr(inner, "co_qualname", inner.co_name)
+                found.setdefault(name, set()).add(code_digest(inner))
+            stack.extend(c.cell_contents for c in obj.__closure__ or ()
+                         if _has_contents(c))
+            if id(obj.__globals__) not in seen:
+                seen.add(id(obj.__globals__))
+                stack.extend(v for v in list(obj.__globals__.values())
+                             if isinstance(v, type | types.FunctionType))
+        elif isinstance(obj, type):
+            for klass in obj.__mro__:
+                if klass.__module__ != "builtins" and klass is not obj:
+                    stack.append(klass)
+            stack.extend(v for v in list(vars(obj).values())
+                         if isinstance(v, type | types.FunctionType | staticmethod
+                                       | classmethod | property))
+        elif not isinstance(obj, types.ModuleType):
+            stack.append(type(obj))
+    return found
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _code_mismatch(recorded: Mapping[str, Sequence[str]], roots: Iterable[Any]) -> str | None:
+    """Why the live code does not match the digests recorded with a trace, or None. Each
+    recorded name must be found, and every live code object of that name must have a recorded
+    digest (two definitions of one name that differ cannot be told apart, so they do not match).
+    """
+    if not recorded:
+        return None
+    live = _live_code_digests(roots)
+    for name, digests in recorded.items():
+        now = live.get(name)
+        if not now:
+            return f"the code of {name} (no source file) cannot be found to compare"
+        if now != set(digests):
+            return f"the code of {name} (no source file) changed"
+    return None
+
+
+_IMPORT_ALIAS = "__import_"
+# Dynamo names the globals it installs ``<prefix>_<n>`` with a dunder prefix; the numbers differ
+# between processes.
+_INSTALLED_RE = re.compile(r"^__\w*_\d+$")
+
+
+class _GlobalScope:
+    """``G`` in a guard's or a graph input's source: the traced frame's globals, read live.
+
+    Dynamo adds ``__import_<module>`` aliases to those globals while it traces (the globals of a
+    function it inlined from another module) and ``__builtins_dict___<n>`` (the frame's
+    builtins); a process that did not run Dynamo lacks them, so they are resolved to what they
+    name, in every process alike. Any other global Dynamo installed (``<prefix>_<n>``) is
+    refused, at save and at load alike, so a trace that needs one is never saved.
+    """
+
+    __slots__ = ("_globals",)
+
+    def __init__(self, globals_: Mapping[str, Any]) -> None:
+        self._globals = globals_
+
+    def __getitem__(self, name: str) -> Any:
+        if name.startswith(_IMPORT_ALIAS):
+            module = name[len(_IMPORT_ALIAS):].replace("_dot_", ".")
+            return sys.modules.get(module) or importlib.import_module(module)
+        if _INSTALLED_RE.match(name):
+            if name.startswith("__builtins_dict__"):  # the frame's builtins, as a dict
+                found = self._globals.get("__builtins__", builtins)
+                return found if isinstance(found, dict) else vars(found)
+            raise KeyError(f"{name} is a global Dynamo installed while tracing (a process "
+                           "that did not trace lacks it)")
+        return self._globals[name]
+
+
+def _wrapped_frame_code() -> types.CodeType | None:
+    """The code of the frame ``torch.compile`` puts around a callable it cannot trace as it is
+    (a bound method whose function has no source file); None on a torch without it."""
+    try:
+        from torch._dynamo.external_utils import wrap_inline
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return None
+    return wrap_inline(len).__code__  # type: ignore[no-any-return]
+
+
+class _Frame:
+    """The frame Dynamo traced, rebuilt without Dynamo, so the sources its guards and graph
+    inputs name (``L['x']``, ``L['self'].scale``, ``G['consts'].SCALE``) can be evaluated.
+
+    ``kind`` is ``"forward"`` (the module's forward itself: ``L`` holds its arguments at entry,
+    defaults applied) or ``"wrapped"`` (``torch.compile``'s wrapper around a forward without a
+    source file: ``L`` holds ``args``, ``kwargs`` and ``fn``, the bound forward). Functions made
+    by :meth:`function` take the module followed by the call's arguments.
+    """
+
+    def __init__(self, module: Any, kind: str) -> None:
+        func: Any = module.forward.__func__
+        self.kind = kind
+        self.module = module
+        if kind == "forward":
+            params = _parameter_list(func.__code__)
+            names = [p.lstrip("*") for p in params if p not in ("/", "*")]
+            self._head = ", ".join(params)
+            self._locals = "{" + ", ".join(f"{n!r}: {n}" for n in names) + "}"
+            self.argument_roots = frozenset(names[1:])
+            self._defaults = (func.__defaults__, func.__kwdefaults__)
+            globals_ = func.__globals__
+        elif kind == "wrapped":
+            self._head = "_ff_self, *args, **kwargs"
+            self._locals = "{'args': args, 'kwargs': kwargs, 'fn': _ff_fn}"
+            self.argument_roots = frozenset({"args", "kwargs"})
+            self._defaults = (None, None)
+            code = _wrapped_frame_code()
+            if code is None:  # pragma: no cover - depends on the torch build
+                raise CacheError("this torch has no wrapper frame to rebuild")
+            from torch._dynamo import external_utils
+
+            globals_ = vars(external_utils)
+        else:
+            raise CacheError(f"unknown traced frame kind {kind!r}")
+        self.globals = _GlobalScope(globals_)
+
+    def function(self, body: str) -> Callable[..., Any]:
+        """``def f(<frame parameters>): L = <frame locals>; return <body>``, compiled."""
+        text = f"def _f({self._head}):\n    L = {self._locals}\n    return {body}\n"
+        namespace: dict[str, Any] = {"G": self.globals, "_ff_fn": self.module.forward,
+                                     "__builtins__": {}}
+        exec(compile(text, "<freezeframe saved trace>", "exec"), namespace)
+        fn = namespace["_f"]
+        fn.__defaults__, fn.__kwdefaults__ = self._defaults
+        return fn  # type: ignore[no-any-return]
+
+    def locals_at_entry(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        return self.function("L")(self.module, *args, **kwargs)  # type: ignore[no-any-return]
+
+
+def _parameter_list(code: types.CodeType) -> list[str]:
+    """A code object's parameters as a ``def`` writes them (``/``, ``*``, ``*args``, ...)."""
+    nargs = code.co_argcount + code.co_kwonlyargcount
+    names = list(code.co_varnames[:nargs])
+    params = names[: code.co_argcount]
+    if code.co_posonlyargcount:
+        params.insert(code.co_posonlyargcount, "/")
+    if code.co_flags & inspect.CO_VARARGS:
+        params.append("*" + code.co_varnames[nargs])
+    elif code.co_kwonlyargcount:
+        params.append("*")
+    params.extend(names[code.co_argcount:])
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        params.append("**" + code.co_varnames[nargs + (1 if code.co_flags &
+                                                        inspect.CO_VARARGS else 0)])
+    return params
+
+
+class _CannotCheck(Exception):
+    """A guard whose condition cannot be re-checked in another process."""
+
+
+def _qualified(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+
+
+def _encode(value: Any) -> Any:
+    """A value as plain data that compares equal in another process exactly when the value is
+    the same: primitives with their type, containers element-wise, dtypes and devices by name,
+    enum members, classes, modules and builtins by their qualified name, functions by name and
+    code digest. Anything else (an arbitrary object compared by identity) raises
+    :class:`_CannotCheck`."""
+    import torch
+
+    kind = type(value)
+    if value is None:
+        return ["none"]
+    if kind in (bool, int, str):
+        return [kind.__name__, value]
+    if kind in (float, complex):
+        return [kind.__name__, repr(value)]  # keeps nan, inf and -0.0 apart
+    if kind is bytes:
+        return ["bytes", value.hex()]
+    if kind is types.CodeType:
+        return ["code", code_digest(value)]
+    if kind in (tuple, list, torch.Size):
+        return [kind.__name__, [_encode(v) for v in value]]
+    if kind in (set, frozenset):
+        return [kind.__name__, sorted(json.dumps(_encode(v)) for v in value)]
+    if isinstance(value, torch.dtype | torch.device):
+        return [kind.__name__, str(value)]
+    if isinstance(value, enum.Enum):
+        return ["enum", _qualified(kind), value.name]
+    if isinstance(value, type):
+        return ["class", _qualified(value)]
+    if isinstance(value, types.ModuleType):
+        return ["module", value.__name__]
+    if isinstance(value, types.FunctionType):
+        return ["function", _qualified(value), code_digest(value.__code__)]
+    if isinstance(value, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+        return ["op", str(value)]
+    if isinstance(value, types.BuiltinFunctionType | types.MethodDescriptorType
+                  | types.WrapperDescriptorType | types.ClassMethodDescriptorType):
+        owner = getattr(value, "__self__", None)
+        if owner is None or isinstance(owner, type | types.ModuleType):
+            return ["builtin", _qualified(owner) if isinstance(owner, type) else
+                    getattr(owner, "__name__", None), _qualified(value)]
+    raise _CannotCheck(f"a {_qualified(kind)} compared by identity")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueCheck:
+    """One thing a trace specialised on, re-checked before its saved trace is reused.
+
+    ``source`` is the guard's source expression (``L['self']._k``, ``G['consts'].SCALE``,
+    ``L['n']``), evaluated in the rebuilt traced frame (:class:`_Frame`); ``kind`` says what is
+    compared with ``expected`` (plain data, :func:`_encode`): ``value`` (the encoded value),
+    ``type`` (its class), ``len``, ``keys`` (a dict's keys in order), ``contains`` (whether
+    ``arg`` is a key), ``hasattr`` (whether attribute ``arg`` exists), ``in_dict`` (whether
+    ``arg`` is in the object's instance dict), ``same`` (whether it is the object ``arg``
+    names), ``not_none``, ``tensor`` (dtype, device, sizes, strides of a tensor that is not a
+    forward argument) and ``state`` (a global torch setting named by ``source``). ``guard`` is
+    Dynamo's guard kind it came from, for logs.
+    """
+
+    kind: str
+    source: str
+    expected: Any
+    arg: Any = None
+    guard: str = ""
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        return (self.kind, self.source, self.expected, self.arg, self.guard)
+
+
+# Dynamo guard kinds, by what the saved trace does with them.
+_VALUE_GUARDS = frozenset({
+    "CONSTANT_MATCH", "EQUALS_MATCH", "BOOL_MATCH", "NONE_MATCH", "ID_MATCH", "CLASS_MATCH",
+    "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH", "CONSTANT_SUBCLASS_MATCH",
+})
+# Global torch state with no source: each is replaced by the settings _STATE records.
+_STATE_GUARDS = frozenset({
+    "GRAD_MODE", "GLOBAL_STATE", "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE",
+    "DEFAULT_DEVICE", "AUTOGRAD_SAVED_TENSORS_HOOKS",
+})
+# Symbolic-size guards: trace-once drops them on purpose (one trace serves every batch size);
+# the fit check (:func:`_first_mismatch`) re-checks dtype, rank and every static size.
+_SIZE_GUARDS = frozenset({"SHAPE_ENV"})
+
+
+def _torch_state() -> dict[str, Callable[[], Any]]:
+    import torch
+
+    return {
+        "grad_enabled": torch.is_grad_enabled,
+        "inference_mode": torch.is_inference_mode_enabled,
+        "default_dtype": lambda: str(torch.get_default_dtype()),
+        "default_device": lambda: str(torch.get_default_device()),
+        "deterministic": torch.are_deterministic_algorithms_enabled,
+        "autocast_cpu": lambda: torch.is_autocast_enabled("cpu"),
+        "autocast_cuda": lambda: torch.is_autocast_enabled("cuda"),
+        "torch_function": torch._C._is_torch_function_enabled,
+        "function_modes": lambda: len(torch.overrides._get_current_function_mode_stack()),
+        "saved_tensor_hooks": lambda: torch._C._autograd._top_saved_tensors_default_hooks(
+            False) is not None,
+    }
+
+
+def _guard_keyword(entry: Any, name: str) -> Any:
+    create = getattr(getattr(entry, "orig_guard", None), "create_fn", None)
+    keywords = getattr(create, "keywords", None) or {}
+    if name not in keywords:
+        raise _CannotCheck(f"{entry.guard_type} guard on {entry.name} without its {name!r}")
+    return keywords[name]
+
+
+def _source_text(source: Any) -> str:
+    name = source.name  # a property in torch 2.13, a method in older builds
+    return str(name() if callable(name) else name)
+
+
+def value_checks(entries: Sequence[Any], frame: _Frame) -> list[ValueCheck]:
+    """The checks a saved trace needs, from the guards Dynamo built for the trace.
+
+    Raises :class:`_CannotCheck` for a guard that cannot be re-checked in another process (an
+    object compared by identity, a guard kind not handled here): such a trace is not saved.
+    """
+    import torch
+
+    checks: dict[tuple[Any, ...], ValueCheck] = {}
+
+    def add(check: ValueCheck) -> None:
+        checks.setdefault((check.kind, check.source, repr(check.arg)), check)
+
+    for entry in entries:
+        kind = entry.guard_type
+        guard = getattr(entry, "orig_guard", None)
+        source = str(getattr(guard, "name", "") or entry.name)
+        if kind in _STATE_GUARDS or kind in _SIZE_GUARDS:
+            continue
+        if kind == "TENSOR_MATCH":
+            root = re.match(r"^L\[['\"]([^'\"]+)['\"]\]", source)
+            if root is not None and root.group(1) in frame.argument_roots:
+                continue  # a forward argument: the fit check compares it with the placeholders
+            value = entry.value
+            if not isinstance(value, torch.Tensor):
+                raise _CannotCheck(f"TENSOR_MATCH guard on {source} holds no tensor")
+            add(ValueCheck("tensor", source, _tensor_meta(value), guard=kind))
+            continue
+        if kind in _VALUE_GUARDS:
+            add(ValueCheck("value", source, _encode(_entry_value(entry)), guard=kind))
+        elif kind == "TYPE_MATCH":
+            add(ValueCheck("type", source, _qualified(type(_entry_value(entry))), guard=kind))
+        elif kind in ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"):
+            value = _entry_value(entry)
+            add(ValueCheck("type", source, _qualified(type(value)), guard=kind))
+            add(ValueCheck("len", source, len(value), guard=kind))
+        elif kind in ("DICT_KEYS_MATCH", "MAPPING_KEYS_CHECK"):
+            add(ValueCheck("keys", source, [_encode(k) for k in _entry_value(entry)],
+                           guard=kind))
+        elif kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS",
+                      "SET_NOT_CONTAINS"):
+            key = _guard_keyword(entry, "key")
+            _encode(key)  # a key that cannot be written down cannot be checked
+            add(ValueCheck("contains", source, "NOT" not in kind, arg=key, guard=kind))
+        elif kind == "HASATTR":
+            attr = _guard_keyword(entry, "attr")
+            if not source.endswith("." + attr):
+                raise _CannotCheck(f"HASATTR guard on {source} for attribute {attr!r}")
+            add(ValueCheck("hasattr", source[: -len(attr) - 1], bool(entry.has_value),
+                           arg=attr, guard=kind))
+        elif kind == "NOT_PRESENT_IN_GENERIC_DICT":
+            add(ValueCheck("in_dict", source, False, arg=_guard_keyword(entry, "attr"),
+                           guard=kind))
+        elif kind == "DUPLICATE_INPUT":
+            other = _source_text(_guard_keyword(entry, "source_b"))
+            add(ValueCheck("same", source, True, arg=other, guard=kind))
+        elif kind == "NOT_NONE_MATCH":
+            add(ValueCheck("not_none", source, True, guard=kind))
+        else:
+            raise _CannotCheck(f"a {kind} guard on {source or 'global state'}")
+    for name, read in _torch_state().items():
+        try:
+            add(ValueCheck("state", name, _encode(read()), guard="torch state"))
+        except Exception as exc:
+            raise _CannotCheck(f"torch setting {name} cannot be read ({exc})") from None
+    return list(checks.values())
+
+
+def _entry_value(entry: Any) -> Any:
+    if not entry.has_value:
+        raise _CannotCheck(f"{entry.guard_type} guard on {entry.name} without a value")
+    return entry.value
+
+
+def _tensor_meta(value: torch.Tensor) -> list[Any]:
+    return [str(value.dtype), value.device.type, list(value.shape), list(value.stride()),
+            bool(value.requires_grad)]
+
+
+def _guard_namespace(frame: _Frame, locals_: Mapping[str, Any]) -> dict[str, Any]:
+    namespace: dict[str, Any] = {}
+    with contextlib.suppress(Exception):  # the helpers Dynamo's own guard code calls
+        from torch._dynamo.guards import _get_closure_vars
+
+        namespace.update(_get_closure_vars())
+    namespace.update({"L": locals_, "G": frame.globals, "__builtins__": builtins})
+    return namespace
+
+
+def failed_check(checks: Sequence[ValueCheck], frame: _Frame, locals_: Mapping[str, Any],
+                 seen: list[Any] | None = None) -> str | None:
+    """Why ``checks`` do not hold in ``frame`` (with ``locals_`` as its ``L``), or None when
+    each holds. A source that cannot be evaluated fails its check. Values evaluated are
+    appended to ``seen`` (their code is compared by :func:`_code_mismatch`)."""
+    namespace = _guard_namespace(frame, locals_)
+    state = _torch_state()
+
+    def evaluate(source: str) -> Any:
+        value = eval(compile(source, "<freezeframe guard>", "eval"), namespace)
+        if seen is not None:
+            seen.append(value)
+        return value
+
+    for check in checks:
+        try:
+            got = _check_value(check, evaluate, state)
+        except _CannotCheck as exc:
+            return f"{check.source} ({check.guard}): {exc}"
+        except Exception as exc:
+            return (f"{check.source} ({check.guard}) cannot be evaluated "
+                    f"({type(exc).__name__}: {exc})")
+        if got != check.expected:
+            return (f"{check.source} ({check.guard}) is {got!r}, the trace has "
+                    f"{check.expected!r}")
+    return None
+
+
+def _check_value(check: ValueCheck, evaluate: Callable[[str], Any],
+                 state: Mapping[str, Callable[[], Any]]) -> Any:
+    """What ``check`` observes now, comparable with ``check.expected``."""
+    import torch
+
+    kind = check.kind
+    if kind == "state":
+        read = state.get(check.source)
+        if read is None:
+            raise _CannotCheck("unknown torch setting")
+        return _encode(read())
+    if kind == "hasattr":
+        return hasattr(evaluate(check.source), check.arg)
+    value = evaluate(check.source)
+    if kind == "value":
+        return _encode(value)
+    if kind == "type":
+        return _qualified(type(value))
+    if kind == "len":
+        return len(value)
+    if kind == "keys":
+        return [_encode(k) for k in value]
+    if kind == "contains":
+        return check.arg in value
+    if kind == "in_dict":
+        return check.arg in getattr(value, "__dict__", {})
+    if kind == "same":
+        return value is evaluate(check.arg)
+    if kind == "not_none":
+        return value is not None
+    if kind == "tensor":
+        if not isinstance(value, torch.Tensor):
+            return ["not a tensor", _qualified(type(value))]
+        return _tensor_meta(value)
+    raise _CannotCheck(f"unknown check kind {kind!r}")
+
+
 _STALE_TEMP_S = 600.0
 
 
@@ -539,11 +1125,13 @@ class CompileCache:
                                   kwargs=kwargs, dynamic_arg_dims=dims, model_key=model_key)
         if cache is None: ...                      # cache off
         with cache.lock():                         # held for the whole first call
-            trace = cache.load_trace()             # bytes or None (sources re-verified)
-            if trace is None:
+            saved = cache.load_trace(accept)       # SavedTrace or None (sources re-verified,
+                                                   # then accept() checks values and code)
+            if saved is None:
                 ... Dynamo traces; inside the backend:
                 cache.add_traced_files(traced_files_from_graph(gm))
-                cache.save_trace(payload)          # optional
+                cache.add_traced_code(code objects without a source file)
+                cache.save_trace(payload, checks=...)   # optional
             ... per piece and range: cache.load_artifact / cache.save_artifact
     """
 
@@ -555,6 +1143,8 @@ class CompileCache:
         self.stats = stats
         self._traced_files: set[str] = set()
         self._sources: dict[str, str] | None = None  # frozen once the key is computed
+        self._traced_code: dict[str, set[str]] = {}
+        self._code: dict[str, list[str]] | None = None  # frozen with the sources
         ensure_private_dir(self.root)
 
     # -- construction ----------------------------------------------------------------------
@@ -616,6 +1206,19 @@ class CompileCache:
             )
         self._traced_files |= new
 
+    def add_traced_code(self, digests: Mapping[str, Iterable[str]]) -> None:
+        """Record the digests of traced code that has no source file to hash
+        (:func:`code_digests`); they join the key. Same timing rule as
+        :meth:`add_traced_files`."""
+        if self._code is not None:
+            if any(set(d) - set(self._code.get(name, ())) for name, d in digests.items()):
+                raise CacheError(
+                    "traced code was added after the cache key was fixed; call "
+                    "cache.add_traced_code(...) before the first artifact is loaded or saved")
+            return
+        for name, found in digests.items():
+            self._traced_code.setdefault(name, set()).update(found)
+
     @property
     def sources(self) -> dict[str, str]:
         if self._sources is None:
@@ -623,11 +1226,19 @@ class CompileCache:
         return self._sources
 
     @property
+    def code(self) -> dict[str, list[str]]:
+        """``{qualified name: digests}`` of the traced code without a source file."""
+        if self._code is None:
+            self._code = {n: sorted(d) for n, d in sorted(self._traced_code.items())}
+        return self._code
+
+    @property
     def key(self) -> str:
         """The entry key: base factors + traced source contents (path-independent, so a cache
-        copied to another checkout of the same code still hits)."""
+        copied to another checkout of the same code still hits) + the digests of traced code
+        without a source file."""
         contents = sorted((os.path.basename(p), h) for p, h in self.sources.items())
-        return _sha([self.base_key, contents])[:16]
+        return _sha([self.base_key, contents, sorted(self.code.items())])[:16]
 
     @property
     def entry_dir(self) -> Path:
@@ -643,6 +1254,7 @@ class CompileCache:
                 "base_key": self.base_key,
                 "factors": self.base_factors,
                 "sources": self.sources,
+                "code": self.code,
                 "config": self._config_dict,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
@@ -767,51 +1379,119 @@ class CompileCache:
         atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
 
     # -- the saved trace -------------------------------------------------------------------
-    def save_trace(self, payload: bytes, meta: Mapping[str, Any] | None = None) -> Path:
-        """Save the Dynamo trace of this model and point ``models/<base key>.json`` at it."""
+    # Dynamo builds a trace's guards only after the backend has compiled (and looked up) every
+    # piece, so the entry key, fixed by then, cannot hold the values the trace specialised on.
+    # Those values select a *variant* inside the entry instead: trace.bin keeps one saved trace
+    # per distinct set of checked values (newest first), so two instances of one class with
+    # different values each warm-start from their own trace instead of replacing each other's.
+    # The pieces need no such split: each artifact is checked against its piece's graph_hash,
+    # whose generated code holds the constants baked into it.
+    def save_trace(self, payload: bytes, meta: Mapping[str, Any] | None = None,
+                   checks: Sequence[ValueCheck] = ()) -> Path:
+        """Save the Dynamo trace of this model (with the checks a reuse must pass) beside the
+        variants already saved for this entry, and point ``models/<base key>.json`` at it."""
         entry = self._entry()
         path = entry / _TRACE_NAME
-        atomic_write(path, pack_artifact(payload, dict(meta or {})))
+        rows = [c.as_tuple() for c in checks]
+        digest = _sha(rows)[:16]
+        kept = [v for v in self._read_variants(path) if v.get("digest") != digest]
+        variants = [{"digest": digest, "checks": rows, "payload": payload,
+                     "meta": dict(meta or {})}, *kept][:_MAX_TRACE_VARIANTS]
+        body = pickle.dumps({"variants": variants}, protocol=pickle.HIGHEST_PROTOCOL)
+        atomic_write(path, pack_artifact(body, {"variants": len(variants)}))
         models = ensure_private_dir(self.root / "models")
-        pointer = {"key": self.key, "sources": self.sources}
-        atomic_write(models / f"{self.base_key}.json",
-                     json.dumps(pointer, indent=2, sort_keys=True).encode())
+        pointer_path = models / f"{self.base_key}.json"
+        mine = {"key": self.key, "sources": self.sources, "code": self.code}
+        others = [e for e in self._pointer_entries(pointer_path) if e["key"] != self.key]
+        pointer = {"entries": [mine, *others][:_MAX_POINTER_ENTRIES]}
+        atomic_write(pointer_path, json.dumps(pointer, indent=2, sort_keys=True).encode())
         self._inc("artifacts_saved")
         return path
 
-    def load_trace(self) -> tuple[dict[str, Any], bytes] | None:
-        """The saved trace for this model if every source file it recorded is unchanged.
-
-        On success the recorded sources become this cache's sources (the key is fixed). On any
-        mismatch or damage, returns None and the caller traces with Dynamo as usual.
-        """
-        pointer_path = self.root / "models" / f"{self.base_key}.json"
-        try:
-            pointer = json.loads(pointer_path.read_text())
-            key, recorded = pointer["key"], dict(pointer["sources"])
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("saved-trace pointer %s is unreadable (%s); tracing", pointer_path, exc)
-            return None
-        if not isinstance(key, str) or not _KEY_RE.match(key):
-            return None
-        current = hash_sources(recorded)
-        if current != recorded:
-            changed = sorted(p for p in recorded if current.get(p) != recorded[p])
-            logger.info("traced sources changed since the trace was saved (%s); tracing again",
-                        ", ".join(changed[:5]))
-            return None
-        found = self._read_verified(self.root / key / _TRACE_NAME)
+    def _read_variants(self, path: Path) -> list[dict[str, Any]]:
+        found = self._read_verified(path)
         if found is None:
-            return None
-        if self._sources is None:
-            self._traced_files = set(recorded)
-            self._sources = recorded
-        if self.key != key:  # other sources recorded already; the pointer is not for us
-            return None
-        self._inc("artifacts_loaded")
-        return found
+            return []
+        try:
+            variants = pickle.loads(found[1])["variants"]
+            if not isinstance(variants, list) or not all(
+                    isinstance(v, dict) and isinstance(v.get("payload"), bytes)
+                    and isinstance(v.get("checks"), list) for v in variants):
+                raise TypeError("not a list of saved traces")
+        except Exception as exc:
+            self.discard(path, f"unreadable saved traces: {type(exc).__name__}: {exc}")
+            return []
+        return variants
+
+    @staticmethod
+    def _pointer_entries(path: Path) -> list[dict[str, Any]]:
+        """The entries ``models/<base key>.json`` lists (newest first); [] when it is missing,
+        and [] with a warning when it is unreadable."""
+        try:
+            entries = json.loads(path.read_text())["entries"]
+            out = []
+            for e in entries:
+                key, sources, code = e["key"], dict(e["sources"]), dict(e["code"])
+                if isinstance(key, str) and _KEY_RE.match(key):
+                    out.append({"key": key, "sources": sources,
+                                "code": {str(n): sorted(map(str, d)) for n, d in code.items()}})
+            return out
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("saved-trace pointer %s is unreadable (%s); tracing", path, exc)
+            return []
+
+    def load_trace(self, accept: Callable[[SavedTrace], str | None] | None = None
+                   ) -> SavedTrace | None:
+        """A saved trace for this model whose recorded source files are unchanged and which
+        ``accept`` takes (it returns None, or why the trace does not fit: a checked value or
+        code without a source file differs, the call's inputs do not fit).
+
+        On success the recorded sources and code become this cache's (the key is fixed). When
+        saved traces exist but none is taken, logs why, counts ``saved_trace_rejected`` and
+        returns None: the caller traces with Dynamo as usual. ``accept`` raises
+        :class:`CorruptArtifactError` for a trace that cannot be read; its file is removed.
+        """
+        reasons: list[str] = []
+        for pointed in self._pointer_entries(self.root / "models" / f"{self.base_key}.json"):
+            key, recorded, code = pointed["key"], pointed["sources"], pointed["code"]
+            current = hash_sources(recorded)
+            if current != recorded:
+                changed = sorted(p for p in recorded if current.get(p) != recorded[p])
+                reasons.append(f"entry {key}: traced sources changed ({', '.join(changed[:5])})")
+                continue
+            if self._sources is not None and (recorded != self._sources or code != self.code):
+                continue  # the key is fixed already and this entry is not it
+            path = self.root / key / _TRACE_NAME
+            for variant in self._read_variants(path):
+                try:
+                    saved = SavedTrace(
+                        key=key, payload=variant["payload"],
+                        checks=tuple(ValueCheck(*row) for row in variant["checks"]),
+                        meta=dict(variant.get("meta") or {}), code=code)
+                    why = accept(saved) if accept is not None else None
+                except (TypeError, ValueError) as exc:  # rows of another layout
+                    self.discard(path, f"unreadable saved trace: {exc}")
+                    break
+                except CorruptArtifactError as exc:
+                    self.discard(path, str(exc))
+                    break
+                if why is not None:
+                    reasons.append(f"entry {key}: {why}")
+                    continue
+                if self._sources is None:
+                    self._traced_files = set(recorded)
+                    self._sources = dict(recorded)
+                    self._traced_code = {n: set(d) for n, d in code.items()}
+                    self._code = dict(code)
+                self._inc("artifacts_loaded")
+                return saved
+        if reasons:
+            logger.info("a saved trace exists for model %s but does not fit, so Dynamo traces "
+                        "again: %s", self.base_key, "; ".join(reasons[:4]))
+            self._inc("saved_trace_rejected")
+        return None
 
     def trace_path(self) -> Path:
         return self.entry_dir / _TRACE_NAME
@@ -1046,43 +1726,16 @@ class _OutputRecorder:
 
 class _LoadedTrace:
     """The forward of a warm start that skipped Dynamo: binds the call's arguments to the
-    graph inputs exactly as Dynamo's bytecode did (same source expressions), calls the compiled
-    graph and rebuilds the return value from the graph outputs."""
+    graph inputs exactly as Dynamo's bytecode did (same source expressions, in the rebuilt
+    traced frame), calls the compiled graph and rebuilds the return value from the graph
+    outputs."""
 
-    def __init__(self, module: Any, sources: Sequence[str], out_spec: str,
+    def __init__(self, frame: _Frame, sources: Sequence[str], out_spec: str,
                  out_leaves: Sequence[tuple[str, Any]]) -> None:
         import torch.utils._pytree as pytree
 
-        func: Any = module.forward.__func__
-        code = func.__code__
-        nargs = code.co_argcount + code.co_kwonlyargcount
-        names = list(code.co_varnames[:nargs])
-        params = names[: code.co_argcount]
-        if code.co_posonlyargcount:
-            params.insert(code.co_posonlyargcount, "/")
-        extra = code.co_argcount
-        if code.co_flags & inspect.CO_VARARGS:
-            params.append("*" + code.co_varnames[nargs])
-            extra += 1
-        elif code.co_kwonlyargcount:
-            params.append("*")
-        params.extend(names[code.co_argcount:])
-        if code.co_flags & inspect.CO_VARKEYWORDS:
-            params.append("**" + code.co_varnames[nargs + (1 if code.co_flags &
-                                                            inspect.CO_VARARGS else 0)])
-        local_names = [p.lstrip("*") for p in params if p not in ("/", "*")]
-        frame = ", ".join(f"{n!r}: {n}" for n in local_names)
-        body = ", ".join(sources)
-        # L mirrors the frame Dynamo traced (its locals at entry), G the forward's globals.
-        text = (f"def _bind({', '.join(params)}):\n    L = {{{frame}}}\n"
-                f"    return ({body},)\n")
-        namespace: dict[str, Any] = {"G": func.__globals__, "__builtins__": {}}
-        exec(compile(text, "<freezeframe saved trace>", "exec"), namespace)
-        bind = namespace["_bind"]
-        bind.__defaults__ = func.__defaults__
-        bind.__kwdefaults__ = func.__kwdefaults__
-        self._module = module
-        self._bind = bind
+        self._module = frame.module
+        self._bind = frame.function(f"({', '.join(sources)},)")
         self.fn: Callable[..., Any] | None = None  # the compiled graph, set once checked
         self._spec = pytree.treespec_loads(out_spec)
         self._leaves = list(out_leaves)
@@ -1101,6 +1754,15 @@ class _LoadedTrace:
         return self._unflatten(leaves, self._spec)
 
 
+@dataclasses.dataclass
+class _Chosen:
+    """The saved trace a warm start takes, ready to compile."""
+
+    gm: Any
+    example_inputs: list[Any]
+    loaded: _LoadedTrace
+
+
 class ModelCache:
     """Drives the cache for one :class:`~freezeframe.compile.model.CompiledModel`.
 
@@ -1109,13 +1771,17 @@ class ModelCache:
     The first call opens the cache (the input signature is part of the key), takes the model
     lock and then either
 
-    * loads the saved trace (sources unchanged) and feeds the stored graph to the backend, so
-      Dynamo never runs and every Inductor piece comes from an artifact; or
-    * traces with Dynamo as usual, records the traced files, and saves the trace afterwards
-      when the forward's inputs and outputs can be expressed without Dynamo's bytecode.
+    * loads a saved trace (sources unchanged, every value and piece of code the trace
+      specialised on unchanged) and feeds the stored graph to the backend, so Dynamo never
+      runs and every Inductor piece comes from an artifact; or
+    * traces with Dynamo as usual, records the traced files and code, and saves the trace
+      afterwards (with checks built from the trace's guards) when the forward's inputs and
+      outputs can be expressed without Dynamo's bytecode and every guard can be re-checked in
+      another process.
 
-    The saved trace assumes what trace-once already assumes: guards are dropped and forward has
-    no Python side effects outside the graph.
+    The saved trace assumes what trace-once already assumes: forward has no Python side effects
+    outside the graph, and one trace serves every batch size (symbolic-size guards are not
+    re-checked; the placeholders' dtypes, ranks and static sizes are).
     """
 
     def __init__(self, model: Any, dynamic_arg_dims: Mapping[str, Any] | None = None, *,
@@ -1128,19 +1794,24 @@ class ModelCache:
         self._recorder: _OutputRecorder | None = None
         self._graph_blob: bytes | None = None
         self._sources: list[str] | None = None
+        self._frame_kind: str | None = None
+        self._not_saved: str | None = None  # why this trace cannot be saved, once known
         self._run: Callable[..., Any] | None = None
         self.cache: CompileCache | None = None
         self.trace_loaded = False
 
     # -- hooks for the compile path -------------------------------------------------------
     def wrap_backend(self, backend: Callable[..., Any]) -> Callable[..., Any]:
-        """The Dynamo backend to trace with: records traced files for the key and keeps what
-        the saved trace needs, then calls ``backend``."""
+        """The Dynamo backend to trace with: records traced files and code for the key and
+        keeps what the saved trace needs, then calls ``backend``."""
         self._backend = backend
 
         def cached_backend(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
             if self.cache is not None:
+                codes = _traced_code()
                 self.cache.add_traced_files(traced_files_from_graph(gm))
+                self.cache.add_traced_code(code_digests(codes))
+                self._frame_kind = self._traced_frame_kind(codes)
                 self._keep_graph(gm)
             fn = backend(gm, example_inputs)
             if self.cache is not None and self._graph_blob is not None:
@@ -1149,6 +1820,17 @@ class ModelCache:
             return fn
 
         return cached_backend
+
+    def _traced_frame_kind(self, codes: Sequence[types.CodeType]) -> str | None:
+        """Which frame Dynamo traced (see :class:`_Frame`), from the first traced code."""
+        func = getattr(getattr(self._model.module, "forward", None), "__func__", None)
+        if not codes or func is None:
+            return None
+        if codes[0] is func.__code__:
+            return "forward"
+        if codes[0] is _wrapped_frame_code():
+            return "wrapped"
+        return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._run is not None:
@@ -1176,7 +1858,7 @@ class ModelCache:
                 self._run = loaded
                 return loaded(*args, **kwargs)
             out = trace(*args, **kwargs)
-            self._save_trace(out)
+            self._save_trace(out, args, kwargs)
         self._run = trace
         return out
 
@@ -1184,6 +1866,7 @@ class ModelCache:
         try:
             from torch.fx._graph_pickler import GraphPickler, Options
         except ImportError:  # pragma: no cover - torch without a graph pickler
+            self._not_saved = "this torch has no graph pickler"
             return
         sources = []
         for node in gm.graph.nodes:
@@ -1191,7 +1874,7 @@ class ModelCache:
                 continue
             name = _source_name(node)
             if name is None or not (name.startswith("L[") or name.startswith("G[")):
-                logger.debug("graph input %s has no plain source; no saved trace", node.name)
+                self._not_saved = f"graph input {node.name} has no plain source"
                 return
             sources.append(name)
         # Only the placeholders' fake values are stored (some intermediate fake tensors hold
@@ -1217,23 +1900,38 @@ class ModelCache:
             self._graph_blob = GraphPickler.dumps(
                 gm, Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__))
         except Exception as exc:
-            logger.info("the traced graph cannot be serialised (%s: %s); warm starts will "
-                        "trace with Dynamo", type(exc).__name__, exc,
-                        exc_info=logger.isEnabledFor(logging.DEBUG))
+            self._not_saved = f"the traced graph cannot be serialised ({type(exc).__name__}: {exc})"
+            logger.debug("graph pickling failed", exc_info=True)
             return
         finally:
             for (node, key), value in stripped.items():
                 node.meta[key] = value
         self._sources = sources
 
-    def _save_trace(self, out: Any) -> None:
-        import pickle
+    def _not_saving(self, why: str) -> None:
+        logger.info("the trace of %s is not saved, so warm starts will trace with Dynamo: %s",
+                    type(self._model.module).__name__, why)
+        self._model.stats.inc("traces_not_saved")
 
+    def _save_trace(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import torch
         import torch.utils._pytree as pytree
 
         cache, rec = self.cache, self._recorder
-        if cache is None or rec is None or rec.outputs is None or self._sources is None:
+        if cache is None:
+            return
+        if self._not_saved is not None:
+            self._not_saving(self._not_saved)
+            return
+        if rec is None or rec.outputs is None or self._sources is None:
+            self._not_saving("the compiled graph was not called by the first call")
+            return
+        if self._frame_kind is None:
+            self._not_saving("Dynamo traced a frame other than the forward")
+            return
+        entries = getattr(self.trace, "guard_entries", None)
+        if entries is None:
+            self._not_saving("the trace does not record its guards")
             return
         leaves, spec = pytree.tree_flatten(out)
         described: list[tuple[str, Any]] = []
@@ -1244,19 +1942,35 @@ class ModelCache:
             elif not isinstance(leaf, torch.Tensor) and _primitive(leaf):
                 described.append(("const", leaf))
             else:
-                logger.info("forward returns a value that is not a graph output; warm starts "
-                            "will trace with Dynamo")
+                self._not_saving("forward returns a value that is not a graph output")
                 return
         try:
             spec_text = pytree.treespec_dumps(spec)
         except Exception as exc:
-            logger.info("forward's return structure cannot be saved (%s); warm starts will "
-                        "trace with Dynamo", exc)
+            self._not_saving(f"forward's return structure cannot be saved ({exc})")
+            return
+        try:
+            frame = _Frame(self._model.module, self._frame_kind)
+            checks = value_checks(entries, frame)
+            # Each check must hold right now, as the trace saw it: this proves the sources
+            # evaluate the same way without Dynamo, and catches a forward that changed what it
+            # read.
+            why = failed_check(checks, frame, frame.locals_at_entry(args, kwargs))
+        except _CannotCheck as exc:
+            self._not_saving(f"the trace specialised on {exc}, which another process cannot "
+                             "re-check")
+            return
+        except Exception as exc:
+            self._not_saving(f"its checks cannot be built ({type(exc).__name__}: {exc})")
+            return
+        if why is not None:
+            self._not_saving(f"a value the trace specialised on cannot be re-checked: {why}")
             return
         payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
-                                "out_spec": spec_text, "out_leaves": described})
+                                "out_spec": spec_text, "out_leaves": described,
+                                "frame": self._frame_kind})
         try:
-            cache.save_trace(payload, {"inputs": len(self._sources)})
+            cache.save_trace(payload, {"inputs": len(self._sources)}, checks)
         except CacheError:
             raise
         except Exception as exc:
@@ -1264,43 +1978,69 @@ class ModelCache:
 
     def _try_saved_trace(self, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Callable[..., Any] | None:
-        import pickle
-
         cache = self.cache
+        module = self._model.module
         if cache is None or self._backend is None:
             return None
-        if getattr(getattr(self._model.module, "forward", None), "__func__", None) is None:
+        if getattr(getattr(module, "forward", None), "__func__", None) is None:
             return None
-        found = cache.load_trace()
-        if found is None:
-            return None
-        try:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            from torch.fx._graph_pickler import GraphPickler
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        chosen: list[_Chosen] = []
 
-            data = pickle.loads(found[1])
-            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-            gm: Any = GraphPickler.loads(data["graph"], fake_mode)
-            gm.recompile()
-            example_inputs = [n.meta.get("example_value", n.meta.get("val"))
-                              for n in gm.graph.nodes if n.op == "placeholder"]
-            _propagate_fake_values(gm, example_inputs, fake_mode)
-            loaded = _LoadedTrace(self._model.module, data["sources"], data["out_spec"],
-                                  data["out_leaves"])
-        except Exception as exc:
-            cache.discard(cache.trace_path(), f"{type(exc).__name__}: {exc}")
+        def accept(saved: SavedTrace) -> str | None:
+            try:
+                data = pickle.loads(saved.payload)
+                frame = _Frame(module, data["frame"])
+            except Exception as exc:
+                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+            try:
+                locals_ = frame.locals_at_entry(args, kwargs)
+                seen: list[Any] = [module, module.forward, *module.modules(),
+                                   *locals_.values()]
+                why = failed_check(saved.checks, frame, locals_, seen)
+                if why is None:
+                    why = _code_mismatch(saved.code, seen)
+            except Exception as exc:  # a call that does not bind, an odd object to walk
+                why = f"it cannot be checked against this call ({type(exc).__name__}: {exc})"
+            if why is not None:
+                return why
+            try:
+                gm, example_inputs = _load_graph(data["graph"])
+                loaded = _LoadedTrace(frame, data["sources"], data["out_spec"],
+                                      data["out_leaves"])
+            except Exception as exc:
+                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+            try:
+                mismatch = _first_mismatch(loaded.bind(*args, **kwargs), example_inputs)
+            except Exception as exc:
+                mismatch = f"the graph inputs cannot be bound ({type(exc).__name__}: {exc})"
+            if mismatch is not None:
+                return f"the call does not fit the trace ({mismatch})"
+            chosen.append(_Chosen(gm, example_inputs, loaded))
             return None
-        mismatch = _first_mismatch(loaded.bind(*args, **kwargs), example_inputs)
-        if mismatch is not None:
-            logger.info("the saved trace does not fit this call (%s); tracing with Dynamo",
-                        mismatch)
+
+        if cache.load_trace(accept) is None:
             return None
-        loaded.fn = self._backend(gm, example_inputs)  # compile errors here are real errors
+        pick = chosen[-1]
+        pick.loaded.fn = self._backend(pick.gm, pick.example_inputs)  # errors here are real
         self.trace_loaded = True
         self._model.stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
-        return loaded
+        return pick.loaded
+
+
+def _load_graph(blob: bytes) -> tuple[Any, list[Any]]:
+    """A saved graph with fresh fake values on every node, and its placeholders' values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    gm: Any = GraphPickler.loads(blob, fake_mode)
+    gm.recompile()
+    example_inputs = [n.meta.get("example_value", n.meta.get("val"))
+                      for n in gm.graph.nodes if n.op == "placeholder"]
+    _propagate_fake_values(gm, example_inputs, fake_mode)
+    return gm, example_inputs
 
 
 _KEEP_META = frozenset({"example_value", "val", "stack_trace", "tensor_meta"})
