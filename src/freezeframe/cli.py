@@ -7,8 +7,17 @@ when its command runs (or for ``--help``), and a module that does not exist yet 
 command's missing or heavy dependencies never break another. Keep module-level imports of such
 modules light (import torch inside the handler).
 
-Errors freezeframe raises on purpose (:class:`~freezeframe.errors.FreezeframeError`) are printed
-as one line on stderr with exit code 2; anything else is a bug and keeps its traceback.
+Every error a user can cause is one line on stderr, ``freezeframe COMMAND: error: ...``:
+
+* a bad argument (wrong type, out of range, unknown choice) — argparse's error, without the
+  usage block — exits 2;
+* :class:`~freezeframe.errors.ConfigError` raised by a command (a bad config, a device that is
+  not there, an output directory that cannot be written) exits 2;
+* any other :class:`~freezeframe.errors.FreezeframeError` (compiling or capturing failed) exits 1;
+* Ctrl-C exits 130.
+
+``freezeframe --debug COMMAND ...`` or ``FREEZEFRAME_DEBUG=1`` prints the traceback above that
+line. Any other exception is a bug in freezeframe and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import textwrap
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +38,7 @@ from typing import Any
 
 from freezeframe.errors import ConfigError, FreezeframeError
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+__all__ = ["DEBUG_ENV", "SUBCOMMANDS", "build_parser", "int_at_least", "int_list", "main"]
 
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("config", "freezeframe.cli:add_config_parser"),
@@ -36,8 +47,56 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("cache", "freezeframe.compile.cache_cli"),
 ]
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+DEBUG_ENV = "FREEZEFRAME_DEBUG"
 logger = logging.getLogger(__name__)
+
+
+# -- argument parsing -------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``PROG: error: MESSAGE (see 'PROG --help')``, exit 2."""
+
+    def error(self, message: str) -> Any:  # argparse declares NoReturn
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` accepting an int ``>= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def int_list(minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type`` for ``"1,2,4"``: at least one int, each ``>= minimum``."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated ints >= {minimum}, got {text!r}") from None
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"give at least one value, each >= {minimum}; got {text!r}")
+        return values
+
+    parse.__name__ = "comma-separated ints"
+    return parse
 
 
 # -- registration -----------------------------------------------------------------------------
@@ -59,11 +118,14 @@ def _load_registrar(target: str) -> Callable[[Any], Any] | None:
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; with ``only`` set, just that subcommand's module is imported."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="freezeframe",
         description="Trace once, split, compile per shape and capture graphs per padded batch "
                     "size, for any nn.Module.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
+    # Subcommand parsers are _Parser too (argparse uses the parent's class).
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, target in SUBCOMMANDS:
         if only is not None and name != only:
@@ -75,22 +137,42 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     names = {name for name, _ in SUBCOMMANDS}
     first = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser(only=first if first in names else None)
-    args = parser.parse_args(args_list)
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse: --help (0) or a one-line usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s: %(message)s", stream=sys.stderr)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    debug = args.debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false")
+    prog = f"freezeframe {args.command}"
     try:
         return int(func(args) or 0)
     except FreezeframeError as exc:
-        print(f"freezeframe {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        code = EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        hint = ("" if debug or code == EXIT_USAGE
+                else f" (rerun with freezeframe --debug or {DEBUG_ENV}=1 for the traceback)")
+        print(f"{prog}: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 # -- freezeframe config -----------------------------------------------------------------------
@@ -113,9 +195,12 @@ def _read_config_text(source: str) -> str:
     if source.startswith("@"):
         path = Path(source[1:])
         try:
-            return path.read_text()
+            return path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at "
+                              f"byte {exc.start}); give a JSON file") from None
     return source
 
 
@@ -207,23 +292,15 @@ def add_demo_parser(subparsers: Any) -> None:
                     "run it for several batch sizes and check the outputs against eager.")
     p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
                    help="compiler for each piece (default: eager)")
-    p.add_argument("--layers", type=int, default=2, help="number of layers (default: 2)")
-    p.add_argument("--hidden", type=int, default=32, help="hidden size (default: 32)")
-    p.add_argument("--sizes", default="1,2,3,8,17,64",
+    p.add_argument("--layers", type=int_at_least(1), default=2,
+                   help="number of layers (default: 2)")
+    p.add_argument("--hidden", type=int_at_least(1), default=32,
+                   help="hidden size (default: 32)")
+    p.add_argument("--sizes", type=int_list(1), default=(1, 2, 3, 8, 17, 64),
                    help="comma-separated batch sizes to run (default: 1,2,3,8,17,64)")
-    p.add_argument("--max-num-tokens", type=int, default=256,
+    p.add_argument("--max-num-tokens", type=int_at_least(1), default=256,
                    help="largest batch the config allows (default: 256)")
     p.set_defaults(func=run_demo)
-
-
-def _parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(f"--sizes: expected comma-separated ints, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(f"--sizes: give at least one batch size, each >= 1; got {text!r}")
-    return sizes
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -232,7 +309,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import freezeframe as ff
     from freezeframe.models.example import MIX_OP, ExampleMLP
 
-    sizes = _parse_sizes(args.sizes)
+    sizes = list(args.sizes)
     too_big = [s for s in sizes if s > args.max_num_tokens]
     if too_big:
         raise ConfigError(f"--sizes: {too_big} exceed --max-num-tokens={args.max_num_tokens}; "

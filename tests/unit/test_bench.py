@@ -6,8 +6,13 @@ Timings are never asserted (a shared CPU makes them noise); the structure and th
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import sys
+import types
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -60,5 +65,136 @@ def test_bench_options_are_validated() -> None:
         "eager", "reduce-overhead", "full_and_piecewise")
     with pytest.raises(ConfigError, match="unknown mode"):
         BenchOptions(modes=("fast",))
-    with pytest.raises(ConfigError, match="batch sizes"):
+    with pytest.raises(ConfigError, match=r"--batch-sizes: give at least one, each >= 1; got "
+                                          r"\[0\]"):
         BenchOptions(batch_sizes=(0,))
+    with pytest.raises(ConfigError, match=r"--preset: unknown preset '7b'; choose one of "
+                                          r"\['1b', 'tiny'\]"):
+        BenchOptions(preset="7b")
+    with pytest.raises(ConfigError, match="--context must be >= 1, got 0"):
+        BenchOptions(context=0)
+
+
+# -- progress on stderr, and running without the optional tqdm and matplotlib ------------------
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal (where a progress bar would be drawn)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _bench_argv(out: Path, modes: str = "eager,piecewise") -> list[str]:
+    return ["bench", "--modes", modes, "--batch-sizes", "1,2", "--steps", "1", "--warmup", "0",
+            "--device", "cpu", "--out", str(out)]
+
+
+PLAIN_LINES = [
+    "bench: building the tiny Llama (N parameters, float32) on cpu; modes: eager, piecewise; "
+    "batch sizes: 1, 2",
+    "bench: built in N s; measuring memory bandwidth (128 MiB copy)",
+    "bench: [1/2] eager: first call at each batch size",
+    "bench: [1/2] eager: timing decode and mixed steps at batch size 1",
+    "bench: [1/2] eager: timing decode and mixed steps at batch size 2",
+    "bench: [1/2] eager: timing a prefill of 64 tokens",
+    "bench: [1/2] eager: done in N s",
+    "bench: [2/2] piecewise: compiling (trace, split, eager compiler)",
+    "bench: [2/2] piecewise: capturing graphs (emulated)",
+    "bench: [2/2] piecewise: first call at each batch size",
+    "bench: [2/2] piecewise: timing decode and mixed steps at batch size 1",
+    "bench: [2/2] piecewise: timing decode and mixed steps at batch size 2",
+    "bench: [2/2] piecewise: timing a prefill of 64 tokens",
+    "bench: [2/2] piecewise: done in N s",
+]
+
+
+def _numbers_out(text: str) -> list[str]:
+    text = re.sub(r"\d+\.\d s", "N s", text)
+    return re.sub(r"\(\d[\d,]* parameters", "(N parameters", text).splitlines()
+
+
+def test_progress_is_plain_lines_without_tqdm_and_no_plot_without_matplotlib(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Neither optional package importable (None in sys.modules makes `import x` fail), on a
+    # terminal where tqdm would draw a bar.
+    for name in ("tqdm", "tqdm.auto", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(_bench_argv(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert _numbers_out(err.getvalue()) == PLAIN_LINES
+    assert out.splitlines()[-1] == f"wrote {tmp_path}/results.json"
+    assert "note: matplotlib is not installed: no plot written (pip install matplotlib)" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert list(saved["modes"]) == ["eager", "piecewise"]
+    # one piecewise graph per capture size: max_num_seqs=3 (largest batch + 1) gives a max
+    # capture size of 6, and the ladder 1, 2, 4 ends at that max
+    assert saved["modes"]["piecewise"]["graphs_captured"] == 4
+
+
+class _FakeBar:
+    """Records what the benchmark asks of tqdm."""
+
+    made: ClassVar[list[_FakeBar]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.calls: list[tuple[str, Any]] = []
+        _FakeBar.made.append(self)
+
+    def write(self, line: str, file: Any = None) -> None:
+        self.calls.append(("write", line))
+
+    def set_postfix_str(self, text: str) -> None:
+        self.calls.append(("postfix", text))
+
+    def update(self, n: int = 1) -> None:
+        self.calls.append(("update", n))
+
+    def close(self) -> None:
+        self.calls.append(("close", None))
+
+
+def test_progress_uses_a_tqdm_bar_on_a_terminal(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _FakeBar.made = []
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=_FakeBar))
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(_bench_argv(tmp_path, modes="eager,reduce-overhead")) == 0
+    assert err.getvalue() == ""  # everything went through the bar
+    (bar,) = _FakeBar.made
+    assert bar.kwargs == {"total": 2, "desc": "bench", "unit": "mode", "file": err,
+                          "leave": False}
+    calls = [(kind, re.sub(r"\d+\.\d s", "N s", re.sub(r"\(\d[\d,]* parameters",
+                                                      "(N parameters", str(arg))))
+             for kind, arg in bar.calls]
+    assert calls == [
+        ("write", "bench: building the tiny Llama (N parameters, float32) on cpu; modes: eager, "
+                  "reduce-overhead; batch sizes: 1, 2"),
+        ("write", "bench: built in N s; measuring memory bandwidth (128 MiB copy)"),
+        ("postfix", "eager: first call at each batch size"),
+        ("postfix", "eager: timing decode and mixed steps at batch size 1"),
+        ("postfix", "eager: timing decode and mixed steps at batch size 2"),
+        ("postfix", "eager: timing a prefill of 64 tokens"),
+        ("write", "bench: [1/2] eager: done in N s"),
+        ("update", "1"),
+        ("write", "bench: [2/2] reduce-overhead: skipped (needs CUDA graphs (cudagraph trees); "
+                  "no CUDA device)"),
+        ("update", "1"),
+        ("close", "None"),
+    ]
+
+
+def test_quiet_and_non_terminal_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _FakeBar.made = []
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=_FakeBar))
+    assert main([*_bench_argv(tmp_path, modes="eager"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    # not a terminal (a log file, CI): plain lines even with tqdm installed
+    assert main(_bench_argv(tmp_path, modes="eager")) == 0
+    assert _numbers_out(capsys.readouterr().err)[-1] == "bench: [1/1] eager: done in N s"
+    assert _FakeBar.made == []

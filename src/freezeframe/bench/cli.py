@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from freezeframe.cli import int_at_least, int_list
+
 __all__ = ["add_parser"]
 
 
@@ -14,39 +16,44 @@ def add_parser(subparsers: Any) -> None:
         help="benchmark the reference Llama: eager vs torch.compile vs freezeframe graph modes",
         description="Time decode, mixed and prefill steps of the reference Llama per mode and "
                     "batch size; report startup, graph memory and the share of the bandwidth "
-                    "floor. Prints a table, writes results.json and latency_vs_batch.png.",
+                    "floor. Prints a table, writes results.json and latency_vs_batch.png "
+                    "(the plot needs matplotlib). Progress goes to stderr (a bar with tqdm on a "
+                    "terminal, plain lines otherwise).",
     )
     p.add_argument("--preset", choices=["tiny", "1b"], default="tiny")
-    p.add_argument("--batch-sizes", default="1,2,4,8",
+    p.add_argument("--batch-sizes", type=int_list(1), default=(1, 2, 4, 8),
                    help="comma-separated decode batch sizes (default 1,2,4,8)")
     p.add_argument("--modes", default=None,
                    help="comma-separated subset of: eager, compile, reduce-overhead, none, "
                         "piecewise, full, full_and_piecewise (default: all)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--steps", type=int_at_least(1), default=20,
+                   help="timed steps per measurement (default 20)")
+    p.add_argument("--warmup", type=int_at_least(0), default=3,
+                   help="untimed steps before each measurement (default 3)")
+    p.add_argument("--context", type=int_at_least(1), default=None,
                    help="decode context length per request (default 64 tiny, 1024 1b)")
-    p.add_argument("--prefill-len", type=int, default=None)
+    p.add_argument("--prefill-len", type=int_at_least(1), default=None,
+                   help="prefill length in tokens (default 64 tiny, 512 1b)")
     p.add_argument("--compiler", choices=["eager", "inductor"], default=None,
                    help="default: inductor on CUDA, eager on CPU (Inductor on CPU is slow)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--out", default="bench_out", help="directory for results.json and the plot")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from freezeframe.bench.run import (
-        ALL_MODES,
-        BenchOptions,
-        format_table,
-        modes_from,
-        parse_list,
-        run_bench,
-    )
+    from freezeframe.bench.progress import Progress
+    from freezeframe.bench.run import ALL_MODES, BenchOptions, format_table, modes_from, run_bench
+    from freezeframe.errors import ConfigError
 
+    if args.modes is not None and not args.modes.strip(","):
+        raise ConfigError(f"--modes: give at least one of {list(ALL_MODES)}")
+    if not args.out.strip():
+        raise ConfigError("--out: give a directory for results.json and the plot")
     opts = BenchOptions(
         preset=args.preset,
-        batch_sizes=parse_list(args.batch_sizes),
+        batch_sizes=tuple(args.batch_sizes),
         modes=modes_from(args.modes) if args.modes else ALL_MODES,
         steps=args.steps,
         warmup=args.warmup,
@@ -56,7 +63,8 @@ def _main(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
     )
-    result = run_bench(opts)
+    with Progress(len(opts.modes), enabled=not args.quiet) as progress:
+        result = run_bench(opts, progress)
     print(format_table(result))
     print(f"wrote {args.out}/results.json" + (
         "" if any("matplotlib" in n for n in result["notes"])

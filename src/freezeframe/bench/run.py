@@ -20,8 +20,10 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,11 +31,12 @@ from typing import Any
 
 import torch
 
+from freezeframe.bench.progress import Progress
 from freezeframe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALL_MODES", "BenchOptions", "run_bench"]
+__all__ = ["ALL_MODES", "BenchOptions", "prepare_out_dir", "resolve_device", "run_bench"]
 
 TORCH_MODES = ("eager", "compile", "reduce-overhead")
 FF_MODES = ("none", "piecewise", "full", "full_and_piecewise")
@@ -58,15 +61,69 @@ class BenchOptions:
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in ALL_MODES]
         if bad:
-            raise ConfigError(f"bench: unknown mode(s) {bad}; choose from {list(ALL_MODES)}")
+            raise ConfigError(f"--modes: unknown mode(s) {bad}; choose from {list(ALL_MODES)}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ConfigError(f"bench: batch sizes must be >= 1, got {list(self.batch_sizes)}")
+            raise ConfigError(f"--batch-sizes: give at least one, each >= 1; got "
+                              f"{list(self.batch_sizes)}")
         if self.steps < 1 or self.warmup < 0:
-            raise ConfigError(f"bench: need steps >= 1 and warmup >= 0, got {self.steps}, "
+            raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and "
                               f"{self.warmup}")
         if self.compiler not in (None, "eager", "inductor"):
-            raise ConfigError(f"bench: compiler must be 'eager' or 'inductor', got "
-                              f"{self.compiler!r}")
+            raise ConfigError(f"--compiler must be 'eager' or 'inductor', got {self.compiler!r}")
+        from freezeframe.models.llama import LlamaConfig
+
+        if self.preset not in LlamaConfig.PRESETS:
+            raise ConfigError(f"--preset: unknown preset {self.preset!r}; choose one of "
+                              f"{sorted(LlamaConfig.PRESETS)}")
+        for name in ("context", "prefill_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.mixed_chunk < 1:
+            raise ConfigError(f"mixed_chunk must be >= 1, got {self.mixed_chunk}")
+
+
+def resolve_device(text: str) -> torch.device:
+    """The device ``--device`` names: ``auto`` (cuda when available, else cpu), ``cpu``,
+    ``cuda`` or ``cuda:N``; a :class:`ConfigError` for anything else or a missing GPU."""
+    if text.strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text.strip())
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device: unknown device {text!r}; use auto, cpu, cuda or cuda:N") \
+            from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device: the benchmark runs on cpu or cuda, got {text!r}; use "
+                          "auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = torch.version.cuda or "none (a CPU-only build)"
+            raise ConfigError(
+                f"--device {text}: no CUDA device is available (torch.cuda.is_available() is "
+                f"False; torch {torch.__version__}, CUDA {build}); use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {text}: there are {count} CUDA device(s), numbered "
+                              f"0..{count - 1}")
+    return device
+
+
+def prepare_out_dir(out: Path) -> Path:
+    """Create ``out`` (and its parents) and check a file can be written there, so a run that
+    takes minutes does not fail at its very end; a :class:`ConfigError` when it cannot."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file, not a directory; choose a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"--out {str(out)!r}: cannot write results there ({reason}); choose a "
+                          "writable directory") from None
+    return out
 
 
 class _Timer:
@@ -117,17 +174,25 @@ def _device_used(device: torch.device) -> int:
     return total - free
 
 
-def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Run everything ``opts`` asks for; returns the JSON-able result (also written to disk)."""
+def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
+    """Run everything ``opts`` asks for; returns the JSON-able result (also written to disk).
+
+    ``progress`` reports each phase while it runs (default: silent). The device and the output
+    directory are checked before anything is built.
+    """
     import freezeframe as ff
-    from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
+    from freezeframe.models import (
+        ATTENTION_OP,
+        KVCacheConfig,
+        LlamaConfig,
+        LlamaModel,
+        build_llama,
+    )
     from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
     from freezeframe.runtime.serving import EagerForward, RunnerForward, llama_runner_inputs
 
-    if opts.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(opts.device)
+    progress = progress if progress is not None else Progress(len(opts.modes), enabled=False)
+    device = resolve_device(opts.device)
     on_cuda = device.type == "cuda"
     compiler = opts.compiler or ("inductor" if on_cuda else "eager")
     notes: list[str] = []
@@ -147,10 +212,25 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     max_bs = batch_sizes[-1]
     block_size = 16
     max_model_len = max(context, prefill_len) + block_size
+    llama_config = LlamaConfig.preset(opts.preset)
+    if max_model_len > llama_config.max_position:
+        raise ConfigError(
+            f"--context {context} / --prefill-len {prefill_len} leave no room in the "
+            f"{opts.preset} preset's {llama_config.max_position} positions (the longer one plus "
+            f"one block of {block_size} must fit); use at most "
+            f"{llama_config.max_position - block_size}")
+    out = prepare_out_dir(Path(opts.out)) if opts.out else None
     blocks_per_req = -(-max_model_len // block_size)
     cache = KVCacheConfig(num_blocks=blocks_per_req * (max_bs + 1), block_size=block_size,
                           max_model_len=max_model_len)
     max_tokens = max(prefill_len, max_bs + opts.mixed_chunk)
+    progress.note(f"building the {opts.preset} Llama ({_count(llama_config.num_params())} "
+                  f"parameters, {'bfloat16' if on_cuda else 'float32'}) on "
+                  f"{device}; modes: {', '.join(opts.modes)}; batch sizes: "
+                  f"{', '.join(map(str, batch_sizes))}")
+    if not on_cuda and not is_tiny:
+        progress.note(f"the {opts.preset} preset on a CPU takes minutes per mode (graph modes "
+                      "are emulated); --preset tiny runs in seconds")
     t0 = time.perf_counter()
     base = build_llama(opts.preset, cache, device=device, seed=opts.seed)
     build_s = time.perf_counter() - t0
@@ -174,7 +254,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
     prefill = build_step([RequestChunk(tuple(i % 100 for i in range(prefill_len)), 0,
                                        blocks(0))], cache, device=device)
-    bandwidth = measure_bandwidth(device, (1 << 30) if on_cuda else (1 << 27))
+    copy_bytes = (1 << 30) if on_cuda else (1 << 27)
+    progress.note(f"built in {build_s:.1f} s; measuring memory bandwidth "
+                  f"({copy_bytes >> 20} MiB copy)")
+    bandwidth = measure_bandwidth(device, copy_bytes)
     timer = _Timer(device)
 
     result: dict[str, Any] = {
@@ -211,8 +294,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     for mode in opts.modes:
         entry: dict[str, Any] = {}
         result["modes"][mode] = entry
+        progress.start_mode(mode)
         if mode == "reduce-overhead" and not on_cuda:
             entry["skipped"] = "needs CUDA graphs (cudagraph trees); no CUDA device"
+            progress.end_mode(f"skipped ({entry['skipped']})")
             continue
         base.reset_cache()
         mem0 = _device_used(device)
@@ -242,16 +327,20 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             forward = RunnerForward(runner, max_bs + 1)
             # compile first, on a step of several tokens: Dynamo specialises a dynamic dim
             # that it first sees with size 1
+            progress.phase(f"compiling (trace, split, {compiler} compiler)")
             logits_of(forward, mixed_step(max_bs), base)()
             if graphs:
                 _sync(device)
                 entry["compile_s"] = time.perf_counter() - t0
+                progress.phase(f"capturing graphs ({'CUDA' if on_cuda else 'emulated'})")
                 t1 = time.perf_counter()
                 report = runner.capture()
                 _sync(device)
                 entry["capture_s"] = time.perf_counter() - t1
                 entry["graphs_captured"] = report.num_graphs
         # first call of each step kind: compiles lazily for the torch.compile modes
+        progress.phase("first call at each batch size"
+                       + (" (torch.compile compiles here)" if mode in TORCH_MODES[1:] else ""))
         for step in [decode_step(bs) for bs in batch_sizes]:
             logits_of(forward, step, base)()
         _sync(device)
@@ -260,6 +349,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         decode: dict[str, Any] = {}
         mixed: dict[str, Any] = {}
         for bs in batch_sizes:
+            progress.phase(f"timing decode and mixed steps at batch size {bs}")
             step = decode_step(bs)
             ms = statistics.median(timer.measure(logits_of(forward, step, base), opts.steps,
                                                  opts.warmup))
@@ -272,10 +362,12 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 logits_of(forward, mstep, base), max(1, opts.steps // 2), 1))}
         entry["decode"] = decode
         entry["mixed"] = mixed
+        progress.phase(f"timing a prefill of {prefill_len} tokens")
         entry["prefill_ms"] = statistics.median(timer.measure(
             logits_of(forward, prefill, base), max(1, opts.steps // 4), 1))
         if runner is not None:
             entry["runner_stats"] = runner.stats.snapshot()
+        progress.end_mode(f"done in {time.perf_counter() - t0:.1f} s")
 
     eager_ms = {bs: result["modes"].get("eager", {}).get("decode", {}).get(str(bs), {})
                 .get("median_ms") for bs in batch_sizes}
@@ -283,9 +375,17 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         for bs, row in entry.get("decode", {}).items():
             if eager_ms.get(int(bs)):
                 row["speedup_vs_eager"] = eager_ms[int(bs)] / row["median_ms"]
-    if opts.out:
-        write_outputs(result, Path(opts.out))
+    if out is not None:
+        write_outputs(result, out)
     return result
+
+
+def _count(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 10**6:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,}"
 
 
 def format_table(result: dict[str, Any]) -> str:
