@@ -253,7 +253,7 @@ class CompilationConfig:
         mode = CompilationMode.parse(self.mode)
         set_(self, "mode", mode)
 
-        backend = (self.backend or "inductor").strip().lower()
+        backend = str(self.backend or "inductor").strip().lower()
         if backend not in _BACKENDS:
             raise ConfigError(
                 f"backend: unknown compiler {self.backend!r}; use one of {list(_BACKENDS)}")
@@ -371,8 +371,9 @@ class CompilationConfig:
                     f"max_cudagraph_capture_size={user_max} disagrees with the largest of "
                     f"cudagraph_capture_sizes={sizes} ({valid_max}); give only one of the two or "
                     "make them agree")
-            logger.warning("Truncating max_cudagraph_capture_size from %d to %d, the largest "
-                           "size of the capture ladder under it", user_max, valid_max)
+            logger.warning("Truncating max_cudagraph_capture_size from %d to %d: no batch "
+                           "has more than max_num_tokens=%d tokens", user_max, valid_max,
+                           self.max_num_tokens)
         if user_list is not None and len(sizes) < len(set(user_list)):
             logger.warning("cudagraph_capture_sizes above max_num_tokens=%d were dropped: %s",
                            self.max_num_tokens, sorted(set(user_list) - set(sizes)))

@@ -51,15 +51,20 @@ def default_max_capture_size(max_num_seqs: int, num_speculative_tokens: int,
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
-    """The ladder ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, cut at ``max_size``.
+    """The ladder ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, cut at ``max_size``,
+    with ``max_size`` itself as the last rung when the steps miss it.
 
     Dense at small sizes where decode batches live, sparser above 256 where padding waste is a
-    smaller fraction of the batch.
+    smaller fraction of the batch. Ending at ``max_size`` means every batch of ``1..max_size``
+    tokens pads to a captured size: with ``max_num_tokens=100`` a 100-token step gets a graph
+    of 100, not an eager fallback past the 96 rung.
     """
     sizes = [s for s in (1, 2, 4) if s <= max_size]
     sizes += list(range(8, min(max_size + 1, 256), 8))
     if max_size >= 256:
         sizes += list(range(256, max_size + 1, 16))
+    if max_size >= 1 and sizes[-1] != max_size:
+        sizes.append(max_size)
     return sizes
 
 

@@ -21,7 +21,7 @@ from freezeframe.errors import (
     ShapeOutOfRangeError,
 )
 from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
-from tests.helpers.silly import get_counter, reset_counter
+from tests.helpers.silly import attention, get_counter, reset_counter
 from tests.helpers.toy_models import SillyModel
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
@@ -193,10 +193,13 @@ def test_context_extras_expose_real_sizes_and_requests_are_padded_for_full_keys(
     assert extras == {"tag": "decode", "num_tokens_unpadded": 3, "num_reqs_unpadded": 3}
     assert reqs_rows == 4
     assert runner.buffers["seq_lens"][:4].tolist() == [5, 6, 7, 0]
+    # A PIECEWISE key ignores the request count, so the pieces see as many request rows as
+    # they were captured with (min(padded tokens, max_num_seqs)), the padded ones at the fill.
     runner(torch.ones(5, 2), torch.tensor([2, 3], dtype=torch.int32))
     mode, desc, extras, reqs_rows = rec.seen[-1]
-    assert (mode, desc, reqs_rows) == (PW, BatchDescriptor(8), 2)
-    assert extras["num_tokens_unpadded"] == 5
+    assert (mode, desc, reqs_rows) == (PW, BatchDescriptor(8), min(8, cfg.max_num_seqs))
+    assert (extras["num_tokens_unpadded"], extras["num_reqs_unpadded"]) == (5, 2)
+    assert runner.buffers["seq_lens"][:4].tolist() == [2, 3, 0, 0]
 
 
 # -- fallbacks --------------------------------------------------------------------------------
@@ -370,3 +373,133 @@ def test_outputs_sliced_per_kind_static_inputs_and_positional_calls() -> None:
         runner(x, torch.tensor([2, 3]), torch.ones(3, dtype=torch.float16))
     with pytest.raises(ConfigError, match="disagrees with the model's"):
         GraphRunner(model, config("piecewise"), inputs=inputs)
+
+
+# -- inputs the model writes into ---------------------------------------------------------------
+class InPlaceWriter(nn.Module):
+    """Writes into three of its inputs, as a model updating a cache or its own state does:
+    ``x += 1`` (a token input), ``seen[r] += 1`` per request (a request input) and a masked
+    ``cache.index_add_`` (a static input; padded rows carry slot -1 and add zeros). Two
+    attentions split it into pieces, so PIECEWISE graphs hold the writes too."""
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, seen: torch.Tensor,
+                cache: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        seen.add_(1)
+        keep = (slots >= 0).to(x.dtype).unsqueeze(-1)
+        cache.index_add_(0, slots.clamp(min=0), x * keep)
+        h = attention(x, x, x)
+        return attention(h, h, h) * 2
+
+
+def _writer_inputs(n: int, reqs: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (n, 2), generator=g).float()
+    slots = torch.randperm(6, generator=g)[:n] if n <= 6 else torch.arange(n) % 6
+    seen = torch.randint(0, 9, (reqs,), generator=g, dtype=torch.int32)
+    cache = torch.randint(-4, 5, (6, 2), generator=g).float()
+    return x, slots, seen, cache
+
+
+@pytest.mark.parametrize("mode", list(CAPTURES))
+def test_inputs_written_by_the_model_reach_the_caller_as_in_eager(mode: str) -> None:
+    """A model that writes into an input tensor writes into the caller's tensor in eager; the
+    runner runs it on its static copy, so it copies the written inputs back (real rows only)."""
+    cfg = config(mode)
+    model = ff.compile(InPlaceWriter(), cfg)
+    runner = GraphRunner(model, cfg, progress=False, inputs={
+        "x": Tokens(2), "slots": Tokens(dtype=torch.long, fill=-1),
+        "seen": Requests(dtype=torch.int32), "cache": Static(6, 2)})
+    runner.capture()
+    eager = InPlaceWriter()
+    for step_no, (n, reqs) in enumerate([(3, 2), (8, 8), (1, 1), (5, 5), (11, 3), (4, 4)]):
+        mine = _writer_inputs(n, reqs, seed=step_no)
+        theirs = tuple(t.clone() for t in mine)
+        want = eager(*theirs)
+        got = runner(*mine, uniform_decode=(n == reqs))
+        assert torch.equal(got, want), (mode, n)
+        for name, a, b in zip(("x", "slots", "seen", "cache"), mine, theirs, strict=True):
+            assert torch.equal(a, b), (mode, n, name)
+    assert runner.stats.inputs_copied_back == 6 * 3
+
+
+@pytest.mark.inductor
+def test_inputs_written_by_inductor_compiled_pieces_reach_the_caller() -> None:
+    """Inductor's compiled code writes into its inputs and bumps their version counters, in
+    eager steps and in emulated replays (which call the compiled piece again) alike."""
+    cfg = config("piecewise", backend="inductor", use_cache=False)
+    model = ff.compile(InPlaceWriter(), cfg)
+    runner = GraphRunner(model, cfg, progress=False, inputs={
+        "x": Tokens(2), "slots": Tokens(dtype=torch.long, fill=-1),
+        "seen": Requests(dtype=torch.int32), "cache": Static(6, 2)})
+    runner.capture()
+    eager = InPlaceWriter()
+    for step_no, (n, reqs) in enumerate([(3, 2), (11, 3)]):  # a replay, an eager step
+        mine = _writer_inputs(n, reqs, seed=step_no)
+        theirs = tuple(t.clone() for t in mine)
+        assert torch.equal(runner(*mine), eager(*theirs)), n
+        for name, a, b in zip(("x", "slots", "seen", "cache"), mine, theirs, strict=True):
+            assert torch.equal(a, b), (n, name)
+    assert runner.stats.steps_piecewise == 1 and runner.stats.steps_eager == 1
+    assert model.stats.inductor_compiles == 3
+    assert runner.stats.inputs_copied_back == 2 * 3
+
+
+
+class VersionlessReplay(nn.Module):
+    """Writes ``x += 1`` like a captured graph on CUDA does: the capture goes through the
+    dispatcher (bumping ``x``'s version counter), a replay writes the memory behind its back
+    (here through ``.data``, which shares the storage but not the version counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captured: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = ff.get_forward_context()
+        assert ctx is not None and ctx.batch_descriptor is not None
+        n = ctx.batch_descriptor.num_tokens
+        if ctx.mode is FULL and n in self.captured:
+            x.data.add_(1)  # a replay: same memory, no version bump
+        else:
+            if ctx.mode is FULL:
+                self.captured.add(n)
+            x.add_(1)
+        return x * 2
+
+
+def test_inputs_a_replay_writes_without_the_dispatcher_are_copied_back() -> None:
+    model = VersionlessReplay()
+    runner = GraphRunner(model, config("full"), inputs={"x": Tokens(2)}, progress=False,
+                         copy_outputs=True)
+    runner.capture()
+    assert model.captured == set(SIZES)
+    for n in (3, 8, 12):  # 12 is above the largest capture size: eager, version bumped
+        x = torch.arange(2 * n, dtype=torch.float32).reshape(n, 2)
+        want = (x + 1) * 2
+        got = runner(x)
+        assert torch.equal(got, want), n
+        assert torch.equal(x, want / 2), n  # the caller's tensor was written, as in eager
+    assert runner.stats.steps_full == 2 and runner.stats.inputs_copied_back == 3
+
+
+# -- a token budget off the capture ladder -----------------------------------------------------
+def test_a_step_of_the_whole_token_budget_replays_a_graph() -> None:
+    """max_num_tokens=100 lies between the ladder's 96 and 104: the budget itself is captured,
+    so a 100-token step replays a graph (a strict runner would raise on an eager fallback)."""
+    cfg = CompilationConfig(mode="none", cudagraph_mode="full", graph_backend="emulated",
+                            max_num_tokens=100, max_num_seqs=128)
+    model = ff.compile(TwoHeads(), cfg)
+    runner = GraphRunner(model, progress=False, strict=True, outputs=("tokens", "none", "none"),
+                         inputs={"x": Tokens(2), "seq_lens": Requests(dtype=torch.long),
+                                 "scale": Static(2, fill=1)})
+    report = runner.capture()
+    assert report.num_graphs == len(cfg.cudagraph_capture_sizes) == 16
+    assert report.graphs[0].descriptor.num_tokens == 100
+    scale = torch.tensor([2.0, 3.0])
+    for n in (100, 97, 96, 1):
+        x = torch.arange(2 * n, dtype=torch.float32).reshape(n, 2)
+        tokens, _, _ = runner(x, torch.ones(1, dtype=torch.long), scale)
+        assert torch.equal(tokens, x * scale), n
+    assert runner.stats.steps_full == 4
+    assert model.stats.replays == 4

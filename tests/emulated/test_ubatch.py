@@ -392,3 +392,36 @@ def test_runner_captures_split_full_graph_and_replays_it() -> None:
     with model.stats.expect(micro_batch_fallbacks=1, replays=0, graphs_captured=0):
         out = runner(x)
     assert torch.equal(out, expected)
+
+
+class WritingCommModel(CompiledCommModel):
+    """Writes into its input before the communicating layer: ``x += 1``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        h = fake_comm(x @ self.w1)
+        return torch.relu(h @ self.w2)
+
+
+def test_runner_copies_back_inputs_written_by_micro_batches() -> None:
+    """Each micro-batch writes into its slice of the runner's static buffer; the caller's tensor
+    gets the real rows back, in split replays and in the unsplit eager fallback."""
+    from freezeframe.runtime import GraphRunner, Tokens
+
+    cfg = _e2e_config()
+    eager = WritingCommModel()
+    model = ff.compile(WritingCommModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
+    assert runner._ubatch is not None
+    runner._ubatch.timeout_s = 60
+    runner.capture()
+    for tokens, seed in ((7, 21), (8, 22), (3, 23)):
+        x = _inputs(tokens, seed=seed)
+        theirs = x.clone()
+        with torch.inference_mode():
+            expected = eager(theirs)
+        out = runner(x)
+        assert torch.equal(out, expected), tokens
+        assert torch.equal(x, theirs), tokens
+    assert model.stats.replays == 2 and model.stats.micro_batch_fallbacks == 1
+    assert runner.stats.inputs_copied_back == 3

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import ConfigError
@@ -133,7 +135,8 @@ F_AND_P = "full_and_piecewise"
         ([1, 256], None, 2048, F_AND_P, 256, (1, 256)),
         ([], None, 2048, "none", 0, ()),
         (None, 0, 2048, "none", 0, ()),
-        (None, 257, 2048, F_AND_P, 256, LADDER_256),  # truncated to the ladder
+        (None, 257, 2048, F_AND_P, 257, (*LADDER_256, 257)),  # the maximum joins the ladder
+        (None, 257, 200, F_AND_P, 200, (1, 2, 4, *range(8, 193, 8), 200)),  # token budget
         ([1, 2, 4, 15], None, 2048, F_AND_P, 15, (1, 2, 4, 15)),
         ([1, 2, 4, 15], None, 8, F_AND_P, 4, (1, 2, 4)),  # 15 is above the budget
     ],
@@ -167,8 +170,12 @@ def test_cudagraph_sizes_post_init_errors(capture_sizes: list[int] | None,
 
 
 def test_truncation_and_dropped_sizes_warn(ff_logs: pytest.LogCaptureFixture) -> None:
+    CompilationConfig(max_cudagraph_capture_size=257, max_num_tokens=200, max_num_seqs=128)
+    assert ("Truncating max_cudagraph_capture_size from 257 to 200: no batch has more than "
+            "max_num_tokens=200 tokens") in ff_logs.text
+    ff_logs.clear()
     CompilationConfig(max_cudagraph_capture_size=257, max_num_tokens=2048, max_num_seqs=128)
-    assert "Truncating max_cudagraph_capture_size from 257 to 256" in ff_logs.text
+    assert "Truncating" not in ff_logs.text
     ff_logs.clear()
     cfg = CompilationConfig(cudagraph_capture_sizes=[4, 1, 2, 2, 15], max_num_tokens=8)
     assert cfg.cudagraph_capture_sizes == (1, 2, 4)
@@ -184,6 +191,29 @@ def test_default_ladder_has_51_sizes() -> None:
     # the user's list is deduplicated and sorted
     assert CompilationConfig(cudagraph_capture_sizes=[8, 2, 8, 1]).cudagraph_capture_sizes == (
         1, 2, 8)
+
+
+def test_a_token_budget_off_the_ladder_is_its_last_size() -> None:
+    # vLLM's field name for the budget is accepted too
+    cfg = CompilationConfig.from_dict({"max_num_batched_tokens": 100})
+    assert cfg.max_num_tokens == 100
+    assert cfg.cudagraph_capture_sizes == (1, 2, 4, *range(8, 97, 8), 100)
+    assert cfg.max_cudagraph_capture_size == 100
+    assert [cfg.padded_size(n) for n in (95, 96, 97, 100, 101)] == [96, 96, 100, 100, None]
+
+
+@settings(deadline=None, max_examples=60)  # the machine is shared; timing is not under test
+@given(budget=st.integers(1, 1200), seqs=st.integers(1, 300),
+       user_max=st.one_of(st.none(), st.integers(1, 1200)))
+def test_every_size_up_to_the_maximum_has_a_padded_size(budget: int, seqs: int,
+                                                        user_max: int | None) -> None:
+    cfg = CompilationConfig(max_num_tokens=budget, max_num_seqs=seqs,
+                            max_cudagraph_capture_size=user_max, backend="eager")
+    want_max = min(user_max, budget) if user_max is not None else min(2 * seqs, 512, budget)
+    assert cfg.max_cudagraph_capture_size == want_max
+    assert cfg.cudagraph_capture_sizes[-1] == want_max
+    assert all(cfg.padded_size(n) is not None for n in range(1, want_max + 1))
+    assert cfg.padded_size(want_max + 1) is None
 
 
 def test_graphs_off_means_no_sizes() -> None:

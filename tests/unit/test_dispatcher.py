@@ -92,6 +92,19 @@ def test_dispatch_15_tokens_is_eager_and_unpadded(mode: CUDAGraphMode, uniform: 
     assert make(mode).dispatch(15, uniform_decode=uniform) == (NONE, desc(15))
 
 
+@pytest.mark.parametrize("budget", [100, 300, 4])
+def test_every_step_up_to_a_token_budget_off_the_ladder_gets_a_graph(budget: int) -> None:
+    """With the default ladder and a token budget between two rungs (96 < 100 < 104, 288 <
+    300 < 304; 4 is on it), the budget is the last capture size: no step of the budget falls
+    back to eager."""
+    d = make(FAP, cudagraph_capture_sizes=None, max_num_tokens=budget, max_num_seqs=256)
+    assert d.max_capture_size == budget
+    for n in range(1, budget + 1):
+        mode, padded = d.dispatch(n)
+        assert mode is PW and padded.num_tokens >= n, n
+    assert d.dispatch(budget) == (PW, desc(budget))
+
+
 def test_dispatch_pads_to_the_smallest_capture_size() -> None:
     d = make(FULL)
     assert d.dispatch(2) == (FULL, desc(8, 8))

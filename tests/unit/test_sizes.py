@@ -57,13 +57,25 @@ def test_ladder_for_512_has_51_sizes() -> None:
 
 def test_ladder_cut_points() -> None:
     assert default_capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
-    assert default_capture_sizes(257) == default_capture_sizes(256)
-    assert default_capture_sizes(15) == [1, 2, 4, 8]
+    # a maximum the steps miss is the last rung itself
+    assert default_capture_sizes(257) == [*default_capture_sizes(256), 257]
+    assert default_capture_sizes(100) == [1, 2, 4, *range(8, 97, 8), 100]
+    assert default_capture_sizes(15) == [1, 2, 4, 8, 15]
     assert default_capture_sizes(8) == [1, 2, 4, 8]
-    assert default_capture_sizes(3) == [1, 2]
+    assert default_capture_sizes(3) == [1, 2, 3]
     assert default_capture_sizes(1) == [1]
     assert default_capture_sizes(0) == []
-    assert default_capture_sizes(300)[-3:] == [256, 272, 288]
+    assert default_capture_sizes(300)[-4:] == [256, 272, 288, 300]
+    assert default_capture_sizes(304)[-3:] == [272, 288, 304]
+
+
+@settings(deadline=None)
+@given(st.integers(1, 2048))
+def test_ladder_ends_at_its_maximum(max_size: int) -> None:
+    sizes = default_capture_sizes(max_size)
+    assert sizes[-1] == max_size
+    assert sizes == sorted(set(sizes))
+    assert all(padded_size(n, sizes) is not None for n in range(1, max_size + 1))
 
 
 # -- spec-decode rounding ---------------------------------------------------------------------

@@ -25,10 +25,19 @@ only sets the forward context they react to, so it works with any callable: a
 
 Steps and captures run under ``torch.no_grad()``: the runner serves inference.
 
+Inputs the model writes into: eagerly, a model that writes into an input (``x.add_(1)``,
+``cache[slots] = ...``) writes into the caller's tensor. Through the runner it writes into the
+static buffer, so after the step the runner copies each written input back into the caller's
+tensor: the real rows of a ``Tokens`` / ``Requests`` input (never the padded ones), all of a
+``Static`` one. A write is seen as a moved version counter (any in-place op that goes through
+the dispatcher, Inductor's compiled code included) or, for a replayed graph, as a write its
+capture made (a CUDA replay writes without the dispatcher). ``runner.stats.inputs_copied_back``
+counts the copies.
+
 Output lifetime: the tensors a step returns are views of the model's outputs. When a graph was
 replayed those are the graph's static output tensors, overwritten by the next step (of any size:
 graphs share one memory pool). Consume or copy them before the next step, or construct the runner
-with ``copy_outputs=True``.
+with ``copy_outputs=True`` (which threads sharing a runner must do: see ``GraphRunner``).
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from threading import get_ident as _get_ident
 from types import MappingProxyType
 from typing import Any
 
@@ -50,6 +61,7 @@ from freezeframe.context import forward_context
 from freezeframe.errors import (
     ConfigError,
     FallbackError,
+    FreezeframeError,
     InputMismatchError,
     ShapeOutOfRangeError,
 )
@@ -140,12 +152,24 @@ class GraphRunner:
         device: where the buffers live (default: the model's first parameter, else CPU).
         outputs: how to slice outputs: ``"tokens"`` (rows = tokens), ``"requests"``, ``"none"``,
             or a sequence / mapping of those matching a tuple / dict output.
-        copy_outputs: return copies instead of views of the graph's static outputs.
+        copy_outputs: return copies instead of views of the graph's static outputs (needed
+            when threads share the runner, see "Threads").
         strict: raise :class:`FallbackError` instead of running a step eagerly.
         dp_sync: agree on the padded size with the other data-parallel ranks each step.
         dp_group: the process group for ``dp_sync`` (default: the world).
         invalid_modes: runtime modes never to dispatch to (for example ``{FULL}``).
         progress: show a tqdm progress bar during capture when tqdm is installed.
+
+    Threads: a step and :meth:`capture` hold the runner's lock (about 0.1-0.2 us when no other
+    thread holds it), so calls from several threads run one at a time, each on its own inputs,
+    and the inputs the model wrote into are copied back before the lock is released. The
+    outputs are the one thing the lock cannot protect: they are views of static memory that
+    the next step, of any thread, overwrites. Threads that share a runner must construct it
+    with ``copy_outputs=True`` (the copy is made inside the lock). Without it, the first time a
+    call has to wait for another thread's, the runner logs a warning, counts ``lock_waits``
+    and returns copies from then on; outputs returned as views before that may already have
+    been overwritten. A model that calls its own runner from inside a step gets a
+    :class:`~freezeframe.errors.FreezeframeError` (not a deadlock).
     """
 
     def __init__(
@@ -224,11 +248,24 @@ class GraphRunner:
                               "the step size from the token dimension")
         self.specs: Mapping[str, InputSpec] = specs
         # One buffer per input, allocated once; every step writes into these same tensors.
-        self._buffers: dict[str, torch.Tensor] = {
-            name: torch.full(spec.buffer_shape(config.max_num_tokens, config.max_num_seqs),
-                             spec.fill, dtype=spec.dtype, device=self.device)
-            for name, spec in specs.items()
-        }
+        # Always normal tensors (not inference tensors, even when the runner is built under
+        # inference_mode): the runner writes into them outside inference mode, and their
+        # version counters tell which inputs the model wrote into.
+        with torch.inference_mode(False):
+            self._buffers: dict[str, torch.Tensor] = {
+                name: torch.full(spec.buffer_shape(config.max_num_tokens, config.max_num_seqs),
+                                 spec.fill, dtype=spec.dtype, device=self.device)
+                for name, spec in specs.items()
+            }
+        self._buffer_list = list(self._buffers.values())  # in the order of self.specs
+        self._slots = [(name, spec.kind, self._buffers[name]) for name, spec in specs.items()]
+        # (runtime mode, descriptor) -> the inputs its graph writes into, seen at capture: a
+        # CUDA graph replay writes without bumping version counters.
+        self._graph_writes: dict[tuple[CUDAGraphMode, BatchDescriptor], frozenset[str]] = {}
+        # Steps and capture hold this lock (see "Threads" in the class docstring).
+        self._lock = threading.Lock()
+        self._lock_owner: int | None = None
+        self._copy_after_overlap = False
         # Micro-batching (runtime/ubatch.py): this wrapper stands in for the model's FULL graph.
         self._ubatch: MicroBatchWrapper | None = None
         if config.micro_batching:
@@ -267,7 +304,50 @@ class GraphRunner:
         ``extras``: extra values for the forward context (read by ops as
         ``ff.get_forward_context().extras[...]``); the runner adds ``num_tokens_unpadded`` and
         ``num_reqs_unpadded``.
+
+        Steps (and :meth:`capture`) hold the runner's lock, so concurrent calls run one after
+        the other; see the class docstring for what that means for the returned tensors.
         """
+        # The uncontended path is inline (one non-blocking acquire); _wait_for_lock handles
+        # the rest.
+        if not self._lock.acquire(blocking=False):
+            self._wait_for_lock("a step")
+        self._lock_owner = _get_ident()
+        try:
+            return self._step(args, kwargs, uniform_decode, has_lora, num_active_loras,
+                              num_reqs, invalid_modes, extras)
+        finally:
+            self._lock_owner = None
+            self._lock.release()
+
+    def _wait_for_lock(self, what: str) -> None:
+        """Another step or capture holds the runner's lock: wait for it. A thread re-entering
+        its own step gets an error instead of a deadlock; a call that had to wait for another
+        thread's is counted (``lock_waits``) and switches the runner to copying outputs."""
+        if self._lock_owner == _get_ident():
+            raise FreezeframeError(
+                f"GraphRunner: {what} was started from inside a step or capture on the same "
+                "thread (the model called its own runner); the static buffers hold the outer "
+                "call, so the inner one cannot run. Call the runner only from outside it")
+        self._lock.acquire()
+        self._overlapped()
+
+    def _overlapped(self) -> None:
+        self.stats.inc("lock_waits")
+        if not self._copy_after_overlap:
+            self._copy_after_overlap = True
+            if not self.copy_outputs:
+                logger.warning(
+                    "GraphRunner: steps from several threads overlapped; they run one at a "
+                    "time, and from now on every step returns copies of its outputs (a view of "
+                    "the static outputs would be overwritten by the next thread's step). "
+                    "Construct the runner with copy_outputs=True when threads share it: the "
+                    "outputs of the steps before the first overlap were views")
+
+    def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any], uniform_decode: bool,
+              has_lora: bool, num_active_loras: int, num_reqs: int | None,
+              invalid_modes: Collection[CUDAGraphMode],
+              extras: Mapping[str, Any] | None) -> Any:
         values = self._bind(args, kwargs)
         num_tokens, reqs = self._validate(values, num_reqs, uniform_decode)
         step_tokens, step_uniform = num_tokens, bool(uniform_decode)
@@ -279,6 +359,12 @@ class GraphRunner:
                                     invalid)
         padded_tokens = desc.num_tokens if mode is not _NONE else step_tokens
         padded_reqs = desc.num_reqs if desc.num_reqs is not None else reqs
+        if mode is CUDAGraphMode.PIECEWISE and reqs is not None:
+            # A piecewise graph's key ignores the request count, so its pieces were captured
+            # with the request rows _capture_one gave them; every step of that size passes as
+            # many (the padded rows hold the fill value), never fewer, which a replay would
+            # read as stale rows.
+            padded_reqs = min(padded_tokens, self.config.max_num_seqs)
         if reqs is not None and padded_reqs is not None and reqs > padded_reqs:
             raise InputMismatchError(
                 f"step has {reqs} requests but the graph key {desc} holds {padded_reqs}; with "
@@ -291,10 +377,13 @@ class GraphRunner:
         step_extras = dict(extras or {})
         self._plan_micro_batches(step_extras, num_tokens, reqs, padded_tokens, padded_reqs,
                                  step_uniform)
+        versions = [buf._version for buf in self._buffer_list]
         out = self._forward(mode, desc, padded_tokens, padded_reqs,
                             num_tokens, reqs, step_extras)
+        self._copy_back_written(values, versions, self._graph_writes.get((mode, desc)),
+                                num_tokens, reqs)
         out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs)
-        if self.copy_outputs:
+        if self.copy_outputs or self._copy_after_overlap:
             out = _map_tensors(out, lambda t: t.clone())
         return out
 
@@ -451,6 +540,28 @@ class GraphRunner:
                 if padded > real:
                     buf[real:padded].fill_(spec.fill)
 
+    def _copy_back_written(self, values: Mapping[str, torch.Tensor], versions: list[int],
+                           graph_writes: frozenset[str] | None, num_tokens: int,
+                           reqs: int | None) -> None:
+        """Write every input the model wrote into back into the caller's tensor, as running the
+        model eagerly on that tensor would have: the real rows of a token or request input
+        (never the padding), all of a static one.
+
+        A write shows as a moved version counter: every in-place op that goes through the
+        dispatcher bumps it (eager code, an emulated replay, Inductor's compiled code). A CUDA
+        graph replay writes without the dispatcher, so for a replayed graph the inputs its
+        capture wrote into (``graph_writes``) are copied back too.
+        """
+        for (name, kind, buf), before in zip(self._slots, versions, strict=True):
+            if buf._version == before and (graph_writes is None or name not in graph_writes):
+                continue
+            with torch.no_grad():
+                if kind == "static":
+                    values[name].copy_(buf)
+                else:
+                    values[name].copy_(buf[:num_tokens if kind == "tokens" else (reqs or 0)])
+            self.stats.inc("inputs_copied_back")
+
     def _views(self, padded_tokens: int, padded_reqs: int | None) -> dict[str, torch.Tensor]:
         views = {}
         for name, spec in self.specs.items():
@@ -529,8 +640,21 @@ class GraphRunner:
         window (``model.capture_window``) is open during capture and closed afterwards, so a
         later step reaching an uncaptured key raises instead of capturing mid-serving.
 
-        Calling it again returns the first report; graphs are captured once.
+        Calling it again returns the first report; graphs are captured once. If a capture pass
+        or warm-up raises, the exception propagates and the attempt leaves nothing behind: the
+        graphs it captured are freed, the window is closed, the garbage collector unfrozen,
+        and a later ``capture()`` starts from scratch (``stats.capture_failures`` counts it).
         """
+        if not self._lock.acquire(blocking=False):
+            self._wait_for_lock("capture()")
+        self._lock_owner = _get_ident()
+        try:
+            return self._capture_all()
+        finally:
+            self._lock_owner = None
+            self._lock.release()
+
+    def _capture_all(self) -> CaptureReport:
         if self.report is not None:
             logger.info("GraphRunner.capture: graphs already captured; returning the report")
             return self.report
@@ -553,6 +677,8 @@ class GraphRunner:
             torch.cuda.empty_cache()
         free_before = _free_memory(self.device)
         self.stats.inc("capture_runs")
+        primed = set(self._primed_sizes)
+        stream = torch.cuda.current_stream(self.device) if on_cuda else None
         try:
             if window is not None:
                 window.open()
@@ -561,6 +687,9 @@ class GraphRunner:
                     for desc in descs:
                         records.append(self._capture_one(mode, desc))
                         bar.update(1)
+        except BaseException:
+            self._forget_failed_capture(primed, stream)
+            raise
         finally:
             if window is not None:
                 window.close()
@@ -572,6 +701,25 @@ class GraphRunner:
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
         return report
+
+    def _forget_failed_capture(self, primed: set[int], stream: Any) -> None:
+        """Undo a capture attempt that raised, so that a retry starts as the first attempt
+        did: the graphs it stored (some may hold a half-recorded capture) are freed, the sizes
+        it primed count as unprimed (a failed first call may have left the model untraced),
+        and the caller's CUDA stream is current again."""
+        self.stats.inc("capture_failures")
+        self._primed_sizes = primed
+        self._graph_writes.clear()
+        wrappers = getattr(self.model, "graph_wrappers", None)
+        if callable(wrappers):
+            for wrapper in wrappers():
+                wrapper.clear()
+        if self._ubatch is not None:
+            self._ubatch.clear()
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+        logger.warning("GraphRunner.capture failed; its graphs were freed, and capture() may "
+                       "be called again")
 
     def _drop_foreign_graphs(self) -> None:
         """Free graphs the model captured before this runner existed.
@@ -602,6 +750,8 @@ class GraphRunner:
         if first_sight and (len(self._primed_sizes) == 1
                             or num_tokens in (self.config.compile_sizes or ())):
             return max(n, 1)
+        if getattr(self.model, "traced", True) is False:  # its first call has not succeeded
+            return max(n, 1)
         return n
 
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> GraphCapture:
@@ -625,9 +775,13 @@ class GraphRunner:
             self.stats.inc("warmups")
         if on_cuda:
             torch.cuda.synchronize(self.device)
+        versions = [buf._version for buf in self._buffer_list]
         self._forward(mode, desc, tokens, reqs, tokens, reqs, dict(extras))
         if on_cuda:
             torch.cuda.synchronize(self.device)
+        self._graph_writes[(mode, desc)] = frozenset(
+            name for (name, _kind, buf), before in zip(self._slots, versions, strict=True)
+            if buf._version != before)
         self.stats.inc("captures")
         return GraphCapture(mode=mode, descriptor=desc, seconds=time.perf_counter() - t0,
                             memory_bytes=max(0, free_before - _free_memory(self.device)))

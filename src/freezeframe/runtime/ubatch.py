@@ -36,7 +36,8 @@ the compute stream still reads it (the usual PyTorch multi-stream rule).
 Failure. If one micro-batch raises, the schedule is aborted: every thread waiting for the baton
 wakes up and unwinds, and the caller gets the original exception. Every wait has a deadline, so a
 thread that never yields again (a deadlock in user code) becomes a :class:`MicroBatchError`
-naming the micro-batch, never a hang.
+naming the micro-batch, never a hang. Once the threads are done, torch's process-wide compile
+stance is what it was before the step (see :func:`_compile_stance_kept`).
 
 Graphs. With ``runtime_mode`` FULL and a graph backend, the first split step of a padded size is
 captured: the threads run inside one capture and the graph is stored under the *total* token
@@ -332,6 +333,31 @@ def comm_section() -> Iterator[None]:
     yield_to_compute()
 
 
+# -- process-wide state the threads may disturb ------------------------------------------------
+
+
+@contextlib.contextmanager
+def _compile_stance_kept() -> Iterator[None]:
+    """Put torch's compile stance back as it was once the micro-batch threads are done.
+
+    The stance is one process-wide value, and a compiled model whose Dynamo bytecode cannot be
+    reused enters and leaves ``torch.compiler.set_stance("fail_on_recompile")`` around each of
+    its calls. Each micro-batch thread yields *inside* such a call, so the threads leave it in
+    a different order than they entered it, and the last one to leave restores the stance the
+    first one set: ``fail_on_recompile`` would stay on for the whole process, and an unrelated
+    ``torch.compile`` / ``ff.compile`` would then fail its first call. The stance this step
+    started with is restored (only if it changed), after every thread has joined or unwound.
+    """
+    from torch._dynamo import eval_frame
+
+    before = getattr(eval_frame, "_stance", None)
+    try:
+        yield
+    finally:
+        if before is not None and getattr(eval_frame, "_stance", None) is not before:
+            eval_frame._set_stance(before)
+
+
 # -- the wrapper --------------------------------------------------------------------------------
 
 
@@ -487,8 +513,10 @@ class MicroBatchWrapper:
                 graph.replay()
                 self.stats.inc("replays")
                 return graph.outputs
-            return self._capture(fctx, plan, args, kwargs)
-        return self._run_threads(fctx, plan, args, kwargs, per_thread_capture=False)[0]
+            with _compile_stance_kept():
+                return self._capture(fctx, plan, args, kwargs)
+        with _compile_stance_kept():
+            return self._run_threads(fctx, plan, args, kwargs, per_thread_capture=False)[0]
 
     def _run_unsplit(self, fctx: ForwardContext | None, mode: CUDAGraphMode,
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1,0 +1,362 @@
+"""Fault injection for GraphRunner: an exception raised by the model at warm-up, at capture, at
+replay and inside a micro-batched step. After each, the same runner and a fresh one must give
+eager's outputs, and no global state may be left behind (dispatch modes, the garbage collector,
+the forward context, grad mode, torch's compile stance, micro-batch threads)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe import CompilationConfig, CUDAGraphMode
+from freezeframe.runtime import GraphRunner, Tokens
+
+NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+HIDDEN = 4
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+# Dynamo reports an exception its trace met (a fault in the fake impl) as its own error type,
+# naming the original one
+FAULT_TYPES = (InjectedFault, torch._dynamo.exc.TorchRuntimeError)
+
+
+class FaultPlan:
+    """Raises once, at the first call of the faulty op whose phase matches ``armed``."""
+
+    def __init__(self) -> None:
+        self.armed: str | None = None
+        self.fired: list[str] = []
+        self._lock = threading.Lock()
+
+    def check(self, phase: str | None = None) -> None:
+        phase = phase or _phase()
+        with self._lock:
+            if self.armed is None or phase != self.armed:
+                return
+            self.armed = None
+            self.fired.append(phase)
+        raise InjectedFault(f"injected at {phase}")
+
+
+def _phase() -> str:
+    """Where the faulty op runs (``trace`` is checked by its fake impl, which runs while Dynamo
+    traces the first call): ``warmup`` / ``capture`` (the runner's eager passes and graph
+    captures), ``replay`` (a step that replays graphs around the op), ``eager`` (a step without
+    graphs), each prefixed ``micro_batch_`` inside a micro-batch thread."""
+    ctx = ff.get_forward_context()
+    if ctx is None:
+        return "outside"
+    prefix = "micro_batch_" if ff.ubatch.in_micro_batch() else ""
+    if ctx.extras.get("capturing"):
+        # inside a micro-batch thread the mode is NONE; the capture pass is told apart by the
+        # split step the runner made (its extras carry no parent mode), so both count as capture
+        return prefix + ("capture" if ctx.mode is not NONE or prefix else "warmup")
+    return prefix + ("replay" if ctx.mode is not NONE else "eager")
+
+
+FAULTS = FaultPlan()
+
+
+@torch.library.custom_op("fffaults::comm", mutates_args=("out",))
+def _faulty_comm(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The splitting op (and, micro-batched, the communication): ``out = x * 2 + 1``, with
+    yield points around it and the fault check between them. It writes into an ``out`` the
+    graph before it allocated, as a splitting op between PIECEWISE graphs must: the next graph
+    reads the address it saw at capture."""
+    ff.ubatch.yield_to_comm()
+    FAULTS.check()
+    torch.mul(x, 2, out=out).add_(1)
+    ff.ubatch.yield_to_compute()
+
+
+@_faulty_comm.register_fake
+def _(x: torch.Tensor, out: torch.Tensor) -> None:
+    FAULTS.check("trace")  # Dynamo runs the fake impl while it traces the first call
+
+
+def faulty_comm(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _faulty_comm(x, out)
+    return out
+
+
+def _weights() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
+            torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float())
+
+
+class FaultyModel(nn.Module):
+    """Token-wise, integer-valued (exact results): linear, the faulty op, relu(linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        w1, w2 = _weights()
+        self.w1 = nn.Parameter(w1, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = faulty_comm(x @ self.w1)
+        return torch.relu(h @ self.w2)
+
+
+class ClosureForwardModel(nn.Module):
+    """Same computation, with ``forward`` a closure set on the instance (a pattern some model
+    wrappers use). Its Dynamo bytecode cannot be reused directly, so every call of the compiled
+    model goes through ``torch.compile`` under the ``fail_on_recompile`` stance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        w1, w2 = _weights()
+        self.w1 = nn.Parameter(w1, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            h = faulty_comm(x @ self.w1)
+            return torch.relu(h @ self.w2)
+
+        self.forward = forward  # type: ignore[method-assign]
+
+
+def _inputs(tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-5, 6, (tokens, HIDDEN), generator=g).float()
+
+
+def _eager(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return FaultyModel()(x)
+
+
+# -- global state ---------------------------------------------------------------------------------
+def _global_state() -> dict[str, Any]:
+    from torch._dynamo import eval_frame
+
+    return {
+        "dispatch_modes": list(torch.utils._python_dispatch._get_current_dispatch_mode_stack()),
+        "gc_enabled": gc.isenabled(),
+        "gc_frozen": gc.get_freeze_count(),
+        "forward_context": ff.get_forward_context(),
+        "micro_batch": ff.ubatch.current_micro_batch(),
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "stance": eval_frame._stance.stance,
+        "ubatch_threads": [t.name for t in threading.enumerate()
+                           if t.name.startswith("freezeframe-ubatch") and t.is_alive()],
+    }
+
+
+@pytest.fixture(autouse=True)
+def _faults_disarmed() -> Iterator[None]:
+    FAULTS.armed = None
+    FAULTS.fired.clear()
+    yield
+    FAULTS.armed = None
+
+
+CLEAN = {"dispatch_modes": [], "gc_enabled": True, "forward_context": None,
+         "micro_batch": None, "grad": True, "inference": False, "stance": "default",
+         "ubatch_threads": []}
+
+
+def _assert_clean(frozen_before: int) -> None:
+    state = _global_state()
+    assert state.pop("gc_frozen") == frozen_before
+    assert state == CLEAN
+
+
+# -- without micro-batching: warm-up, capture, replay ---------------------------------------------
+SIZES = [1, 2, 4, 8]
+
+
+def _config(**kw: Any) -> CompilationConfig:
+    fields: dict[str, Any] = dict(
+        mode="piecewise", backend="eager", splitting_ops=["fffaults::comm"],
+        cudagraph_mode="full_and_piecewise", graph_backend="emulated",
+        cudagraph_capture_sizes=SIZES, max_num_tokens=12, max_num_seqs=12, use_cache=False)
+    fields.update(kw)
+    return CompilationConfig(**fields)
+
+
+def _runner(model: nn.Module, cfg: CompilationConfig) -> GraphRunner:
+    return GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
+
+
+def _check_steps(runner: GraphRunner, seed: int) -> None:
+    """Mixed steps (PIECEWISE), uniform decode steps (FULL) and too-large steps (eager)."""
+    for n, uniform in ((3, False), (8, True), (1, True), (5, False), (12, False)):
+        x = _inputs(n, seed=seed + n)
+        assert torch.equal(runner(x, uniform_decode=uniform), _eager(x)), (n, uniform)
+
+
+# the graphs a full capture stores in the model's wrappers: 2 capturable pieces x 4 sizes
+# (PIECEWISE) + 4 FULL graphs
+MODEL_GRAPHS = 2 * 4 + 4
+
+
+@pytest.mark.parametrize("phase", ["trace", "warmup", "capture"])
+@pytest.mark.parametrize("warmups", [0, 2])
+def test_a_failed_capture_leaves_no_trace_and_a_retry_captures_everything(
+        phase: str, warmups: int) -> None:
+    """``trace`` fails the first warm-up while Dynamo traces it; for ``warmup`` and ``capture``
+    the model made its first call before the runner existed."""
+    frozen_before = gc.get_freeze_count()
+    cfg = _config(cudagraph_num_of_warmups=warmups)
+    model = ff.compile(FaultyModel(), cfg)
+    if phase != "trace":
+        model(_inputs(5, seed=0))
+    runner = _runner(model, cfg)
+    FAULTS.armed = phase
+    with pytest.raises(FAULT_TYPES, match=f"injected at {phase}"):
+        runner.capture()
+    assert FAULTS.fired == [phase]
+    _assert_clean(frozen_before)
+    assert runner.report is None and runner.stats.capture_failures == 1
+    assert not model.capture_window.is_open
+    assert [w.captured_descriptors for w in model.graph_wrappers()] == (
+        [[]] if phase == "trace" else [[], [], []])  # a failed trace built no pieces
+
+    # a fresh runner's capture is the yardstick: the retry warms up and captures as it does
+    fresh_cfg = _config(cudagraph_num_of_warmups=warmups)
+    fresh = _runner(ff.compile(FaultyModel(), fresh_cfg), fresh_cfg)
+    fresh.capture()
+    with model.stats.expect(graphs_captured=MODEL_GRAPHS), \
+            runner.stats.expect(warmups=fresh.stats.warmups, captures=8):
+        report = runner.capture()
+    assert report.num_graphs == 8
+    with model.stats.expect(graphs_captured=0):
+        _check_steps(runner, seed=100)
+    _check_steps(fresh, seed=200)
+    _assert_clean(frozen_before)
+
+
+@pytest.mark.parametrize(("phase", "tokens", "uniform"),
+                         [("replay", 3, False), ("eager", 12, False)])
+def test_a_fault_in_a_step_leaves_the_runner_working(phase: str, tokens: int,
+                                                     uniform: bool) -> None:
+    """A mixed step replays PIECEWISE graphs around the faulty splitting op, which runs
+    eagerly between them; a 12-token step runs without graphs."""
+    frozen_before = gc.get_freeze_count()
+    cfg = _config()
+    model = ff.compile(FaultyModel(), cfg)
+    runner = _runner(model, cfg)
+    runner.capture()
+    FAULTS.armed = phase
+    with pytest.raises(InjectedFault, match=f"injected at {phase}"):
+        runner(_inputs(tokens, seed=1), uniform_decode=uniform)
+    assert FAULTS.fired == [phase]
+    _assert_clean(frozen_before)
+    with model.stats.expect(graphs_captured=0):
+        _check_steps(runner, seed=300)
+    fresh = _runner(ff.compile(FaultyModel(), cfg), cfg)
+    fresh.capture()
+    _check_steps(fresh, seed=400)
+    _assert_clean(frozen_before)
+
+
+# -- micro-batched ---------------------------------------------------------------------------------
+def _ubatch_config(**kw: Any) -> CompilationConfig:
+    """FULL graphs of 8 tokens captured split in two; 9..16-token steps run split and eager."""
+    fields: dict[str, Any] = dict(
+        mode="dynamo_trace_once", backend="eager", cudagraph_mode="full",
+        graph_backend="emulated", cudagraph_capture_sizes=[8], max_num_tokens=16,
+        max_num_seqs=16, micro_batching=True, micro_batch_decode_threshold=2,
+        micro_batch_prefill_threshold=2, use_cache=False)
+    fields.update(kw)
+    return CompilationConfig(**fields)
+
+
+def _ubatch_runner(model: nn.Module, cfg: CompilationConfig) -> GraphRunner:
+    runner = _runner(model, cfg)
+    assert runner._ubatch is not None
+    runner._ubatch.timeout_s = 60
+    return runner
+
+
+def _check_ubatch_steps(runner: GraphRunner, model: Any, seed: int) -> None:
+    """7 and 8 tokens replay the split graph, 3 tokens cannot be split (eager, unsplit), 12
+    tokens are above the capture size (eager, split)."""
+    with model.stats.expect(replays=2, graphs_captured=0, micro_batch_fallbacks=1,
+                            micro_batched_steps=3):
+        for n in (7, 8, 3, 12):
+            x = _inputs(n, seed=seed + n)
+            assert torch.equal(runner(x), _eager(x)), n
+
+
+@pytest.mark.parametrize("phase", ["trace", "micro_batch_capture"])
+def test_a_failed_micro_batched_capture_leaves_no_trace(phase: str) -> None:
+    """``trace`` fails the first call (the priming warm-up, unsplit) while Dynamo traces it,
+    ``micro_batch_capture`` one micro-batch thread inside the split capture. The retried
+    capture must store the split graph."""
+    frozen_before = gc.get_freeze_count()
+    cfg = _ubatch_config()
+    model = ff.compile(FaultyModel(), cfg)
+    runner = _ubatch_runner(model, cfg)
+    FAULTS.armed = phase
+    with pytest.raises(FAULT_TYPES, match=f"injected at {phase}"):
+        runner.capture()
+    assert FAULTS.fired == [phase]
+    _assert_clean(frozen_before)
+    assert runner.report is None and runner._ubatch is not None
+    assert runner._ubatch.graphs == {}
+    assert not model.capture_window.is_open
+
+    # the priming warm-up runs split once the model has traced (the failed attempt's did)
+    split_warmups = 0 if phase == "trace" else 1
+    with model.stats.expect(graphs_captured=1, micro_batched_steps=1 + split_warmups):
+        assert runner.capture().num_graphs == 1
+    assert list(runner._ubatch.graphs) == [8]
+    _check_ubatch_steps(runner, model, seed=500)
+    fresh = _ubatch_runner(ff.compile(FaultyModel(), cfg), cfg)
+    fresh.capture()
+    _check_ubatch_steps(fresh, fresh.model, seed=600)
+    _assert_clean(frozen_before)
+
+
+def test_a_fault_in_a_micro_batched_step_leaves_the_runner_working() -> None:
+    frozen_before = gc.get_freeze_count()
+    cfg = _ubatch_config()
+    model = ff.compile(FaultyModel(), cfg)
+    runner = _ubatch_runner(model, cfg)
+    runner.capture()
+    FAULTS.armed = "micro_batch_eager"
+    with pytest.raises(InjectedFault, match="injected at micro_batch_eager"):
+        runner(_inputs(12, seed=3))
+    _assert_clean(frozen_before)
+    _check_ubatch_steps(runner, model, seed=700)
+    _assert_clean(frozen_before)
+
+
+def test_micro_batch_threads_leave_the_compile_stance_alone() -> None:
+    """A compiled model whose bytecode cannot be reused runs each call under torch's
+    process-wide ``fail_on_recompile`` stance. Micro-batch threads enter and leave that stance
+    interleaved; after the step it must be what it was, or an unrelated ``ff.compile`` in the
+    same process fails its first call."""
+    from torch._dynamo import eval_frame
+
+    cfg = _ubatch_config()
+    model = ff.compile(ClosureForwardModel(), cfg)
+    runner = _ubatch_runner(model, cfg)
+    FAULTS.armed = "micro_batch_capture"
+    with pytest.raises(InjectedFault):
+        runner.capture()
+    assert eval_frame._stance.stance == "default"
+    runner.capture()
+    assert eval_frame._stance.stance == "default"
+    _check_ubatch_steps(runner, model, seed=800)
+    assert eval_frame._stance.stance == "default"
+
+    other = ff.compile(FaultyModel(), _config(cudagraph_mode="none"))
+    x = _inputs(5, seed=9)
+    assert torch.equal(other(x), _eager(x))
