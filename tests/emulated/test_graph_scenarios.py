@@ -103,19 +103,34 @@ def test_silly_copy_inputs_with_fresh_tensors() -> None:
     assert silly.get_counter() == 2
 
 
-def test_not_refreshing_the_static_input_gives_stale_results() -> None:
+def test_a_new_input_tensor_is_copied_into_the_captured_buffer() -> None:
     """A caller who passes a new tensor instead of writing into the captured buffer gets the
-    result of the old buffer contents: the emulated backend reproduces the CUDA-graph bug."""
+    right answer: the replay copies it into the buffer the graph reads (on CUDA the graph would
+    otherwise read the old contents)."""
     model = ff_compile(SillyModel(), config("piecewise"))
     buf = torch.zeros(8)
     run(model, NONE, None, buf)
     buf[:2].fill_(1.0)
     run(model, PW, 2, buf[:2])  # captured reading buf[:2]
+    copies = model.stats.replay_input_copies
 
-    out = run(model, PW, 2, torch.zeros(2))  # forgot to copy into buf[:2]
-    assert torch.equal(out, torch.tensor([28.0, 28.0]))  # 9 * 1 + 19: the stale input
-    buf[:2].zero_()  # the fix: refresh the captured buffer
-    assert torch.equal(run(model, PW, 2, buf[:2]), torch.tensor([19.0, 19.0]))
+    out = run(model, PW, 2, torch.zeros(2))  # a new tensor, not buf[:2]
+    assert torch.equal(out, torch.tensor([19.0, 19.0]))  # what eager gives for zeros
+    assert model.stats.replay_input_copies == copies + 1
+    assert torch.equal(buf[:2], torch.zeros(2))  # it now holds the copied input
+    buf[:2].fill_(2.0)  # writing into the captured buffer needs no copy
+    assert torch.equal(run(model, PW, 2, buf[:2]), torch.tensor([37.0, 37.0]))
+    assert model.stats.replay_input_copies == copies + 1
+
+
+def test_fewer_rows_than_the_descriptor_is_an_error_not_stale_rows() -> None:
+    model = ff_compile(SillyModel(), config("piecewise"))
+    buf = torch.zeros(8)
+    run(model, NONE, None, buf)
+    run(model, PW, 4, buf[:4])
+    with pytest.raises(InputMismatchError, match=r"3 rows where the graph was captured with "
+                                                 r"4.*pad the batch to the descriptor's size"):
+        run(model, PW, 4, buf[:3])
 
 
 def test_debug_mode_names_the_changed_input_address() -> None:
@@ -129,7 +144,7 @@ def test_debug_mode_names_the_changed_input_address() -> None:
         run(model, PW, 2, stranger)
     message = str(info.value)
     assert f"{buf.data_ptr():#x}" in message and f"{stranger.data_ptr():#x}" in message
-    assert "argument" in message and "Copy the new data into the captured buffer" in message
+    assert "argument" in message and "write the new data into the captured buffer" in message
 
 
 def test_capture_outside_the_window_raises() -> None:

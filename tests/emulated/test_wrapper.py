@@ -198,20 +198,36 @@ def test_debug_address_check_names_argument_addresses_and_fix() -> None:
     message = str(info.value)
     assert "argument 0" in message
     assert f"{buffer.data_ptr():#x}" in message and f"{stranger.data_ptr():#x}" in message
-    assert "Copy the new data into the captured buffer" in message
-    assert w.stats.replays == 1
+    assert "write the new data into the captured buffer" in message
+    assert w.stats.replays == 1 and w.stats.replay_input_copies == 0
 
 
-def test_without_debug_a_new_tensor_gives_stale_results() -> None:
-    """The failure debug mode exists to catch: the replay reads the captured buffer."""
+def test_without_debug_a_new_tensor_is_copied_into_the_captured_one() -> None:
+    """A replay reads the captured buffer, so a new tensor is copied there first."""
     w = make(lambda a: a * 10)
     with step(1):
         captured = torch.tensor([1.0])
         w(captured)
-        out = w(torch.tensor([5.0]))  # not written into the captured buffer
-        assert out.item() == 10.0  # stale
-        captured.fill_(5.0)
-        assert w(captured).item() == 50.0
+        assert w(torch.tensor([5.0])).item() == 50.0
+        assert captured.item() == 5.0 and w.stats.replay_input_copies == 1
+        captured.fill_(7.0)
+        assert w(captured).item() == 70.0
+        assert w.stats.replay_input_copies == 1
+        strided = torch.tensor([[3.0, 0.0]])[:, 0]  # another layout: copied as well
+        assert w(strided).item() == 30.0 and w.stats.replay_input_copies == 2
+
+
+def test_a_replay_with_other_arguments_is_an_error() -> None:
+    w = make(lambda a, b=None: a if b is None else a + b)
+    with step(1):
+        w(torch.ones(1))
+        with pytest.raises(InputMismatchError, match=r"captured with arguments \(tensor\) "
+                                                     r"but is replayed with \(tensor, tensor\)"):
+            w(torch.ones(1), torch.ones(1))
+        with pytest.raises(InputMismatchError, match=r"is \(1,\) torch.float64.*captured "
+                                                     r"with \(1,\) torch.float32"):
+            w(torch.ones(1, dtype=torch.float64))
+    assert w.stats.replays == 0
 
 
 def test_nested_full_around_piecewise() -> None:
@@ -279,11 +295,12 @@ def test_cuda_backend_construction_touches_no_cuda() -> None:
     assert backend.name == "cuda" and "pools=[]" in repr(backend)
 
 
-def test_debug_check_names_a_shape_change_at_the_same_address() -> None:
+def test_a_shape_change_at_the_same_address_is_an_error() -> None:
     buffer = torch.zeros(8)
-    w = make(lambda a: a * 2, debug=True)
+    w = make(lambda a: a * 2)  # checked by default, not only with debug=True
     with step(2):
         w(buffer[:2])
-        with pytest.raises(InputMismatchError, match=r"argument 0 .* is \(3,\) torch.float32, "
-                                                     r"but the graph was captured with \(2,\)"):
+        with pytest.raises(InputMismatchError, match=r"argument 0 .* is \(3,\) torch.float32 "
+                                                     r"on cpu, but the graph was captured with "
+                                                     r"\(2,\) torch.float32 on cpu — 3 rows"):
             w(buffer[:3])  # same address, wrong size for the descriptor

@@ -10,8 +10,14 @@ holds the mechanism. Policy, as in the seeds:
   and the inner ones capture/replay;
 * the first sight of a descriptor captures, later sights replay and return the stored output
   (the same tensor objects every time, overwritten by each replay);
-* the wrapper never copies inputs: the caller owns static buffers and must write new data into
-  the captured ones (``debug=True`` checks the addresses and says so when they differ).
+* a replay reads the tensors the graph was captured with, so every replay checks its tensor
+  arguments against them (a few hundred nanoseconds per tensor): the same tensor or a view at
+  the same address with the same shape replays as is; a tensor at another address with the same
+  shape and dtype is *copied into* the captured one first (counted in ``replay_input_copies``,
+  logged once per wrapper) — or, with ``debug=True``, refused with an error, for callers who
+  want to prove that they always write into the captured buffers; another shape, dtype or set
+  of tensor arguments is an :class:`~freezeframe.errors.InputMismatchError` (a replay cannot
+  change the shape: pad the batch to the descriptor's size).
 """
 
 from __future__ import annotations
@@ -104,28 +110,39 @@ class _Entry:
     warmups_done: int = 0
     graph: CapturedGraph | None = None
     output: Any = None
-    # what each tensor argument looked like at capture (debug mode only)
-    input_addresses: list[_TensorArg] | None = None
+    # the tensor arguments of the capturing call (held: the graph reads their memory)
+    inputs: tuple[_TensorArg, ...] = ()
+    # which arguments were tensors, and the keyword names (see _layout)
+    layout: tuple[Any, ...] = ((), ())
 
 
 @dataclasses.dataclass(frozen=True)
 class _TensorArg:
-    """Where a tensor argument lived and what it was, for the debug-mode replay check."""
+    """One tensor argument of the capturing call: where it was passed, and the tensor."""
 
     name: int | str  # argument position, or keyword name
-    address: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    tensor: torch.Tensor
 
     @property
     def where(self) -> str:
         return f"argument {self.name}" if isinstance(self.name, int) else f"keyword {self.name!r}"
 
+    def value(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.name, int):
+            return args[self.name] if self.name < len(args) else None
+        return kwargs.get(self.name)
 
-def _tensor_addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[_TensorArg]:
+
+def _layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Which positional arguments are tensors, and the keywords with whether each is one."""
+    return (tuple(isinstance(a, torch.Tensor) for a in args),
+            tuple((k, isinstance(v, torch.Tensor)) for k, v in kwargs.items()))
+
+
+def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_TensorArg, ...]:
     named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-    return [_TensorArg(name, value.data_ptr(), tuple(value.shape), value.dtype)
-            for name, value in named if isinstance(value, torch.Tensor)]
+    return tuple(_TensorArg(name, value) for name, value in named
+                 if isinstance(value, torch.Tensor))
 
 
 class GraphWrapper:
@@ -135,8 +152,9 @@ class GraphWrapper:
     ``descriptor.relax_for_piecewise()``) or FULL (the whole forward; keyed by the full
     descriptor). ``stats`` receives ``graphs_captured``, ``replays`` and ``bypasses``.
     ``window`` is the :class:`CaptureWindow` a runner closes after capturing. ``num_warmups``
-    eager calls (in the wrapper's mode) precede the capture of each descriptor. ``debug``
-    records input addresses at capture and checks them on every replay.
+    eager calls (in the wrapper's mode) precede the capture of each descriptor. A replay with a
+    tensor argument at a new address copies it into the captured one; ``debug=True`` raises
+    instead (see the module docstring).
 
     The output of the capturing call differs by backend: on ``cuda`` kernels are recorded, not
     run, so it holds no computed values; on ``emulated`` it is computed. Only replay outputs
@@ -176,6 +194,7 @@ class GraphWrapper:
         self.debug = bool(debug)
         self.num_warmups = num_warmups
         self._entries: dict[BatchDescriptor, _Entry] = {}
+        self._copy_logged = False
 
     # -- introspection --------------------------------------------------------------------
     def unwrap(self) -> Callable[..., Any]:
@@ -247,8 +266,7 @@ class GraphWrapper:
         if self.options.log:
             logger.debug("capturing a %s graph for %s (%s backend)", self.runtime_mode.name,
                          key, self.backend.name)
-        if self.debug:
-            entry.input_addresses = _tensor_addresses(args, kwargs)
+        inputs = _tensor_args(args, kwargs)
         graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
                                              gc_disable=self.options.gc_disable)
         if self.options.weak_ref_output:
@@ -256,37 +274,83 @@ class GraphWrapper:
         # Stored strongly unless weak_ref_output: a later piece's graph reads this memory, so
         # it must not return to the pool while the graph exists.
         entry.output = output
+        entry.inputs = inputs
+        entry.layout = _layout(args, kwargs)
         entry.graph = graph
         self.stats.inc("graphs_captured")
         return output
 
     def _replay(self, key: BatchDescriptor, entry: _Entry, graph: CapturedGraph,
                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.debug and entry.input_addresses is not None:
-            self._check_addresses(key, entry.input_addresses, _tensor_addresses(args, kwargs))
+        if _layout(args, kwargs) != entry.layout:
+            self._refuse_arguments(key, entry, args, kwargs)
+        for captured in entry.inputs:
+            now = captured.value(args, kwargs)
+            then = captured.tensor
+            if now is then:
+                continue
+            if now.shape != then.shape or now.dtype != then.dtype \
+                    or now.device != then.device:
+                self._refuse_shape(key, captured, now)
+            if now.data_ptr() == then.data_ptr() and now.stride() == then.stride():
+                continue  # a view of the captured memory, laid out the same way
+            if self.debug:
+                self._refuse_address(key, captured, now)
+            then.copy_(now)
+            self.stats.inc("replay_input_copies")
+            if not self._copy_logged:
+                self._copy_logged = True
+                logger.info("%s of the %s graph for %s is a new tensor, not the captured one: "
+                            "it is copied into the captured buffer before each such replay "
+                            "(counted in stats.replay_input_copies); write into the captured "
+                            "buffer to avoid the copy", captured.where,
+                            self.runtime_mode.name, key)
         graph.replay()
         self.stats.inc("replays")
         return entry.output
 
-    def _check_addresses(self, key: BatchDescriptor, captured: list[_TensorArg],
-                         new: list[_TensorArg]) -> None:
+    def _refuse_arguments(self, key: BatchDescriptor, entry: _Entry,
+                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The call passes its arguments differently from the capturing call."""
+        def shown(layout: tuple[Any, ...]) -> str:
+            positional, keywords = layout
+            parts = ["tensor" if t else "other" for t in positional]
+            parts += [f"{k}={'tensor' if t else 'other'}" for k, t in keywords]
+            return f"({', '.join(parts)})"
+
+        raise InputMismatchError(
+            f"the {self.runtime_mode.name} graph for {key} was captured with arguments "
+            f"{shown(entry.layout)} but is replayed with {shown(_layout(args, kwargs))}; a "
+            "replay re-runs the captured work on the captured tensors, so call it with the "
+            "same arguments it was captured with")
+
+    def _refuse_shape(self, key: BatchDescriptor, captured: _TensorArg, now: Any) -> None:
+        then = captured.tensor
         graph = f"the {self.runtime_mode.name} graph for {key}"
-        if [a.name for a in captured] != [a.name for a in new]:
+        if not isinstance(now, torch.Tensor):
             raise InputMismatchError(
-                f"{graph} was captured with tensor arguments at {[a.name for a in captured]} "
-                f"but is replayed with tensor arguments at {[a.name for a in new]}; call it "
-                "with the same arguments it was captured with")
-        for old, now in zip(captured, new, strict=True):
-            if old.address != now.address:
-                raise InputMismatchError(
-                    f"{now.where} of {graph} has address {now.address:#x}, but the graph was "
-                    f"captured reading address {old.address:#x}: a replay reads the captured "
-                    "buffer, so this call would silently use stale data. Copy the new data "
-                    "into the captured buffer (captured.copy_(new) or write into a slice of a "
-                    "persistent buffer) instead of passing a new tensor")
-            if (old.shape, old.dtype) != (now.shape, now.dtype):
-                raise InputMismatchError(
-                    f"{now.where} of {graph} is {tuple(now.shape)} {now.dtype}, but the graph "
-                    f"was captured with {tuple(old.shape)} {old.dtype}: a replay always works "
-                    "on the captured shape. Pad the batch to the descriptor's size (the "
-                    "dispatcher's padded num_tokens) and pass the slice of that size")
+                f"{captured.where} of {graph} is {type(now).__name__}, but the graph was "
+                "captured with a tensor there; call it with the same arguments it was "
+                "captured with")
+        rows = ""
+        if now.dim() >= 1 and then.dim() == now.dim() and now.shape[1:] == then.shape[1:]:
+            rows = (f" — {now.shape[0]} rows where the graph was captured with "
+                    f"{then.shape[0]}: a replay would return {then.shape[0]} rows, some of "
+                    "them stale")
+        raise InputMismatchError(
+            f"{captured.where} of {graph} is {tuple(now.shape)} {now.dtype} on {now.device}, "
+            f"but the graph was captured with {tuple(then.shape)} {then.dtype} on "
+            f"{then.device}{rows}. A replay always works on the captured shape: pad the batch "
+            "to the descriptor's size (the dispatcher's padded num_tokens) and pass that many "
+            "rows")
+
+    def _refuse_address(self, key: BatchDescriptor, captured: _TensorArg,
+                        now: torch.Tensor) -> None:
+        then = captured.tensor
+        raise InputMismatchError(
+            f"{captured.where} of the {self.runtime_mode.name} graph for {key} has address "
+            f"{now.data_ptr():#x} (strides {now.stride()}), but the graph was captured reading "
+            f"address {then.data_ptr():#x} (strides {then.stride()}). debug=True refuses the "
+            "copy a replay would otherwise make: write the new data into the captured buffer "
+            "(captured.copy_(new), or a slice of a persistent buffer) instead of passing a new "
+            "tensor")
