@@ -2,8 +2,8 @@
 
 Differences from the emulated versions, all inherent to CUDA graphs:
 
-* the output of a *capturing* call holds no computed values (kernels are recorded, not run),
-  so nothing here reads it — only replay outputs are checked;
+* a capture only records kernels; the wrapper then replays the new graph once, so the
+  capturing call's output is a result here too (checked below);
 * a replayed output lives in the shared graph pool and may be overwritten by the next replay of
   *any* graph of the model, so each one is compared (or cloned) before the next call;
 * every test runs on a side stream, as a model runner does: warm-up, capture and replay on
@@ -91,7 +91,7 @@ def test_wrapper_captures_then_replays_on_the_captured_buffer() -> None:
     buf = torch.zeros(4, device=DEV)
     fn(buf)  # warm-up outside the graph
     with forward_context(4, mode=PW):
-        w(buf)  # capture: recorded, not computed
+        assert torch.equal(host(w(buf)), torch.ones(4))  # capture, then one replay: a result
         buf.copy_(torch.tensor([-3.0, 0.0, 1.0, 2.0], device=DEV))
         out = w(buf)
         assert torch.equal(host(out), torch.tensor([0.0, 1.0, 3.0, 5.0]))
@@ -100,7 +100,7 @@ def test_wrapper_captures_then_replays_on_the_captured_buffer() -> None:
     assert again is out  # the same tensor, overwritten by the replay
     assert torch.equal(host(again), torch.full((4,), 21.0))
     assert calls[0] == 2  # warm-up + capture; replays ran no Python
-    assert (w.stats.graphs_captured, w.stats.replays) == (1, 2)
+    assert (w.stats.graphs_captured, w.stats.replays) == (1, 2)  # the capture's run is no replay
     graph = w.graph_for(BatchDescriptor(4))
     assert graph is not None and graph.graph.pool() == backend.pool()
 
@@ -133,6 +133,20 @@ def test_gc_runs_only_for_the_first_piece(monkeypatch: pytest.MonkeyPatch) -> No
     with model.stats.expect(graphs_captured=3):
         run(model, PW, 2, buf[:2])
     assert collections[0] == 1  # 3 pieces captured, one collection
+
+
+def test_the_capturing_call_of_a_piecewise_model_equals_eager() -> None:
+    """Between pieces the splitting op runs eagerly on the previous piece's output: that output
+    must hold values already during the capturing call, or every later piece sees garbage."""
+    module = SillyModel().to(DEV)
+    model = ff_compile(SillyModel().to(DEV), config("piecewise"))
+    buf = torch.zeros(8, device=DEV)
+    run(model, NONE, None, buf)
+    buf[:4].copy_(torch.arange(4.0, device=DEV))
+    want = host(module(buf[:4].clone()))
+    with model.stats.expect(graphs_captured=3, replays=0):
+        got = host(run(model, PW, 4, buf[:4]))
+    torch.testing.assert_close(got, want)
 
 
 # -- §7.3 the silly model -------------------------------------------------------------------

@@ -304,3 +304,36 @@ def test_a_shape_change_at_the_same_address_is_an_error() -> None:
                                                      r"on cpu, but the graph was captured with "
                                                      r"\(2,\) torch.float32 on cpu — 3 rows"):
             w(buffer[:3])  # same address, wrong size for the descriptor
+
+
+class RecordOnlyBackend:
+    """Behaves as the cuda backend does at capture: the work is recorded, and the tensors the
+    capturing call returns hold no results (NaN here) until the graph is replayed."""
+
+    name = "record-only"
+    capture_computes = False
+
+    def __init__(self) -> None:
+        self._inner = EmulatedBackend()
+
+    def capture(self, fn: Callable[[], object], *, gc_disable: bool = False
+                ) -> tuple[object, object]:
+        graph, output = self._inner.capture(fn, gc_disable=gc_disable)
+        assert isinstance(output, torch.Tensor)
+        output.fill_(float("nan"))
+        return graph, output
+
+    def weak_ref(self, output: object) -> object:
+        return output
+
+
+def test_a_backend_that_only_records_is_replayed_once_so_the_capturing_call_is_right() -> None:
+    stats = Stats()
+    w = GraphWrapper(lambda a: a * 3, PW, RecordOnlyBackend(), stats=stats,  # type: ignore[arg-type]
+                     window=CaptureWindow())
+    x = torch.tensor([1.0, 2.0])
+    with step(2):
+        assert w(x).tolist() == [3.0, 6.0]  # the capturing call: real values, not NaN
+        x.copy_(torch.tensor([5.0, 7.0]))
+        assert w(x).tolist() == [15.0, 21.0]
+    assert (stats.graphs_captured, stats.replays) == (1, 1)  # the capture's own run is no replay

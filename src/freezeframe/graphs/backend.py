@@ -45,9 +45,14 @@ class GraphBackend(Protocol):
 
     ``weak_ref(output)`` returns ``output`` with every tensor replaced by one that does not keep
     its memory alive (or the same tensors, where the backend has no such notion).
+
+    ``capture_computes`` says whether ``capture`` also runs the work (``emulated``: yes; ``cuda``:
+    no, kernels are only recorded). Where it does not, the caller replays the graph once right
+    after capturing, so the capturing call's outputs and in-place writes are real, exactly once.
     """
 
     name: str
+    capture_computes: bool
 
     def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False
                 ) -> tuple[CapturedGraph, Any]: ...

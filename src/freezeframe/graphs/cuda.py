@@ -78,6 +78,7 @@ class CudaBackend:
     """
 
     name = "cuda"
+    capture_computes = False  # kernels are recorded, not run: the wrapper replays once
 
     def __init__(self) -> None:
         # device index -> pool handle; filled lazily so constructing the backend touches no

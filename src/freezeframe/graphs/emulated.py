@@ -351,6 +351,7 @@ class EmulatedBackend:
     """Graph backend for CPU tests and CI; see the module docstring for what it guarantees."""
 
     name = "emulated"
+    capture_computes = True  # the captured function runs for real while it is recorded
 
     def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False
                 ) -> tuple[EmulatedGraph, Any]:

@@ -156,9 +156,8 @@ class GraphWrapper:
     tensor argument at a new address copies it into the captured one; ``debug=True`` raises
     instead (see the module docstring).
 
-    The output of the capturing call differs by backend: on ``cuda`` kernels are recorded, not
-    run, so it holds no computed values; on ``emulated`` it is computed. Only replay outputs
-    are results on both.
+    The capturing call returns real results on every backend: where the backend only records
+    the work (``cuda``), the wrapper replays the new graph once before returning.
     """
 
     def __init__(
@@ -269,6 +268,10 @@ class GraphWrapper:
         inputs = _tensor_args(args, kwargs)
         graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
                                              gc_disable=self.options.gc_disable)
+        if not self.backend.capture_computes:
+            # The capture only recorded the work: run it once, so this call returns real
+            # values (and its in-place writes happen once), as every later replay does.
+            graph.replay()
         if self.options.weak_ref_output:
             output = self.backend.weak_ref(output)
         # Stored strongly unless weak_ref_output: a later piece's graph reads this memory, so

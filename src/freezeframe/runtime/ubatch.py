@@ -557,7 +557,10 @@ class MicroBatchWrapper:
         except BaseException:
             run.abort()
             raise
-        self.graphs[key] = _SplitGraph(main_graph, thread_graphs, output, plan)
+        split = _SplitGraph(main_graph, thread_graphs, output, plan)
+        if not self.backend.capture_computes:
+            split.replay()  # recorded, not run: run once so this step's output is real
+        self.graphs[key] = split
         self.stats.inc("graphs_captured")
         logger.debug("captured micro-batched FULL graph for %d tokens (%d micro-batches)", key,
                      plan.num_micro_batches)
