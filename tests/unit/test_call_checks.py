@@ -285,15 +285,15 @@ def test_four_threads_making_the_first_call_at_once(mode):
     eager = OptionalBias()
     model = ff.compile(eager, config(mode))
     inputs = [torch.randn(n, 4) for n in (2, 3, 5, 7)]
-    outs: dict[int, torch.Tensor] = {}
+    outs: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
     errors: list[BaseException] = []
     barrier = threading.Barrier(4)
 
     def work(i: int) -> None:
         try:
             barrier.wait()
-            for _ in range(20):
-                outs[i] = model(inputs[i])
+            for step in range(20):  # later calls run concurrently, on sizes that alternate
+                outs[i].append(model(inputs[(i + step) % 4]))
         except BaseException as exc:
             errors.append(exc)
 
@@ -303,9 +303,12 @@ def test_four_threads_making_the_first_call_at_once(mode):
     for t in threads:
         t.join()
     assert errors == []
-    for i, x in enumerate(inputs):
-        with torch.no_grad():
-            torch.testing.assert_close(outs[i], eager(x))
+    with torch.no_grad():
+        want = [eager(x) for x in inputs]
+    for i in range(4):
+        assert len(outs[i]) == 20
+        for step, out in enumerate(outs[i]):
+            torch.testing.assert_close(out, want[(i + step) % 4])
     assert (model.stats.graphs_traced, model.num_traces) == (1, 1)
 
 
