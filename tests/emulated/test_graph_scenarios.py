@@ -313,3 +313,44 @@ def test_inductor_pieces_replay_as_opaque_units(cudagraph_mode: str) -> None:
     graphs = [w.graph_for(BatchDescriptor(2)) for w in model.graph_wrappers()]
     ops = [op for g in graphs if g is not None for op in g.ops]  # type: ignore[attr-defined]
     assert sum(op.startswith("opaque:") for op in ops) == 3  # one per capturable piece
+
+
+# -- a splitting op that returns a new tensor ------------------------------------------------
+@torch.library.custom_op("scenarios::functional_mix", mutates_args=())
+def functional_mix(x: torch.Tensor) -> torch.Tensor:
+    """A splitting op that allocates its output, as most user ops do (no out= buffer)."""
+    return x.flip(0) + x.sum(0, keepdim=True)
+
+
+@functional_mix.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class FunctionalSplit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.ops.scenarios.functional_mix(self.a(x)).relu())
+
+
+def test_a_splitting_op_returning_new_memory_feeds_the_next_piece_its_values() -> None:
+    """The op runs eagerly between the pieces and its output lives at a new address on every
+    step: the next piece's replay must read this step's values, not those it was captured
+    with."""
+    torch.manual_seed(0)
+    module = FunctionalSplit()
+    model = ff_compile(module, config("piecewise", splitting_ops=["scenarios::functional_mix"],
+                                      cudagraph_capture_sizes=[2, 4]))
+    buf = torch.zeros(4, 4)
+    run(model, NONE, None, buf)
+    for step, n in enumerate([4, 4, 2, 4, 2]):
+        buf[:n].copy_(torch.randn(n, 4, generator=torch.Generator().manual_seed(step)))
+        got = run(model, PW, n, buf[:n]).clone()
+        with torch.no_grad():
+            torch.testing.assert_close(got, module(buf[:n]))
+    assert (model.stats.graphs_captured, model.stats.replays) == (4, 6)
+    assert model.stats.replay_input_copies == 3  # the op's output, once per replayed step
