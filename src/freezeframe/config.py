@@ -140,6 +140,8 @@ class CUDAGraphMode(enum.Enum):
 
     @staticmethod
     def valid_runtime_modes() -> frozenset[CUDAGraphMode]:
+        """The modes a step can run in (a forward context's mode); the others are config
+        modes that the dispatcher resolves to one of these per step."""
         return frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
 
 
@@ -443,7 +445,7 @@ class CompilationConfig:
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The capture size a batch of ``num_tokens`` pads to, or ``None`` (no graph)."""
-        return padded_size(num_tokens, list(self.cudagraph_capture_sizes or ()))
+        return padded_size(num_tokens, self.cudagraph_capture_sizes or ())
 
     # -- (de)serialisation ---------------------------------------------------------------
     @classmethod

@@ -18,7 +18,7 @@ from freezeframe.config import CUDAGraphMode
 
 __all__ = ["ForwardContext", "forward_context", "get_forward_context"]
 
-_RUNTIME_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
+_RUNTIME_MODES = CUDAGraphMode.valid_runtime_modes()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -219,7 +219,7 @@ def test_padding_property(sizes: list[int], mode: CUDAGraphMode, max_num_seqs: i
             continue
         assert got.num_tokens >= n
         assert got.num_tokens == padded
-        assert d.has_key(got_mode, got)
+        assert got in d.keys(got_mode)
         if mode is not FDO:
             assert got_mode is (PW if mode in (PW, FAP) and not (uniform and got.uniform)
                                 else FULL)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import ConfigError
+from freezeframe.sizes import padding_table
 
 __all__ = ["Dispatcher", "LoraCase", "lora_cases"]
 
@@ -99,6 +100,8 @@ class Dispatcher:
         self.capture_sizes: tuple[int, ...] = tuple(config.cudagraph_capture_sizes or ())
         self.max_capture_size: int = self.capture_sizes[-1] if self.capture_sizes else 0
         self.max_num_seqs: int = config.max_num_seqs
+        # padded size of every token count 0..max_capture_size: one index per step
+        self._padded: list[int] = padding_table(self.capture_sizes)
         self.lora_cases: tuple[LoraCase, ...] = tuple(lora_cases(
             config.max_loras, config.cudagraph_specialize_lora, config.num_speculative_tokens))
         # Sorted LoRA counts a step's adapter count rounds up to (specialised case only).
@@ -135,9 +138,6 @@ class Dispatcher:
     def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
         """The valid keys of one runtime mode (PIECEWISE or FULL)."""
         return frozenset(self._keys.get(mode, ()))
-
-    def has_key(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> bool:
-        return desc in self._keys.get(mode, ())
 
     @property
     def num_keys(self) -> int:
@@ -191,8 +191,7 @@ class Dispatcher:
                                 num_active_loras=num_active_loras if has_lora else 0)
         if (self.num_keys == 0 or num_tokens == 0 or num_tokens > self.max_capture_size):
             return _NONE, eager
-        padded = self.config.padded_size(num_tokens)
-        assert padded is not None  # num_tokens <= max_capture_size
+        padded = self._padded[num_tokens]  # num_tokens <= max_capture_size
         q = self.uniform_decode_query_len
         uniform = bool(uniform_decode) and padded % q == 0
         exact = self._descriptor(padded, uniform, case)
