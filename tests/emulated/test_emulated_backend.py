@@ -33,7 +33,7 @@ def backend() -> EmulatedBackend:
 
 def test_backend_satisfies_protocol(backend: EmulatedBackend) -> None:
     assert isinstance(backend, GraphBackend)
-    assert backend.name == "emulated"
+    assert (backend.name, backend.capture_computes) == ("emulated", True)
 
 
 def test_replay_recomputes_on_captured_tensors_and_reuses_outputs(

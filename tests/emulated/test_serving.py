@@ -83,4 +83,8 @@ def test_every_mode_serves_the_eager_tokens(
     assert {k: getattr(steps, k) for k in expected} == expected
     assert compiled.stats.graphs_traced == 1
     if graphs:
-        assert compiled.stats.replays > 0
+        # a piecewise step replays every capturable piece, a FULL step one graph
+        pieces = compiled.stats.capturable_pieces
+        assert pieces == 3
+        full, piecewise = expected.get("steps_full", 0), expected.get("steps_piecewise", 0)
+        assert compiled.stats.replays == full + piecewise * pieces

@@ -43,9 +43,12 @@ def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
         assert entry["prefill_ms"] > 0 and entry["startup_s"] > 0
     fp = saved["modes"]["full_and_piecewise"]
     # FULL graphs for uniform decode at 1, 2, 4 tokens... and PIECEWISE for mixed batches
-    assert fp["graphs_captured"] > 0 and fp["capture_s"] > 0
-    assert fp["runner_stats"]["steps_full"] > 0
-    assert saved["modes"]["none"]["runner_stats"]["steps_eager"] > 0
+    # max_num_seqs 3 (largest batch + 1): PIECEWISE at 1, 2, 4, 6 and FULL decode at 1, 2
+    assert fp["graphs_captured"] == 6 and fp["capture_s"] > 0
+    # 3 steps (1 warm-up + 2 timed) of decode and of mixed per batch size, and 3 of prefill
+    assert fp["runner_stats"]["steps"] == 15
+    assert (fp["runner_stats"]["steps_full"], fp["runner_stats"]["steps_eager"]) == (8, 7)
+    assert saved["modes"]["none"]["runner_stats"]["steps_eager"] == 15
     assert (tmp_path / "latency_vs_batch.png").exists() or any(
         "matplotlib" in n for n in saved["notes"])
     table = format_table(result)

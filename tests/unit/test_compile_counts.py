@@ -208,5 +208,5 @@ def test_stock_torch_compile_counts():
     model = ff.compile(AttnSandwich(), config(mode="stock_torch_compile"))
     x = torch.randn(6, 4)
     assert torch.equal(model(x), AttnSandwich()(x))
-    assert model.stats.graphs_traced >= 1
+    assert model.stats.graphs_traced == 1
     assert model.stats.pieces == 0

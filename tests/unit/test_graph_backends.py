@@ -104,7 +104,9 @@ def fake_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_protocol() -> None:
-    assert isinstance(CudaBackend(), GraphBackend)
+    backend = CudaBackend()
+    assert isinstance(backend, GraphBackend)
+    assert (backend.name, backend.capture_computes) == ("cuda", False)  # the wrapper replays
 
 
 def test_first_piece_flushes_later_pieces_do_not(fake_cuda: FakeCuda) -> None:
