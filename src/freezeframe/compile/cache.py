@@ -1563,14 +1563,28 @@ def clear(root: Path, keys: Sequence[str] | None = None,
     models = root / "models"
     if models.is_dir():
         for pointer in models.glob("*.json"):
-            try:
-                key = json.loads(pointer.read_text()).get("key")
-            except (OSError, ValueError, AttributeError):
-                key = None
-            if wanted is None or key in wanted or key is None:
-                with contextlib.suppress(OSError):
-                    pointer.unlink()
+            _drop_from_pointer(pointer, wanted)
     return removed
+
+
+def _drop_from_pointer(pointer: Path, wanted: set[str] | None) -> None:
+    """Remove the pointer's references to the ``wanted`` entries (all when None); a pointer
+    left with none, or one that cannot be read, is deleted."""
+    try:
+        entries = json.loads(pointer.read_text())["entries"]
+        kept = [e for e in entries if wanted is not None and e["key"] not in wanted]
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = []
+    try:
+        if kept and len(kept) == len(entries):
+            return
+        if kept:
+            atomic_write(pointer, json.dumps({"entries": kept}, indent=2,
+                                             sort_keys=True).encode())
+        else:
+            pointer.unlink()
+    except OSError:
+        logger.warning("could not update the saved-trace pointer %s", pointer, exc_info=True)
 
 
 # ---------------------------------------------------------------------------------------------

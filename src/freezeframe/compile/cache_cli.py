@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from freezeframe.compile import cache as _cache
+from freezeframe.errors import ConfigError
 
 __all__ = ["add_parser", "main"]
 
@@ -89,8 +90,22 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         print(f"cache root {root} does not exist; nothing to clear")
         return 0
     keys = args.key or None
-    if keys is None and not args.yes and os.isatty(0):
-        answer = input(f"remove every entry under {root}? [y/N] ")
+    if keys is not None:
+        known = {e.key for e in _cache.list_entries(root)}
+        unknown = [k for k in keys if k not in known]
+        if unknown:
+            raise ConfigError(
+                f"no cache entr{'y' if len(unknown) == 1 else 'ies'} "
+                f"{', '.join(map(repr, unknown))} under {root}; nothing was removed (see "
+                "`freezeframe cache list` for the keys)")
+    what = (f"every entry under {root}" if keys is None
+            else f"{len(keys)} entr{'y' if len(keys) == 1 else 'ies'} under {root}")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(
+                f"refusing to remove {what} without asking, and stdin is not a terminal to "
+                "ask on; nothing was removed. Pass -y (--yes) to remove without asking")
+        answer = input(f"remove {what}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
@@ -122,11 +137,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``cache`` command on its own (``python -m freezeframe.compile.cache_cli``)."""
-    parser = argparse.ArgumentParser(prog="freezeframe")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    """Run ``freezeframe ARGV`` (``python -m freezeframe.compile.cache_cli cache list``), with
+    the command line's one-line errors and exit codes."""
+    from freezeframe.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
