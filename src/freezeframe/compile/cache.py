@@ -447,30 +447,43 @@ def hash_sources(paths: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def pass_sources(passes: Mapping[str, Any]) -> dict[str, str | None]:
-    """``{pass name: sha256 of the file defining it}`` for the config's Inductor passes.
+def config_passes(config: CompilationConfig) -> dict[str, Any]:
+    """Every Inductor pass the config installs: ``inductor_passes`` and the custom-pass
+    settings of ``inductor_compile_config``."""
+    from freezeframe.compile.compilers import CUSTOM_PASS_SETTINGS
 
-    The config's own key names a string pass by its name and a callable by its own source, and
-    Inductor keys a custom pass by its ``uuid()``; none of them changes when a helper the pass
-    calls is edited, so the defining file's contents join the key here. None when the pass or
-    its file cannot be found (a builtin or a lambda typed at a prompt); such a pass is keyed by
-    the config alone.
+    passes = dict(config.inductor_passes)
+    for setting in CUSTOM_PASS_SETTINGS:
+        value = config.inductor_compile_config.get(setting)
+        if value is not None:
+            passes[f"inductor_compile_config.{setting}"] = value
+    return passes
+
+
+def pass_sources(passes: Mapping[str, Any]) -> dict[str, list[str | None]]:
+    """``{pass name: [sha256 of the file defining it, identity of its code]}``.
+
+    The config's own key names a string pass by its name and a callable by its qualified name,
+    and Inductor keys a custom pass by its ``uuid()``; none of them changes when the pass body
+    or a helper it calls is edited, so the defining file's contents and the code's digest
+    (:func:`~freezeframe.compile.compilers.pass_identity`) join the key here. The file hash is
+    None when the pass or its file cannot be found (a lambda typed at a prompt).
     """
     # Imported here: the compilers pull in torch, which `freezeframe cache list` never needs.
-    from freezeframe.compile.compilers import resolve_pass
+    from freezeframe.compile.compilers import pass_identity, resolve_pass
 
-    out: dict[str, str | None] = {}
+    out: dict[str, list[str | None]] = {}
     for name, value in sorted(passes.items()):
         try:
             fn = resolve_pass(name, value)
         except ConfigError:
-            out[name] = None
+            out[name] = [None, None]
             continue
         try:
             path = inspect.getsourcefile(fn) or inspect.getsourcefile(type(fn))
         except TypeError:
             path = None
-        out[name] = hash_sources([path]).get(path) if path else None
+        out[name] = [hash_sources([path]).get(path) if path else None, pass_identity(fn)]
     return out
 
 
@@ -1176,7 +1189,7 @@ class CompileCache:
             **torch_factors(),
             "model_key": model_key,
         }
-        passes = pass_sources(config.inductor_passes)
+        passes = pass_sources(config_passes(config))
         if passes:
             factors["inductor_passes"] = passes
         if module is not None:

@@ -15,7 +15,9 @@ import contextvars
 import hashlib
 import importlib
 import logging
+import marshal
 import time
+import uuid as uuid_module
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
@@ -114,11 +116,39 @@ def resolve_pass(name: str, value: str | Callable[..., Any]) -> Callable[..., An
     return obj
 
 
-def _pass_identity(fn: Callable[..., Any]) -> str:
+# Custom-pass settings of Inductor's config. Each is wrapped per compile range (see
+# _make_pass_chain) so that Inductor's FX-graph cache can never serve one range the code it
+# compiled for another under the same pass.
+CUSTOM_PASS_SETTINGS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+                         "joint_custom_pre_pass", "joint_custom_post_pass")
+
+
+def pass_identity(fn: Callable[..., Any]) -> str:
+    """What identifies a pass's behaviour: its ``uuid()`` when it has one (Inductor's
+    ``CustomGraphPass`` contract), else a digest of its code — bytecode, constants and names,
+    nested code objects included, and the values its closure holds — so an edited body is a new
+    identity even where the name stays. A pass whose code cannot be read gets an identity no
+    other process shares (never a cache hit, never a stale one)."""
     uuid = getattr(fn, "uuid", None)
     if callable(uuid):
         return repr(uuid())
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+    name = f"{getattr(fn, '__module__', '?')}.{qualname}"
+    method = vars(type(fn)).get("__call__")  # a pass object: the code of its class's __call__
+    code = getattr(fn, "__code__", None) or getattr(method, "__code__", None)
+    try:
+        blob = marshal.dumps(code) if code is not None else None
+        cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+        if blob is not None:
+            blob += repr(cells).encode()
+    except (ValueError, TypeError):  # a constant marshal cannot write, an empty cell
+        blob = None
+    if blob is None:
+        return f"{name}#unreadable-{_PROCESS_TOKEN}"
+    return f"{name}#{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+_PROCESS_TOKEN = uuid_module.uuid4().hex
 
 
 def _make_pass_chain(passes: Sequence[tuple[str, Callable[..., Any]]],
@@ -131,7 +161,7 @@ def _make_pass_chain(passes: Sequence[tuple[str, Callable[..., Any]]],
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     ident = hashlib.sha256(
-        repr([(n, _pass_identity(f)) for n, f in passes] + [str(compile_range)]).encode()
+        repr([(n, pass_identity(f)) for n, f in passes] + [str(compile_range)]).encode()
     ).hexdigest()
 
     class _PassChain(CustomGraphPass):
@@ -170,6 +200,10 @@ class InductorCompiler:
 
     def _patches(self, compile_range: Range) -> dict[str, Any]:
         patches = dict(self._compile_config)
+        for setting in CUSTOM_PASS_SETTINGS:
+            user_pass = patches.get(setting)
+            if user_pass is not None and callable(user_pass):
+                patches[setting] = _make_pass_chain([(setting, user_pass)], compile_range)
         if self._passes:
             patches["post_grad_custom_post_pass"] = _make_pass_chain(self._passes,
                                                                      compile_range)
