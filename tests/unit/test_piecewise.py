@@ -11,6 +11,7 @@ from torch import nn
 import freezeframe as ff
 from freezeframe.compile.backend import _CopyInputs
 from freezeframe.compile.compilers import CompilerManager, EagerCompiler, current_compile_range
+from freezeframe.errors import CompileError
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
 from tests.helpers import silly
@@ -161,8 +162,48 @@ class _FakeCache:
     def load(self, compiler, graph, example_inputs, compile_range, piece_index):
         return self.hit
 
+    def recover(self, error):
+        return False
+
     def save(self, compiler, graph, example_inputs, compile_range, piece_index, runnable):
         self.saved.append((piece_index, compile_range))
+
+
+class _FailsOnce:
+    """A compiler whose first compile fails, as one reading a damaged cache file does."""
+
+    name = "flaky"
+
+    def __init__(self):
+        self.calls = 0
+
+    def compile(self, graph, example_inputs, compile_range, piece_index):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("Failed to import /cache/inductor/ab/cab.py")
+        return graph
+
+
+class _Recovers(_FakeCache):
+    def __init__(self, can):
+        super().__init__(hit=None)
+        self.can = can
+        self.errors = []
+
+    def recover(self, error):
+        self.errors.append(str(error))
+        return self.can
+
+
+def test_manager_compiles_once_more_after_the_cache_recovered():
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    compiler, cache = _FailsOnce(), _Recovers(can=True)
+    assert CompilerManager(compiler, Stats(), cache=cache).compile(gm, [], Range(1, 8), 0) is gm
+    assert compiler.calls == 2 and cache.errors == ["Failed to import /cache/inductor/ab/cab.py"]
+    compiler, cache = _FailsOnce(), _Recovers(can=False)  # nothing repaired: the error stands
+    with pytest.raises(CompileError, match="flaky failed to compile piece 0 for sizes"):
+        CompilerManager(compiler, Stats(), cache=cache).compile(gm, [], Range(1, 8), 0)
+    assert compiler.calls == 1
 
 
 def test_manager_counts_cache_hits_as_backend_compilations():

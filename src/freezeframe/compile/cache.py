@@ -245,6 +245,44 @@ def check_private_dir(path: Path) -> None:
         )
 
 
+_TOOLCHAIN_SAFE = re.compile(r"[A-Za-z0-9_./+=,@%:-]+")
+
+
+def _toolchain_safe(path: Path) -> bool:
+    """Whether ``path`` can go on a C++ compiler's command line unquoted (Inductor builds
+    kernels with a shell command that does not quote its paths)."""
+    return bool(_TOOLCHAIN_SAFE.fullmatch(str(path)))
+
+
+def inductor_cache_path(root: Path) -> Path:
+    """Where Inductor's own cache lives for the cache root ``root``: ``<root>/inductor``, or,
+    when that path holds characters the C++ toolchain cannot take on its command line (a
+    space, a quote, non-ASCII), a private directory named after the root's hash under the
+    temporary directory (``freezeframe-<uid>/inductor-<hash>``)."""
+    own = root / "inductor"
+    if _toolchain_safe(own):
+        return own
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"freezeframe-{os.getuid()}" / f"inductor-{digest}"
+
+
+def _forget_inductor_modules(path: Path) -> None:
+    """Drop the modules Inductor loaded from ``path`` from its in-process code cache, so a
+    rewritten file is imported again rather than served from memory."""
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:  # pragma: no cover
+        return
+    modules = getattr(PyCodeCache, "modules_no_attr", None) or getattr(PyCodeCache,
+                                                                        "modules", None)
+    if not isinstance(modules, dict):
+        return
+    prefix = str(path)
+    for key, module in list(modules.items()):
+        if str(getattr(module, "__file__", "")).startswith(prefix):
+            modules.pop(key, None)
+
+
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` (mode 0700) if needed and check that it is private."""
     if not path.exists():
@@ -1158,6 +1196,7 @@ class CompileCache:
         self._sources: dict[str, str] | None = None  # frozen once the key is computed
         self._traced_code: dict[str, set[str]] = {}
         self._code: dict[str, list[str]] | None = None  # frozen with the sources
+        self._inductor_active: Path | None = None  # inside inductor_dir(): the directory
         ensure_private_dir(self.root)
 
     # -- construction ----------------------------------------------------------------------
@@ -1287,13 +1326,17 @@ class CompileCache:
             return contextlib.nullcontext()
         return _flock(locks / f"{self.base_key}.lock", what=f"model {self.base_key}")
 
+    def inductor_path(self) -> Path:
+        return inductor_cache_path(self.root)
+
     def inductor_dir(self, active: bool = True) -> contextlib.AbstractContextManager[None]:
-        """Point Inductor's own cache at ``<root>/inductor`` for the block.
+        """Point Inductor's own cache at :meth:`inductor_path` for the block.
 
         An artifact holds the generated code, but on CPU not the C++ kernels built from it; with
         Inductor's kernel cache kept beside the artifacts (not in a temporary directory another
         boot or container loses), a warm start reuses the built kernels instead of running the
         C++ compiler again. Uses torch's own scoped helper, which restores the environment.
+        Inside the block :meth:`reset_inductor_dir` can empty it after a failure.
         """
         if not active:
             return contextlib.nullcontext()
@@ -1301,13 +1344,53 @@ class CompileCache:
             from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
         except ImportError:  # pragma: no cover - older torch: Inductor keeps its default dir
             return contextlib.nullcontext()
+        wanted = self.inductor_path()
+        if not _toolchain_safe(wanted):
+            logger.warning("neither %s nor %s can be handed to the C++ compiler (spaces or "
+                           "other characters it cannot take); Inductor keeps its default cache "
+                           "directory", self.root / "inductor", wanted)
+            return contextlib.nullcontext()
         try:
-            path = ensure_private_dir(self.root / "inductor")
+            if wanted.parent != self.root:
+                ensure_private_dir(wanted.parent)
+            path = ensure_private_dir(wanted)
         except OSError as exc:
             logger.warning("cannot create %s (%s); Inductor keeps its default cache directory",
-                           self.root / "inductor", exc)
+                           wanted, exc)
             return contextlib.nullcontext()
-        return temporary_cache_dir(str(path))
+        if wanted.parent != self.root:
+            logger.info("Inductor's cache for %s is kept at %s: the root's path has characters "
+                        "the C++ compiler cannot take", self.root, path)
+        return self._inductor_dir_active(path, temporary_cache_dir(str(path)))
+
+    @contextlib.contextmanager
+    def _inductor_dir_active(self, path: Path, scope: contextlib.AbstractContextManager[Any]
+                             ) -> Iterator[None]:
+        with scope:
+            self._inductor_active = path
+            try:
+                yield
+            finally:
+                self._inductor_active = None
+
+    def reset_inductor_dir(self, why: str) -> bool:
+        """Empty Inductor's cache directory while it is in use (a file in it was damaged: a
+        truncated kernel, random bytes), so the next compile writes it afresh. Counted in
+        ``inductor_cache_resets``; False when no freezeframe-owned directory is in use."""
+        path = self._inductor_active
+        if path is None:
+            return False
+        logger.warning("Inductor's cache %s looks damaged (%s); emptying it and compiling "
+                       "again", path, why)
+        self._inc("inductor_cache_resets")
+        for child in list(path.iterdir()) if path.is_dir() else []:
+            with contextlib.suppress(OSError):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
+        _forget_inductor_modules(path)
+        return True
 
     # -- counting --------------------------------------------------------------------------
     def _inc(self, name: str) -> None:
@@ -1571,8 +1654,8 @@ def clear(root: Path, keys: Sequence[str] | None = None,
         removed += 1
         if on_removed is not None:
             on_removed(entry.path)
-    if wanted is None:  # everything: Inductor's kernel cache kept beside the entries too
-        shutil.rmtree(root / "inductor", ignore_errors=True)
+    if wanted is None:  # everything: Inductor's kernel cache kept for this root too
+        shutil.rmtree(inductor_cache_path(root), ignore_errors=True)
     models = root / "models"
     if models.is_dir():
         for pointer in models.glob("*.json"):
@@ -1680,7 +1763,11 @@ class PieceCache:
         try:
             runnable = self._load_payload(payload, path.parent)
         except Exception as exc:  # any failure is a miss: torch key mismatch, unpickling, ...
-            self.cache.discard(path, f"{type(exc).__name__}: {exc}")
+            why = f"{type(exc).__name__}: {exc}"
+            self.cache.discard(path, why)
+            # The artifact verified, so what failed may be a file it reads from Inductor's
+            # cache (a truncated kernel): compiling again on top of that file would fail too.
+            self.cache.reset_inductor_dir(why)
             self.cache.record_miss()
             return None
         self.cache.record_hit()
@@ -1699,6 +1786,13 @@ class PieceCache:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+    def recover(self, error: BaseException) -> bool:
+        """After a failed compile: empty Inductor's cache directory if freezeframe's is in use
+        (a damaged file there fails every compile that reads it); True when the compile is
+        worth one more try."""
+        return self.cache.reset_inductor_dir(f"a compile failed: {type(error).__name__}: "
+                                             f"{str(error)[:300]}")
 
     def save(self, compiler: Any, graph: Any, example_inputs: list[Any], compile_range: Any,
              piece_index: int, runnable: Callable[..., Any]) -> None:

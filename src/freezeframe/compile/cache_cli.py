@@ -49,7 +49,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{e.key:<18}{e.num_artifacts:>7}{'yes' if e.has_trace else 'no':>7}"
               f"{_human(e.size_bytes):>12}  {stamp:<20} {model}")
     total = sum(e.size_bytes for e in entries)
-    kernels = _cache._dir_size(root / "inductor") if (root / "inductor").is_dir() else 0
+    inductor = _cache.inductor_cache_path(root)
+    kernels = _cache._dir_size(inductor) if inductor.is_dir() else 0
     print(f"{len(entries)} entries, {_human(total)}; Inductor kernel cache {_human(kernels)}")
     return 0
 

@@ -75,11 +75,15 @@ class ArtifactCache(Protocol):
 
     ``load`` returns a ready callable or ``None`` on a miss; ``save`` is called after a miss
     was compiled. ``compiler`` is the compiler that would compile (its ``name`` and, for
-    Inductor, its ``compile_artifact`` give what is worth saving).
+    Inductor, its ``compile_artifact`` give what is worth saving). ``recover`` is asked after a
+    compile failed: True when it repaired something the compile depends on (a damaged Inductor
+    cache directory), so that one more try is worth it.
     """
 
     def load(self, compiler: Compiler, graph: fx.GraphModule, example_inputs: list[Any],
              compile_range: Range, piece_index: int) -> Callable[..., Any] | None: ...
+
+    def recover(self, error: BaseException) -> bool: ...
 
     def save(self, compiler: Compiler, graph: fx.GraphModule, example_inputs: list[Any],
              compile_range: Range, piece_index: int, runnable: Callable[..., Any]) -> None: ...
@@ -252,6 +256,20 @@ class CompilerManager:
         self._stats = stats
         self.compile_seconds = 0.0
 
+    def _compile_once_more_after_recovery(self, graph: fx.GraphModule,
+                                          example_inputs: list[Any], compile_range: Range,
+                                          piece_index: int) -> Callable[..., Any]:
+        """Compile; if that fails and the cache can recover (it emptied a damaged Inductor
+        cache directory), compile once more. A second failure is the compiler's own."""
+        try:
+            return self.compiler.compile(graph, example_inputs, compile_range, piece_index)
+        except (ConfigError, CompileError):
+            raise
+        except Exception as exc:
+            if self.cache is None or not self.cache.recover(exc):
+                raise
+        return self.compiler.compile(graph, example_inputs, compile_range, piece_index)
+
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
                 piece_index: int) -> Callable[..., Any]:
         # Counted before the cache is asked: a cache hit is still a backend compilation.
@@ -264,8 +282,8 @@ class CompilerManager:
         loaded = runnable is not None
         if runnable is None:
             try:
-                runnable = self.compiler.compile(graph, example_inputs, compile_range,
-                                                 piece_index)
+                runnable = self._compile_once_more_after_recovery(graph, example_inputs,
+                                                                  compile_range, piece_index)
             except (ConfigError, CompileError):
                 raise
             except Exception as exc:
