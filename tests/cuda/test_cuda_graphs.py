@@ -105,6 +105,33 @@ def test_wrapper_captures_then_replays_on_the_captured_buffer() -> None:
     assert graph is not None and graph.graph.pool() == backend.pool()
 
 
+def test_a_failed_capture_leaves_the_stream_usable_and_the_next_capture_works() -> None:
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        y = x * 3
+        if calls[0] == 2:  # the first capture (after the warm-up below)
+            raise RuntimeError("injected at capture")
+        return y + 1
+
+    stats = Stats()
+    w = GraphWrapper(fn, PW, CudaBackend(), stats=stats, window=CaptureWindow())
+    buf = torch.ones(4, device=DEV)
+    fn(buf)  # warm-up outside the graph
+    stream = torch.cuda.current_stream()
+    with forward_context(4, mode=PW):
+        with pytest.raises(RuntimeError, match="injected at capture"):
+            w(buf)
+        assert not torch.cuda.is_current_stream_capturing()
+        assert torch.cuda.current_stream() == stream
+        assert w.captured_descriptors == [] and stats.graphs_captured == 0
+        assert torch.equal(host(w(buf)), torch.full((4,), 4.0))  # captures, then replays once
+        buf.fill_(2.0)
+        assert torch.equal(host(w(buf)), torch.full((4,), 7.0))
+    assert (stats.graphs_captured, stats.replays) == (1, 1)
+
+
 def test_weak_ref_output_views_the_pool_memory() -> None:
     backend = CudaBackend()
     w = GraphWrapper(lambda x: x + 1, PW, backend, GraphOptions(weak_ref_output=True),

@@ -19,7 +19,7 @@ from freezeframe.compile.signature import CallSignature, Signer, SizeGuards, inc
 from freezeframe.compile.split import Piece
 from freezeframe.compile.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
-from freezeframe.errors import CompileError, ConfigError, InputMismatchError
+from freezeframe.errors import CompileError, ConfigError, FreezeframeError, InputMismatchError
 from freezeframe.graphs import CaptureWindow, GraphOptions, GraphWrapper, resolve_backend
 from freezeframe.stats import Stats
 
@@ -256,11 +256,17 @@ class CompiledModel(nn.Module):
         # trace inside a capture. A later call of that descriptor captures.
         try:
             out = variant.cache(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             if not self._variants and self._spare is None:
                 # Nothing of the failed trace is kept: a fresh spare takes its place, so the
                 # model looks as it did before the call and the next call traces again.
                 self._spare = self._new_variant(None)
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(
+                    inner, FreezeframeError):
+                # Dynamo wraps what our compile path raised in its own error type; the user
+                # gets ours, with its message and fix, not Dynamo's wrapper around it.
+                raise inner.with_traceback(None) from exc
             raise
         trace = variant.trace
         only: dict[tuple[str, int], int] = {}

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
@@ -253,11 +254,12 @@ class GraphWrapper:
         if entry is None:
             entry = self._entries[key] = _Entry()
         if entry.warmups_done < self.num_warmups:
-            entry.warmups_done += 1
             if self.options.log:
-                logger.debug("warm-up %d/%d of the %s graph for %s", entry.warmups_done,
+                logger.debug("warm-up %d/%d of the %s graph for %s", entry.warmups_done + 1,
                              self.num_warmups, self.runtime_mode.name, key)
-            return self.runnable(*args, **kwargs)
+            out = self.runnable(*args, **kwargs)
+            entry.warmups_done += 1  # a warm-up that raised does not count
+            return out
         return self._capture(key, entry, args, kwargs)
 
     def _capture(self, key: BatchDescriptor, entry: _Entry, args: tuple[Any, ...],
@@ -266,8 +268,16 @@ class GraphWrapper:
             logger.debug("capturing a %s graph for %s (%s backend)", self.runtime_mode.name,
                          key, self.backend.name)
         inputs = _tensor_args(args, kwargs)
+        grad = torch.is_grad_enabled()
+        if grad:
+            needs = next((a for a in inputs if a.tensor.requires_grad), None)
+            if needs is not None:
+                self._refuse_autograd(key, f"{needs.where} requires grad")
         graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
                                              gc_disable=self.options.gc_disable)
+        if grad and any(isinstance(t, torch.Tensor) and t.requires_grad
+                        for t in pytree.tree_leaves(output)):
+            self._refuse_autograd(key, "its output requires grad")
         if not self.backend.capture_computes:
             # The capture only recorded the work: run it once, so this call returns real
             # values (and its in-place writes happen once), as every later replay does.
@@ -311,6 +321,15 @@ class GraphWrapper:
         graph.replay()
         self.stats.inc("replays")
         return entry.output
+
+    def _refuse_autograd(self, key: BatchDescriptor, why: str) -> None:
+        raise CaptureError(
+            f"cannot capture the {self.runtime_mode.name} graph for {key} while autograd is "
+            f"recording ({why}): a replayed graph records no autograd history, so its outputs "
+            "would have no gradient and the next replay would overwrite tensors autograd "
+            "saved. Graphs are for inference: call under torch.no_grad() or "
+            "torch.inference_mode(), or compile with ff.compile(..., inference_mode=True) (the "
+            "default), which runs every call in inference mode")
 
     def _refuse_arguments(self, key: BatchDescriptor, entry: _Entry,
                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
