@@ -337,3 +337,23 @@ def test_a_backend_that_only_records_is_replayed_once_so_the_capturing_call_is_r
         x.copy_(torch.tensor([5.0, 7.0]))
         assert w(x).tolist() == [15.0, 21.0]
     assert (stats.graphs_captured, stats.replays) == (1, 1)  # the capture's own run is no replay
+
+
+def test_a_new_tensor_the_graph_writes_into_gets_the_write_as_in_eager() -> None:
+    def bump(a: torch.Tensor) -> torch.Tensor:
+        a.add_(1)
+        return a * 2
+
+    w = make(bump)
+    with step(2):
+        w(torch.zeros(2))  # capture: the graph writes into its input
+        mine = torch.tensor([5.0, 6.0])
+        assert w(mine).tolist() == [12.0, 14.0]
+        assert mine.tolist() == [6.0, 7.0]  # as eager would have left it
+    reader = make(lambda a: a * 2)
+    with step(2):
+        reader(torch.zeros(2))
+        untouched = torch.tensor([1.0, 2.0])
+        with torch.inference_mode():
+            assert reader(untouched).tolist() == [2.0, 4.0]
+        assert untouched.tolist() == [1.0, 2.0]

@@ -12,11 +12,12 @@ holds the mechanism. Policy, as in the seeds:
   (the same tensor objects every time, overwritten by each replay);
 * a replay reads the tensors the graph was captured with, so every replay checks its tensor
   arguments against them (a few hundred nanoseconds per tensor): the same tensor or a view at
-  the same address with the same shape replays as is; a tensor at another address with the same
-  shape and dtype is *copied into* the captured one first (counted in ``replay_input_copies``,
-  logged once per wrapper) — or, with ``debug=True``, refused with an error, for callers who
-  want to prove that they always write into the captured buffers; another shape, dtype or set
-  of tensor arguments is an :class:`~freezeframe.errors.InputMismatchError` (a replay cannot
+  the same address with the same shape replays as is; a tensor at another address with the
+  same shape and dtype is *copied into* the captured one first (counted in
+  ``replay_input_copies``, logged once per wrapper, and copied back after the replay when the
+  graph writes into it) — or, with ``debug=True``, refused with an error, for callers who want
+  to prove that they always write into the captured buffers; another shape, dtype or set of
+  tensor arguments is an :class:`~freezeframe.errors.InputMismatchError` (a replay cannot
   change the shape: pad the batch to the descriptor's size).
 """
 
@@ -113,6 +114,9 @@ class _Entry:
     output: Any = None
     # the tensor arguments of the capturing call (held: the graph reads their memory)
     inputs: tuple[_TensorArg, ...] = ()
+    # per input: whether the capturing call wrote into it (copied back after a replay that
+    # copied a new tensor in)
+    written: tuple[bool, ...] = ()
     # which arguments were tensors, and the keyword names (see _layout)
     layout: tuple[Any, ...] = ((), ())
 
@@ -132,6 +136,15 @@ class _TensorArg:
         if isinstance(self.name, int):
             return args[self.name] if self.name < len(args) else None
         return kwargs.get(self.name)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write), or None for an inference
+    tensor, which has none."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
 
 
 def _layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -273,8 +286,12 @@ class GraphWrapper:
             needs = next((a for a in inputs if a.tensor.requires_grad), None)
             if needs is not None:
                 self._refuse_autograd(key, f"{needs.where} requires grad")
+        versions = [_version(a.tensor) for a in inputs]
         graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
                                              gc_disable=self.options.gc_disable)
+        # which inputs the graph writes into (unknown for inference tensors: assumed written)
+        written = tuple(v is None or _version(a.tensor) != v
+                        for a, v in zip(inputs, versions, strict=True))
         if grad and any(isinstance(t, torch.Tensor) and t.requires_grad
                         for t in pytree.tree_leaves(output)):
             self._refuse_autograd(key, "its output requires grad")
@@ -288,6 +305,7 @@ class GraphWrapper:
         # it must not return to the pool while the graph exists.
         entry.output = output
         entry.inputs = inputs
+        entry.written = written
         entry.layout = _layout(args, kwargs)
         entry.graph = graph
         self.stats.inc("graphs_captured")
@@ -297,7 +315,8 @@ class GraphWrapper:
                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _layout(args, kwargs) != entry.layout:
             self._refuse_arguments(key, entry, args, kwargs)
-        for captured in entry.inputs:
+        copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for captured, written in zip(entry.inputs, entry.written, strict=True):
             now = captured.value(args, kwargs)
             then = captured.tensor
             if now is then:
@@ -310,6 +329,8 @@ class GraphWrapper:
             if self.debug:
                 self._refuse_address(key, captured, now)
             then.copy_(now)
+            if written:
+                copied.append((now, then))
             self.stats.inc("replay_input_copies")
             if not self._copy_logged:
                 self._copy_logged = True
@@ -319,6 +340,8 @@ class GraphWrapper:
                             "buffer to avoid the copy", captured.where,
                             self.runtime_mode.name, key)
         graph.replay()
+        for now, then in copied:  # the graph wrote into its copy: the caller's tensor gets it
+            now.copy_(then)
         self.stats.inc("replays")
         return entry.output
 
