@@ -334,3 +334,62 @@ def test_inductor_trace_made_at_batch_size_one_serves_only_size_one() -> None:
         torch.testing.assert_close(model(x), eager(x))
     # size 1 got its own trace; 3 and 5 share the second, symbolic one
     assert (model.num_traces, model.stats.retraces) == (2, 1)
+
+
+class BranchOnOne(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if x.shape[0] > 1:  # decided with no guard by a trace made at size >= 2
+            h = h * 3
+        return h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_size_one_after_a_trace_made_at_two_or_more_gets_its_own_trace(mode):
+    """Found by the differential suite: Dynamo assumes a dynamic size is at least 2 when the
+    first call has 2 or more rows, so `x.shape[0] > 1` left no guard, and a size-1 call (a
+    decode step) ran the other side of the branch."""
+    torch.manual_seed(0)
+    eager = BranchOnOne()
+    model = ff.compile(eager, config(mode))
+    for n in (3, 1, 2, 1, 5):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(model(x), eager(x))
+    assert (model.num_traces, model.stats.retraces) == (2, 1)
+
+
+class BranchAt(nn.Module):
+    def __init__(self, pin: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.pin = pin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if (x.shape[0] == 2) if self.pin else (x.shape[0] > 2):
+            h = h * 3
+        return h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bound_equal_to_the_first_size_traces_instead_of_failing(mode):
+    """Found by the differential suite: `x.shape[0] > 2` first called at size 2 made Dynamo
+    pin the size (it assumes sizes of at least 2) and raise a raw ConstraintViolationError."""
+    torch.manual_seed(0)
+    eager = BranchAt(pin=False)
+    model = ff.compile(eager, config(mode))
+    for n in (2, 3, 1, 2, 6):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(model(x), eager(x))
+    assert model.num_traces == 2  # sizes <= 2 and sizes > 2
+
+
+def test_testing_a_dynamic_size_for_one_value_is_a_clear_error():
+    model = ff.compile(BranchAt(pin=True), config("dynamo_trace_once"))
+    with pytest.raises(CompileError, match=r"forward pins a dynamic size to 2 \(.*line \d+, in "
+                                           r"forward: if \(x.shape\[0\] == 2\)"):
+        model(torch.randn(2, 4))

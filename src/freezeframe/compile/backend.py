@@ -141,6 +141,13 @@ class CompileBackend:
         if config.mode is CompilationMode.PIECEWISE and config.splitting_ops:
             check_splitting_ops(config.splitting_ops)
 
+    def reset(self) -> None:
+        """Forget what a trace built (it failed, or Dynamo rejected it after this backend
+        ran), so that the next trace starts from scratch."""
+        self._called = False
+        self.pieces, self.piece_backends, self.wrappers = [], [], []
+        self.stitching = None
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if self._called:
             raise CompileError(
@@ -160,9 +167,7 @@ class CompileBackend:
             else:
                 fn = self._compile_piecewise(gm, fake_inputs)
         except BaseException:
-            # Nothing usable was built: let a later first call try again from scratch.
-            self._called = False
-            self.pieces, self.piece_backends, self.wrappers = [], [], []
+            self.reset()
             raise
         graphs_on = (self.graph_backend is not None
                      and self.config.cudagraph_mode is not CUDAGraphMode.NONE)

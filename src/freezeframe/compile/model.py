@@ -249,9 +249,15 @@ class CompiledModel(nn.Module):
             variant = self._new_variant(signature)
         if self._variants:
             self.stats.inc("retraces")
-            logger.warning("%s: a call with a new structure (%s) is traced again (trace %d); "
-                           "the first trace had %s", self.model_key, signature.describe(),
-                           len(self._variants) + 1, self._first_structure())
+            if any(v.signature == signature for v in self._variants):
+                logger.warning("%s: no trace serves a call with dynamic sizes %s (a Python "
+                               "branch on a size in forward); it is traced again (trace %d)",
+                               self.model_key, dict(sizes), len(self._variants) + 1)
+            else:
+                logger.warning("%s: a call with a new structure (%s) is traced again (trace "
+                               "%d); the first trace had %s", self.model_key,
+                               signature.describe(), len(self._variants) + 1,
+                               self._first_structure())
         # The tracing call runs uncaptured even inside a FULL forward context: Dynamo cannot
         # trace inside a capture. A later call of that descriptor captures.
         try:

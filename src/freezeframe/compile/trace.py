@@ -139,12 +139,30 @@ def _dynamo_limits() -> Iterator[None]:
         yield
 
 
+def _specialised(exc: Exception) -> CompileError:
+    """The error for a forward that pins a dynamic size to one value (``if x.shape[0] == 2``)."""
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines()]
+    where = ""
+    if "User stack:" in lines:
+        stack = lines[lines.index("User stack:") + 1:]
+        where = " (" + ": ".join(line for line in stack[:2] if line) + ")"
+    value = re.search(r"specialized it to be a constant \((-?\d+)\)", text)
+    pinned = f" to {value.group(1)}" if value else ""
+    return CompileError(
+        f"forward pins a dynamic size{pinned}{where}. A trace serves every batch size, so "
+        "forward may compare a dynamic size with a bound (`x.shape[0] > 4`: each side is "
+        "traced separately) but not test it for one value; compute such a value from a tensor "
+        "instead, or leave that dim out of dynamic_arg_dims")
+
+
 @contextlib.contextmanager
-def _size_oblivious(enabled: bool) -> Iterator[None]:
-    """Scoped: trace backed sizes size-obliviously, so a size-1 dynamic dim stays symbolic."""
-    if not enabled:
-        yield
-        return
+def _size_oblivious() -> Iterator[None]:
+    """Scoped: trace backed sizes size-obliviously. Otherwise Dynamo makes a dynamic dim seen
+    at size 1 a constant, and for one seen at 2 or more assumes every size is at least 2 (it
+    decides `x.shape[0] > 1` with no guard): with guards dropped, either trace would silently
+    serve sizes it is not valid for. Traced this way the dim stays symbolic, a branch on it is
+    a guard (checked per call by SizeGuards), and one trace serves size 1 too."""
     from torch.fx.experimental import _config as fx_config
 
     with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
@@ -178,9 +196,8 @@ class TraceOnce:
         """True once later calls run the captured bytecode directly (no Dynamo at all)."""
         return self._fast is not None
 
-    def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Mark the dynamic dims; True when one has size 1 and the trace must be size-oblivious."""
-        size_oblivious = False
+    def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Mark the dynamic dims of the first call's tensors."""
         try:
             bound = inspect.signature(self._module.forward).bind(*args, **kwargs)
         except TypeError as exc:
@@ -202,19 +219,13 @@ class TraceOnce:
                         f"its dynamic dim {d}; an empty batch cannot be traced. Make the first "
                         "call with a batch of at least 1 (a warm-up at the largest size is "
                         "typical)")
-                if value.shape[d] == 1:
-                    # Dynamo turns size 1 into a constant even when marked dynamic, and with
-                    # guards dropped that size-1 trace would silently serve every size; tracing
-                    # size-obliviously keeps the dim symbolic.
-                    size_oblivious = True
                 torch._dynamo.mark_dynamic(value, d % value.dim())
-        return size_oblivious
 
     def first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Trace (through ``backend``), run once, and capture the bytecode for later calls."""
         from torch._dynamo import convert_frame
 
-        size_oblivious = self._mark_dynamic(args, kwargs)
+        self._mark_dynamic(args, kwargs)
         code = getattr(self._forward_func, "__code__", None)
         captured: list[types.CodeType] = []
 
@@ -232,13 +243,18 @@ class TraceOnce:
             self._record_size_conditions()
             return fn
 
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
         self._compiled = torch.compile(self._module.forward, fullgraph=True, dynamic=False,
                                        backend=observing_backend,
                                        options={"guard_filter_fn": drop_and_record})
-        handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
         try:
-            with _dynamo_limits(), _size_oblivious(size_oblivious):
+            with _dynamo_limits(), _size_oblivious():
                 out = self._compiled(*args, **kwargs)
+        except ConstraintViolationError as exc:
+            self._compiled = None
+            raise _specialised(exc) from None
         except BaseException:
             self._compiled = None  # a failed first call leaves nothing half-built behind
             raise
@@ -285,6 +301,13 @@ class TraceOnce:
                                    _user_location(getattr(sloc, "maybe_user_loc", None))))
         self.size_symbols = symbols
         self.size_conditions = conditions
+
+    def adopt_size_conditions(self, conditions: Sequence[tuple[Any, str]],
+                              symbols: Mapping[Any, tuple[str, int]]) -> None:
+        """Take the size conditions of a trace loaded from the cache (Dynamo did not run, so
+        none were recorded here) as this trace's."""
+        self.size_conditions = list(conditions)
+        self.size_symbols = dict(symbols)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fast is not None:
