@@ -116,6 +116,7 @@ from freezeframe.errors import CacheError, ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from freezeframe.compile.trace import TraceOnce
     from freezeframe.config import CompilationConfig
     from freezeframe.sizes import Range
     from freezeframe.stats import Stats
@@ -149,7 +150,7 @@ ENV_CACHE_DIR = "FREEZEFRAME_CACHE_DIR"
 ENV_DISABLE_CACHE = "FREEZEFRAME_DISABLE_CACHE"
 
 # Bumped whenever the on-disk layout or the artifact header changes, so old entries miss.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 _MAGIC = b"FFCACHE1"
 _HEADER_LEN_BYTES = 4
 _TRACE_NAME = "trace.bin"
@@ -1882,6 +1883,7 @@ class _Chosen:
     gm: Any
     example_inputs: list[Any]
     loaded: _LoadedTrace
+    sizes: _SavedSizes
 
 
 class ModelCache:
@@ -1901,8 +1903,9 @@ class ModelCache:
       another process.
 
     The saved trace assumes what trace-once already assumes: forward has no Python side effects
-    outside the graph, and one trace serves every batch size (symbolic-size guards are not
-    re-checked; the placeholders' dtypes, ranks and static sizes are).
+    outside the graph. It is loaded only for a call whose sizes meet the conditions its Python
+    branches put on them (saved with it), and whose placeholders' dtypes, ranks and static
+    sizes fit.
     """
 
     def __init__(self, model: Any, dynamic_arg_dims: Mapping[str, Any] | None = None, *,
@@ -1910,7 +1913,7 @@ class ModelCache:
         self._model = model
         self._dims = dict(dynamic_arg_dims or {})
         self._user_key = model_key
-        self.trace: Callable[..., Any] | None = None  # the trace-once callable, set by the model
+        self.trace: TraceOnce | None = None  # the trace-once callable, set by the model
         self._backend: Callable[..., Any] | None = None
         self._recorder: _OutputRecorder | None = None
         self._graph_blob: bytes | None = None
@@ -2087,9 +2090,10 @@ class ModelCache:
         if why is not None:
             self._not_saving(f"a value the trace specialised on cannot be re-checked: {why}")
             return
+        sizes = _SavedSizes.of(self.trace, self._model, args, kwargs)
         payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
                                 "out_spec": spec_text, "out_leaves": described,
-                                "frame": self._frame_kind})
+                                "frame": self._frame_kind, "sizes": sizes.to_data()})
         try:
             cache.save_trace(payload, {"inputs": len(self._sources)}, checks)
         except CacheError:
@@ -2125,6 +2129,13 @@ class ModelCache:
             if why is not None:
                 return why
             try:
+                sizes = _SavedSizes.from_data(data["sizes"])
+            except Exception as exc:
+                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+            why = sizes.refuses(self._model, args, kwargs)
+            if why is not None:
+                return why
+            try:
                 gm, example_inputs = _load_graph(data["graph"])
                 loaded = _LoadedTrace(frame, data["sources"], data["out_spec"],
                                       data["out_leaves"])
@@ -2136,17 +2147,84 @@ class ModelCache:
                 mismatch = f"the graph inputs cannot be bound ({type(exc).__name__}: {exc})"
             if mismatch is not None:
                 return f"the call does not fit the trace ({mismatch})"
-            chosen.append(_Chosen(gm, example_inputs, loaded))
+            chosen.append(_Chosen(gm, example_inputs, loaded, sizes))
             return None
 
         if cache.load_trace(accept) is None:
             return None
         pick = chosen[-1]
         pick.loaded.fn = self._backend(pick.gm, pick.example_inputs)  # errors here are real
+        # the branches the saved trace took on sizes, for the per-call size checks
+        if self.trace is not None:
+            self.trace.adopt_size_conditions(pick.sizes.conditions, pick.sizes.symbols)
         self.trace_loaded = True
         self._model.stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
         return pick.loaded
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedSizes:
+    """What a saved trace assumed about the dynamic sizes: the conditions its Python branches
+    put on them (as sympy text), which argument dim each symbol is, and the sizes it was traced
+    at. A warm start loads the trace only for a call that meets the conditions (the other side
+    of `if x.shape[0] > 4:` traces again), and, with Inductor, a trace made at size 1 only for
+    size 1 (Inductor writes size-1 code there)."""
+
+    conditions: tuple[tuple[Any, str], ...]
+    symbols: dict[Any, tuple[str, int]]
+    traced_at: dict[tuple[str, int], int]
+    inductor: bool
+
+    @staticmethod
+    def of(trace: Any, model: Any, args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> _SavedSizes:
+        signer = getattr(model, "_signer", None)
+        traced_at = signer.dynamic_sizes(args, kwargs) if signer is not None else {}
+        return _SavedSizes(tuple(trace.size_conditions), dict(trace.size_symbols), traced_at,
+                           model.config.backend == "inductor")
+
+    def to_data(self) -> dict[str, Any]:
+        import sympy
+
+        return {"conditions": [[sympy.srepr(expr), where] for expr, where in self.conditions],
+                "symbols": [[sympy.srepr(sym), name, dim]
+                            for sym, (name, dim) in self.symbols.items()],
+                "traced_at": [[name, dim, n] for (name, dim), n in self.traced_at.items()],
+                "inductor": self.inductor}
+
+    @staticmethod
+    def from_data(data: Mapping[str, Any]) -> _SavedSizes:
+        import sympy
+
+        symbols = {sympy.sympify(text): (str(name), int(dim))
+                   for text, name, dim in data["symbols"]}
+        by_name = {str(sym): sym for sym in symbols}
+        conditions = []
+        for text, where in data["conditions"]:
+            expr = sympy.sympify(text)
+            # the same symbol objects as the mapping, whatever sympify made of them
+            expr = expr.xreplace({s: by_name[str(s)] for s in expr.free_symbols
+                                  if str(s) in by_name})
+            conditions.append((expr, str(where)))
+        traced_at = {(str(name), int(dim)): int(n) for name, dim, n in data["traced_at"]}
+        return _SavedSizes(tuple(conditions), symbols, traced_at, bool(data["inductor"]))
+
+    def refuses(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why this call's sizes are not ones the saved trace serves, or None."""
+        from freezeframe.compile.signature import SizeGuards
+
+        signer = getattr(model, "_signer", None)
+        if signer is None:
+            return None
+        sizes = signer.dynamic_sizes(args, kwargs)
+        only = ({where: 1 for where, n in self.traced_at.items() if n == 1}
+                if self.inductor else {})
+        if SizeGuards(self.conditions, self.symbols, only).accepts(sizes):
+            return None
+        return (f"the call's sizes {dict(sizes)} are not ones the trace serves (its conditions "
+                f"on sizes: {[str(c) for c, _ in self.conditions] or 'none'}, traced at "
+                f"{dict(self.traced_at)})")
 
 
 def _load_graph(blob: bytes) -> tuple[Any, list[Any]]:
