@@ -221,3 +221,35 @@ def test_micro_batch_threads_leave_the_compile_stance_alone() -> None:
     other = ff.compile(FaultyModel(), _config(cudagraph_mode="none"))
     x = _inputs(5, seed=9)
     assert torch.equal(other(x), _eager(x))
+
+
+class WritesThenFails(nn.Module):
+    """Writes into its input (``x += 1``) before the faulty op, as a model updating a cache does
+    before a later layer fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = FaultyModel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return self.inner(x)
+
+
+def test_a_write_made_before_the_step_raised_reaches_the_caller() -> None:
+    """Eager leaves ``x`` incremented when the step raises after the write; the runner ran the
+    step on its static copy, so it copies that write back before the exception leaves."""
+    cfg = _config()
+    runner = _runner(ff.compile(WritesThenFails(), cfg), cfg)
+    runner.capture()
+    x = _inputs(12, seed=3)  # beyond the largest captured size: an eager step
+    before = x.clone()
+    FAULTS.armed = "eager"
+    with pytest.raises(InjectedFault):
+        runner(x)
+    assert FAULTS.fired == ["eager"]
+    assert torch.equal(x, before + 1)
+    y = _inputs(12, seed=4)
+    want = _eager(y + 1)
+    assert torch.equal(runner(y), want)
+    assert torch.equal(y, _inputs(12, seed=4) + 1)

@@ -378,10 +378,16 @@ class GraphRunner:
         self._plan_micro_batches(step_extras, num_tokens, reqs, padded_tokens, padded_reqs,
                                  step_uniform)
         versions = [buf._version for buf in self._buffer_list]
-        out = self._forward(mode, desc, padded_tokens, padded_reqs,
-                            num_tokens, reqs, step_extras)
-        self._copy_back_written(values, versions, self._graph_writes.get((mode, desc)),
-                                num_tokens, reqs)
+        writes = self._graph_writes.get((mode, desc))
+        try:
+            out = self._forward(mode, desc, padded_tokens, padded_reqs,
+                                num_tokens, reqs, step_extras)
+        except BaseException:
+            # What the model wrote before it raised reaches the caller, as in eager.
+            with contextlib.suppress(Exception):
+                self._copy_back_written(values, versions, writes, num_tokens, reqs)
+            raise
+        self._copy_back_written(values, versions, writes, num_tokens, reqs)
         out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs)
         if self.copy_outputs or self._copy_after_overlap:
             out = _map_tensors(out, lambda t: t.clone())
