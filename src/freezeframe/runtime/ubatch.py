@@ -672,12 +672,15 @@ class MicroBatchWrapper:
                              name=f"freezeframe-ubatch-{i}", daemon=True)
             for i in range(n)
         ]
-        for t in run.threads:
-            t.start()
         try:
+            for t in run.threads:
+                t.start()
             barrier.wait()
         except threading.BrokenBarrierError:
             sched.abort()  # a thread failed (or stalled) before starting; reported by finish()
+        except BaseException:
+            run.abort()  # interrupted (a signal, KeyboardInterrupt): no thread may outlive us
+            raise
         return run
 
 
@@ -701,10 +704,10 @@ class _Run:
         a capture the concatenation is part of the graph)."""
         sched, n, timeout_s = self.sched, self.plan.num_micro_batches, self.wrapper.timeout_s
         sched.compute_stream = torch.cuda.current_stream() if self.use_cuda else None
-        if not sched.aborted:
-            sched.start()
         deadline = time.monotonic() + timeout_s * (n + 1)
         try:
+            if not sched.aborted:
+                sched.start()
             for i, t in enumerate(self.threads):
                 t.join(max(0.0, deadline - time.monotonic()))
                 if t.is_alive():
@@ -716,6 +719,14 @@ class _Run:
                         f"{timeout_s * (n + 1):.1f}s ({self.plan.num_tokens_padded} tokens); it "
                         "is stuck outside a yield point, so it cannot be unwound. Raise "
                         "timeout_s if the step is just slow")
+        except MicroBatchError:
+            raise  # a stuck thread: already aborted, and it cannot be unwound
+        except BaseException:
+            # This thread was interrupted (a signal, KeyboardInterrupt) while the micro-batches
+            # ran: they must stop at their next yield point before the exception leaves,
+            # or they would go on writing into the buffers the caller's next step uses.
+            self.abort()
+            raise
         finally:
             self.wrapper.last_trace = list(sched.trace)
         if sched.errors:
@@ -731,7 +742,10 @@ class _Run:
         return _concat(self.results), [g for g in self.graphs if g is not None]
 
     def abort(self) -> None:
-        """Unwind threads that will never get the baton (the capture around them failed)."""
+        """Unwind the threads: the capture around them failed, or the caller was interrupted.
+        Each stops at its next yield point (or at the start barrier)."""
         self.sched.abort()
+        self.barrier.abort()
         for t in self.threads:
-            t.join(self.wrapper.timeout_s)
+            if t.ident is not None:  # started
+                t.join(self.wrapper.timeout_s)
