@@ -371,3 +371,63 @@ def test_item_inside_a_capture_is_a_capture_error() -> None:
     with forward_context(2, mode=PW), pytest.raises(CaptureError, match="captured region"):
         w(x)
     assert w.captured_descriptors == []
+
+
+def test_a_capture_that_raises_on_another_stream_is_ended_and_the_next_one_works() -> None:
+    """The captured code switches the current stream and raises (its own error, which must
+    reach the caller unchanged). The capture must still be ended on the stream it began on,
+    the caller's stream must be current again, nothing is stored, and the next call captures
+    and replays correctly."""
+    other = torch.cuda.Stream()
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        y = x * 3
+        if calls[0] == 1:
+            torch.cuda.set_stream(other)
+            raise ValueError("injected at capture")
+        return y + 1
+
+    stats = Stats()
+    w = GraphWrapper(fn, PW, CudaBackend(), stats=stats, window=CaptureWindow())
+    buf = torch.ones(4, device=DEV)
+    caller = torch.cuda.current_stream()
+    with forward_context(4, mode=PW):
+        with pytest.raises(ValueError, match=r"^injected at capture$"):
+            w(buf)
+        assert torch.cuda.current_stream() == caller
+        assert not torch.cuda.is_current_stream_capturing()
+        with torch.cuda.stream(other):
+            assert not torch.cuda.is_current_stream_capturing()
+        assert w.captured_descriptors == [] and stats.graphs_captured == 0
+        assert torch.equal(host(w(buf)), torch.full((4,), 4.0))  # captures, replays once
+        buf.fill_(2.0)
+        assert torch.equal(host(w(buf)), torch.full((4,), 7.0))
+    assert (calls[0], stats.graphs_captured, stats.replays) == (2, 1, 1)
+    torch.cuda.synchronize()
+
+
+def test_an_item_in_a_failed_capture_leaves_the_next_capture_working() -> None:
+    """A host sync invalidates the capture (CUDA refuses it): a CaptureError, then the same
+    wrapper captures a correct region and replays it."""
+    x = torch.ones(2, device=DEV)
+    x.sum().item()  # warm-up
+    calls = [0]
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 1:
+            return t * float(t.sum().item())
+        return t * 5
+
+    stats = Stats()
+    w = GraphWrapper(fn, PW, CudaBackend(), stats=stats, window=CaptureWindow())
+    with forward_context(2, mode=PW):
+        with pytest.raises(CaptureError, match="captured region"):
+            w(x)
+        assert not torch.cuda.is_current_stream_capturing()
+        assert torch.equal(host(w(x)), torch.full((2,), 5.0))
+        x.fill_(3.0)
+        assert torch.equal(host(w(x)), torch.full((2,), 15.0))
+    assert (stats.graphs_captured, stats.replays) == (1, 1)

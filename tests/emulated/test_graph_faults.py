@@ -20,6 +20,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CUDAGraphMode
+from freezeframe.graphs.cuda import is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
 from freezeframe.runtime.ubatch import PLAN_KEY, MicroBatchWrapper
 from freezeframe.runtime.ubatch_slicing import plan_micro_batches
@@ -238,3 +239,18 @@ def test_a_replay_that_raises_leaves_the_graphs_working(graph_mode: str,
     _check(model, mode, range(4, 12))
     _check(ff.compile(Model(), _config(graph_mode)), mode, range(12, 16))
     _assert_clean(frozen)
+
+
+# -- the cuda backend's reading of an error raised inside a capture --------------------------------
+@pytest.mark.parametrize(("message", "violation"), [
+    ("CUDA error: operation not permitted when stream is capturing", True),
+    ("CUDA error: operation failed due to a previous error during capture", True),
+    ("Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture", True),
+    ("injected at capture", False),  # the captured code's own error: reaches the caller as is
+    ("CUDA error: an illegal memory access was encountered", False),
+])
+def test_only_cuda_refusing_a_capture_becomes_a_capture_error(message: str,
+                                                              violation: bool) -> None:
+    assert is_capture_violation(RuntimeError(message)) is violation
+    assert is_capture_violation(ValueError(message)) is False
+    assert is_capture_violation(ff.CaptureError(message)) is False

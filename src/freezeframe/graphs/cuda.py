@@ -21,7 +21,8 @@ from torch.utils import _pytree as pytree
 
 from freezeframe.errors import CaptureError, FreezeframeError
 
-__all__ = ["CudaBackend", "CudaGraph", "weak_ref_tensor", "weak_ref_tensors"]
+__all__ = ["CudaBackend", "CudaGraph", "is_capture_violation", "weak_ref_tensor",
+           "weak_ref_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,41 @@ def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def weak_ref_tensors(output: Any) -> Any:
     """:func:`weak_ref_tensor` applied to every tensor in a (nested) output."""
     return pytree.tree_map_only(torch.Tensor, weak_ref_tensor, output)
+
+
+def is_capture_violation(exc: BaseException) -> bool:
+    """Whether ``exc`` is CUDA (or torch) refusing an operation because a stream is capturing
+    (``operation not permitted when stream is capturing``, ``... a previous error during
+    capture``, ``... during CUDA graph capture``), as opposed to an error of the captured code
+    itself, which must reach the caller unchanged."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, FreezeframeError):
+        return False
+    text = str(exc).lower()
+    return "captur" in text and ("cuda" in text or "graph" in text)
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    """End a capture that the captured code broke off with an exception.
+
+    Until the capture ends, the stream stays in capture mode (with ``capture_error_mode=
+    "global"``, unsafe calls on every thread fail) and the allocator keeps routing the
+    stream's allocations into the graph pool. ``capture_end`` refuses to end a capture on any
+    stream but the one it began on, and the failed code may have left another stream current,
+    so the capture stream is made current for it. What ``capture_end`` raises (an invalidated
+    capture has no graph) is secondary to the error being raised and only logged; the partial
+    graph is dropped with ``graph``.
+    """
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_end()
+    except Exception:
+        logger.debug("capture_end after a failed capture also failed", exc_info=True)
+    with torch.cuda.stream(stream):
+        still = torch.cuda.is_current_stream_capturing()
+    if still:  # pragma: no cover - only a torch that cannot end a broken capture gets here
+        logger.error("a failed CUDA graph capture could not be ended: stream %s is still "
+                     "capturing, so work queued on it will not run; restart the process",
+                     stream)
 
 
 class CudaGraph:
@@ -124,16 +160,12 @@ class CudaBackend:
             graph.capture_begin(pool=pool, capture_error_mode="global")
             try:
                 output = fn()
-            except BaseException as exc:
-                # End the capture so the stream leaves capture mode; the error that stopped
-                # ``fn`` is the one the caller must see, not a follow-up from capture_end.
-                try:
+                # on the capture stream: the captured code may have left another one current
+                with torch.cuda.stream(stream):
                     graph.capture_end()
-                except Exception:  # secondary to the error being raised
-                    logger.debug("capture_end after a failed capture also failed",
-                                 exc_info=True)
-                if (isinstance(exc, RuntimeError) and not isinstance(exc, FreezeframeError)
-                        and "captur" in str(exc)):
+            except BaseException as exc:
+                _abandon(graph, stream)
+                if is_capture_violation(exc):
                     raise CaptureError(
                         "an operation inside the captured region is not allowed during CUDA "
                         "graph capture (typically a host sync: .item(), printing a tensor, "
@@ -142,7 +174,6 @@ class CudaBackend:
                         "make the op a splitting op so it runs between graphs). CUDA said: "
                         f"{exc}") from exc
                 raise
-            graph.capture_end()
         if stream != caller_stream:
             caller_stream.wait_stream(stream)
         return CudaGraph(graph), output
