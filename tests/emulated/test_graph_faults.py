@@ -20,11 +20,12 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CUDAGraphMode
-from freezeframe.graphs.cuda import is_capture_violation
+from freezeframe.graphs.cuda import CudaBackend, is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
 from freezeframe.runtime.ubatch import PLAN_KEY, MicroBatchWrapper
 from freezeframe.runtime.ubatch_slicing import plan_micro_batches
 from tests.emulated.test_runner_faults import _assert_clean
+from tests.unit.test_graph_backends import FakeCuda, FakeStream
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 HIDDEN = 4
@@ -254,3 +255,44 @@ def test_only_cuda_refusing_a_capture_becomes_a_capture_error(message: str,
     assert is_capture_violation(RuntimeError(message)) is violation
     assert is_capture_violation(ValueError(message)) is False
     assert is_capture_violation(ff.CaptureError(message)) is False
+
+
+@pytest.fixture(params=[True, False], ids=["default-stream", "runner-stream"])
+def fake_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """The recording fake of torch.cuda from tests/unit/test_graph_backends.py, installed."""
+    fake = FakeCuda(current_is_default=request.param)
+    for name in ("CUDAGraph", "current_device", "current_stream", "default_stream", "Stream",
+                 "graph_pool_handle", "synchronize", "empty_cache", "stream", "device"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+def test_a_capture_is_ended_on_its_own_stream_whatever_the_code_left_current(
+        fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked on CPU against the recording fake of torch.cuda: the captured code switches the
+    current stream and raises. ``capture_end`` must run on the stream the capture began on
+    (torch refuses any other, and the stream would stay capturing), the code's own error
+    reaches the caller unchanged, and the caller's stream is current again."""
+    ends: list[str] = []
+    monkeypatch.setattr(fake_cuda.CUDAGraph, "capture_end",
+                        lambda self: ends.append(fake_cuda.current.name))
+    caller = fake_cuda.current
+    capture_stream = "side" if caller is fake_cuda.default else caller.name
+
+    def switches_and_raises() -> None:
+        fake_cuda.current = FakeStream("other")
+        raise RuntimeError("injected at capture")
+
+    with pytest.raises(RuntimeError, match=r"^injected at capture$"):
+        CudaBackend().capture(switches_and_raises, gc_disable=True)
+    assert ends == [capture_stream]
+    assert fake_cuda.current is caller
+
+    def switches() -> str:
+        fake_cuda.current = FakeStream("other")
+        return "done"
+
+    ends.clear()
+    assert CudaBackend().capture(switches, gc_disable=True)[1] == "done"
+    assert ends == [capture_stream]
+    assert fake_cuda.current is caller

@@ -78,12 +78,6 @@ def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
             graph.capture_end()
     except Exception:
         logger.debug("capture_end after a failed capture also failed", exc_info=True)
-    with torch.cuda.stream(stream):
-        still = torch.cuda.is_current_stream_capturing()
-    if still:  # pragma: no cover - only a torch that cannot end a broken capture gets here
-        logger.error("a failed CUDA graph capture could not be ended: stream %s is still "
-                     "capturing, so work queued on it will not run; restart the process",
-                     stream)
 
 
 class CudaGraph:
