@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 import warnings
@@ -11,6 +12,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from freezeframe.compile.backend import CompileBackend
 from freezeframe.compile.cache import ModelCache
@@ -19,7 +21,14 @@ from freezeframe.compile.signature import CallSignature, Signer, SizeGuards, inc
 from freezeframe.compile.split import Piece
 from freezeframe.compile.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
-from freezeframe.errors import CompileError, ConfigError, FreezeframeError, InputMismatchError
+from freezeframe.context import get_forward_context
+from freezeframe.errors import (
+    CaptureError,
+    CompileError,
+    ConfigError,
+    FreezeframeError,
+    InputMismatchError,
+)
 from freezeframe.graphs import CaptureWindow, GraphOptions, GraphWrapper, resolve_backend
 from freezeframe.stats import Stats
 
@@ -313,7 +322,48 @@ class CompiledModel(nn.Module):
         if self.inference_mode and not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self._call(args, kwargs)
+        if torch.is_grad_enabled() and self._graph_backend is not None:
+            self._refuse_graphs_under_autograd(args, kwargs)
         return self._call(args, kwargs)
+
+    def _refuse_graphs_under_autograd(self, args: tuple[Any, ...],
+                                      kwargs: dict[str, Any]) -> None:
+        """Refuse a graph step (capture or replay) while autograd records and something needs
+        a gradient, before any piece runs: a replayed graph records no autograd history, so
+        its output would lack eager's gradient. Checked here rather than per piece, because
+        a piece that needs no gradient would otherwise be captured before the one that does
+        fails, and a graph captured while nothing needed one would be replayed silently."""
+        ctx = get_forward_context()
+        if ctx is None or ctx.batch_descriptor is None or ctx.mode is CUDAGraphMode.NONE \
+                or not self._graph_mode.has_mode(ctx.mode):
+            return
+        why = next((f"parameter {name!r} requires grad"
+                    for name, p in self.module.named_parameters() if p.requires_grad), None)
+        if why is None and any(isinstance(t, torch.Tensor) and t.requires_grad
+                               for t in pytree.tree_leaves((args, kwargs))):
+            why = f"{self._argument_needing_grad(args, kwargs)} requires grad"
+        if why is None:
+            return
+        raise CaptureError(
+            f"{self.model_key}: cannot run the {ctx.mode.name} graphs for "
+            f"{ctx.batch_descriptor} while autograd is recording ({why}): a replayed graph "
+            "records no autograd history, so its output would have no gradient where eager's "
+            "has one. This model was compiled with ff.compile(..., inference_mode=False); "
+            "graphs are for inference: call under torch.no_grad() or torch.inference_mode(), "
+            "compile with inference_mode=True (the default), or run steps that need "
+            "gradients with mode=CUDAGraphMode.NONE")
+
+    def _argument_needing_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The name of the first argument holding a tensor that requires grad (error path)."""
+        try:
+            bound = inspect.signature(self.module.forward).bind(*args, **kwargs).arguments
+        except TypeError:  # the call itself is wrong; the model's own error follows
+            return "an argument"
+        for name, value in bound.items():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for t in pytree.tree_leaves(value)):
+                return f"argument {name!r}"
+        return "an argument"
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         signer = self._signer
