@@ -136,9 +136,9 @@ def test_a_graph_step_while_autograd_records_is_refused_before_any_piece_runs(
 
     # An input that needs a gradient is refused the same way, even with frozen weights.
     model.module.w.requires_grad_(False)
-    with pytest.raises(CaptureError, match=REFUSED) as refused:
-        with ff.forward_context(ff.BatchDescriptor(num_tokens=4), mode=mode):
-            model(_inputs(4, 1).requires_grad_(True))
+    with pytest.raises(CaptureError, match=REFUSED) as refused, \
+            ff.forward_context(ff.BatchDescriptor(num_tokens=4), mode=mode):
+        model(_inputs(4, 1).requires_grad_(True))
     assert "argument 'x' requires grad" in str(refused.value)
     model.module.w.requires_grad_(True)
     assert _Calls.n == runs
@@ -165,9 +165,9 @@ def test_a_graph_captured_without_gradients_is_not_replayed_once_they_are_needed
     assert torch.equal(_graph_step(model, mode, 4, buffer, seed=1), Model()(_inputs(4, 1)))
     assert model.stats.graphs_captured > captured
     model.module.requires_grad_(True)
-    with model.stats.expect(replays=0, graphs_captured=0):
-        with pytest.raises(CaptureError, match=REFUSED):
-            _graph_step(model, mode, 4, buffer, seed=2)
+    with model.stats.expect(replays=0, graphs_captured=0), \
+            pytest.raises(CaptureError, match=REFUSED):
+        _graph_step(model, mode, 4, buffer, seed=2)
     _assert_clean(frozen)
     model.module.requires_grad_(False)
     with model.stats.expect(graphs_captured=0):  # the graphs captured before replay
