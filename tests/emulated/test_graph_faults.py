@@ -24,7 +24,7 @@ from freezeframe.graphs.cuda import CudaBackend, is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
 from freezeframe.runtime.ubatch import PLAN_KEY, MicroBatchWrapper
 from freezeframe.runtime.ubatch_slicing import plan_micro_batches
-from tests.emulated.test_runner_faults import _assert_clean
+from tests.helpers.faults import _assert_clean
 from tests.unit.test_graph_backends import FakeCuda, FakeStream
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
