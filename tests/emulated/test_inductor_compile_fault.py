@@ -14,7 +14,7 @@ from torch import fx, nn
 
 import freezeframe as ff
 from freezeframe.errors import CompileError
-from tests.emulated.test_runner_faults import _assert_clean
+from tests.helpers.faults import _assert_clean
 
 
 class _Armed:
@@ -50,7 +50,9 @@ def test_a_fault_inside_an_inductor_compile_leaves_nothing_behind() -> None:
     frozen = gc.get_freeze_count()
     cfg = ff.CompilationConfig(mode="dynamo_trace_once", backend="inductor",
                                cudagraph_mode="none", use_cache=False,
-                               inductor_passes={"faulty": _faulty_pass})
+                               inductor_passes={"faulty": _faulty_pass},
+                               # a hit in Inductor's own cache (an earlier run) skips the pass
+                               inductor_compile_config={"force_disable_caches": True})
     model = ff.compile(Model(), cfg)
     _Armed.on, _Armed.fired = True, 0
     # Dynamo wraps our CompileError in its BackendCompilerFailed unless the compiled model
