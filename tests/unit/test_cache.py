@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import freezeframe as ff
 from freezeframe.compile import cache as ff_cache
 from freezeframe.compile.cache import CompileCache, CorruptArtifactError
 from freezeframe.config import CompilationConfig
@@ -474,3 +475,21 @@ def test_editing_an_inductor_pass_changes_the_key(tmp_path: Path,
     src.write_text("def my_pass(graph):\n    graph.lint()\n")
     assert _open(tmp_path, inductor_passes=passes).key != first
     assert ff_cache.pass_sources({"q": "no_such_module.fn"}) == {"q": [None, None]}
+
+
+def _add_ten(mod: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+    return out + 10
+
+
+def test_a_trace_made_with_a_hook_is_not_loaded_without_it(tmp_path: Path) -> None:
+    """A trace made with a forward hook holds the hook's ops; a later compile of the model
+    without the hook (or with another one) must not load it."""
+    hooked, plain = Tiny(), Tiny()
+    plain.load_state_dict(hooked.state_dict())
+    hooked.lin.register_forward_hook(_add_ten)
+    x = torch.randn(3, 4)
+    first = ff.compile(hooked, _config(tmp_path))
+    assert torch.equal(first(x), hooked(x).detach())
+    second = ff.compile(plain, _config(tmp_path))
+    assert torch.equal(second(x), plain(x).detach())
+    assert second.stats.traces_loaded == 0

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from freezeframe.compile.backend import CompileBackend
 from freezeframe.compile.cache import ModelCache
 from freezeframe.compile.compilers import CompilerManager, make_compiler
+from freezeframe.compile.module_state import ModuleState, has_uninitialised_lazy
 from freezeframe.compile.signature import CallSignature, Signer, SizeGuards, incompatibility
 from freezeframe.compile.split import Piece
 from freezeframe.compile.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
@@ -131,6 +132,10 @@ class CompiledModel(nn.Module):
         self._full_wrapper: GraphWrapper | None = None
         self._spare: _Variant | None = None
         self._params: tuple[nn.Parameter, ...] | None = None  # listed at the first graph step
+        # The module's Python state as the first trace saw it (see module_state): checked
+        # cheaply on every call, fully on route misses and, with config.debug, on every call.
+        self._state: ModuleState | None = None
+        self._check_state_every_call = config.debug
         mode = config.mode
         if mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.PIECEWISE):
             self._dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
@@ -186,6 +191,8 @@ class CompiledModel(nn.Module):
         a time; a thread that waited finds the variant another one traced)."""
         assert self._signer is not None
         with self._lock:
+            if self._state is not None:
+                self._check_state(self._state)
             for variant in self._routes.get(key, ()):
                 if self._accepts(variant, args, kwargs):
                     return variant(args, kwargs)
@@ -287,8 +294,13 @@ class CompiledModel(nn.Module):
                                self._first_structure())
         # The tracing call runs uncaptured even inside a FULL forward context: Dynamo cannot
         # trace inside a capture. A later call of that descriptor captures.
+        first = not self._variants
+        before = None if not first or has_uninitialised_lazy(self.module) \
+            else ModuleState(self.module)
         try:
             out = variant.cache(*args, **kwargs)
+            if before is not None:
+                self._refuse_self_changing_forward(before)
         except BaseException as exc:
             if not self._variants and self._spare is None:
                 # Nothing of the failed trace is kept: a fresh spare takes its place, so the
@@ -308,10 +320,35 @@ class CompiledModel(nn.Module):
             # a trace made at size 1 serves size 1 only; another size traces again.
             only = {where: 1 for where, n in sizes.items() if n == 1}
         variant.guards = SizeGuards(trace.size_conditions, trace.size_symbols, only)
+        if first:
+            self._state = ModuleState(self.module)
         self._warn_branches(trace)
         self._variants.append(variant)
         self._routes.setdefault(key, []).append(variant)
         return out
+
+    def _check_state(self, state: ModuleState) -> None:
+        why = state.difference()
+        if why is None:
+            return
+        raise CompileError(
+            f"{self.model_key}: the module changed after its first call was traced: {why}. "
+            "The trace baked the old value in (freezeframe checks the module's Python state "
+            "instead of keeping Dynamo's guards), so this call is refused rather than "
+            "answered from a stale trace. Make such changes (model.eval(), hooks, attributes "
+            "forward reads) before the first call, or compile again after them: "
+            "ff.compile(module, config)")
+
+    def _refuse_self_changing_forward(self, before: ModuleState) -> None:
+        why = before.difference()
+        if why is None:
+            return
+        raise CompileError(
+            f"{self.model_key}: forward changes the module's own Python state while it runs "
+            f"({why} after the first call). A trace replays what the first call did, so every "
+            "later call would repeat that value instead of going on from it. Keep such state "
+            "in a tensor buffer (self.register_buffer(...)) and update it in place, or keep it "
+            "out of forward")
 
     def _warn_branches(self, trace: TraceOnce) -> None:
         for expr, where in trace.size_conditions:
@@ -397,6 +434,9 @@ class CompiledModel(nn.Module):
                 return self._full_wrapper(*args, **kwargs)
             run = self._stock if self._stock is not None else self.module.forward
             return run(*args, **kwargs)
+        state = self._state
+        if state is not None and (self._check_state_every_call or state.changed_cheaply()):
+            self._check_state(state)
         key = signer.key(args, kwargs)
         for variant in self._routes.get(key, ()):
             guards = variant.guards

@@ -1,0 +1,206 @@
+"""The module's Python state after the first call (train/eval, hooks, plain attributes): a change
+is refused with a clear error, never answered from the stale trace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe import CompilationConfig, CompileError
+from freezeframe.compile.module_state import ModuleState
+
+
+def _config(**kw: Any) -> CompilationConfig:
+    fields: dict[str, Any] = dict(mode="piecewise", backend="eager", cudagraph_mode="none",
+                                  use_cache=False)
+    fields.update(kw)
+    return CompilationConfig(**fields)
+
+
+class Scaled(nn.Module):
+    """Reads every kind of state a trace bakes in: BatchNorm (train/eval), a plain float
+    attribute, a list attribute, and whatever hooks are registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.scale = 2.0
+        self.offsets = [1.0, 0.0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)) * self.scale + self.offsets[0]
+
+
+def _pair() -> tuple[Scaled, Scaled]:
+    mine, theirs = Scaled().eval(), Scaled().eval()
+    theirs.load_state_dict(mine.state_dict())
+    return mine, theirs
+
+
+def _set_scale(m: Scaled) -> None:
+    m.scale = 5.0
+
+
+def _set_offset(m: Scaled) -> None:
+    m.offsets[0] = 3.0  # in place: the list is compared item by item
+
+
+def _set_negative_zero(m: Scaled) -> None:
+    m.scale = -0.0
+
+
+def _hook_root(m: Scaled) -> None:
+    m.register_forward_hook(lambda mod, i, o: o * 10)
+
+
+def _hook_sub(m: Scaled) -> None:
+    m.lin.register_forward_hook(lambda mod, i, o: o + 100)
+
+
+def _train_sub(m: Scaled) -> None:
+    m.bn.train()
+
+
+def _new_attr(m: Scaled) -> None:
+    m.extra = 1  # type: ignore[attr-defined]
+
+
+def _replace_sub(m: Scaled) -> None:
+    m.lin = nn.Linear(4, 4)
+
+
+CHANGES: dict[str, tuple[Callable[[Scaled], None], str]] = {
+    "train": (lambda m: m.train(), r"model\.training was False at the trace and is True"),
+    "scale": (_set_scale, r"model\.scale was 2\.0 at the trace and is 5\.0 now"),
+    "negative zero": (_set_negative_zero, r"model\.scale was 2\.0 at the trace and is -0\.0"),
+    "list item": (_set_offset,
+                  r"model\.offsets was \[1\.0, 0\.0\] at the trace and is \[3\.0, 0\.0\] now"),
+    "root hook": (_hook_root, r"model had 0 forward hook\(s\) at the trace and has 1"),
+    "submodule hook": (_hook_sub, r"model\.lin had 0 forward hook"),
+    "submodule train": (_train_sub, r"model\.bn\.training was False"),
+    "new attribute": (_new_attr, r"model\.extra was set after the trace"),
+    "submodule replaced": (_replace_sub, r"a submodule was added, removed or replaced"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_the_trace_is_refused_with_debug(change: str) -> None:
+    """With ``debug=True`` every call compares the whole state."""
+    mine, theirs = _pair()
+    model = ff.compile(mine, _config(debug=True))
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), theirs(x).detach())
+    apply, message = CHANGES[change]
+    apply(mine)
+    with pytest.raises(CompileError, match=message):
+        model(x)
+    assert model.num_traces == 1
+
+
+@pytest.mark.parametrize("change", ["train", "root hook"])
+def test_root_mode_and_hooks_are_checked_on_every_call(change: str) -> None:
+    """The every-call tier: the root's train/eval flag; a hook on the root is caught at the
+    next new route (here the same call: it must still not be served stale)."""
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    apply, message = CHANGES[change]
+    apply(mine)
+    if change == "train":
+        with pytest.raises(CompileError, match=message):
+            model(x)
+    with pytest.raises(CompileError, match=message):
+        model(torch.randn(4, 3).t())  # a strided input: a new route
+
+
+def test_a_global_module_hook_is_caught_on_every_call() -> None:
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, i, o: o)
+    try:
+        with pytest.raises(CompileError, match="global module hooks"):
+            model(x)
+    finally:
+        handle.remove()
+    model(x)  # removed again: the state is as traced
+
+
+def test_a_plain_attribute_change_is_caught_at_the_next_new_route() -> None:
+    """Without debug, plain attributes are compared when a call needs a new route; a call of
+    a routed structure is served without that scan (documented)."""
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    model(torch.randn(3, 4))
+    mine.scale = 5.0
+    model(torch.randn(3, 4))  # routed: served without the scan
+    with pytest.raises(CompileError, match=r"model\.scale was 2\.0"):
+        model(torch.randn(4, 3).t())
+
+
+def test_changes_made_before_the_first_call_and_parameter_updates_are_fine() -> None:
+    mine, theirs = _pair()
+    model = ff.compile(mine, _config(debug=True))
+    for m in (mine, theirs):
+        m.scale = 3.0
+        m.lin.register_forward_hook(lambda mod, i, o: o + 1)
+    x = torch.randn(5, 4)
+    assert torch.equal(model(x), theirs(x).detach())
+    with torch.no_grad():
+        for m in (mine, theirs):
+            m.lin.weight.mul_(2)  # parameters are inputs of the trace, not baked in
+            m.bn.running_mean.add_(1)
+    assert torch.equal(model(x), theirs(x).detach())
+    assert model.stats.retraces == 0
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * self.calls
+
+
+def test_a_forward_that_changes_its_own_attributes_is_refused() -> None:
+    """Eager returns x*1, x*2, ...; a trace would return the first call's x*1 forever."""
+    model = ff.compile(Counter(), _config())
+    with pytest.raises(CompileError, match=r"forward changes the module's own Python state "
+                                           r"while it runs \(model\.calls was 0 at the trace"):
+        model(torch.ones(2, 2))
+
+
+def test_a_lazy_module_initialised_by_the_first_call_is_fine() -> None:
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    model = ff.compile(lazy, _config(debug=True), dynamic_arg_dims={"input": 0})
+    x = torch.randn(4, 5)
+    out = model(x)
+    assert torch.equal(out, lazy(x).detach())
+    assert torch.equal(model(x[:2]), lazy(x[:2]).detach())
+
+
+def test_snapshot_tokens_compare_values_and_identities() -> None:
+    m = Scaled()
+    m.cfg = object()  # type: ignore[attr-defined]
+    m.nan = float("nan")  # type: ignore[attr-defined]
+    state = ModuleState(m)
+    assert state.difference() is None  # NaN equals NaN, the object equals itself
+    m.nan = float("nan")  # type: ignore[attr-defined]
+    assert state.difference() is None
+    m.cfg = object()  # type: ignore[attr-defined]
+    assert state.difference() is not None and state.difference().startswith("model.cfg was <")
+    m.scale = 2  # same value, another type
+    m.cfg = state._subs[0].attrs["cfg"].obj  # type: ignore[attr-defined]
+    assert state.difference() == "model.scale was 2.0 at the trace and is 2 now"
