@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -195,7 +196,7 @@ class _Run:
         run = ChildRun(tuple(argv), code, stdout, stderr, time.perf_counter() - t0)
         if log is not None:
             (self.out / log).write_text(
-                f"$ {' '.join(argv)}\n# exit: {'killed at deadline' if code is None else code}"
+                f"$ {shlex.join(argv)}\n# exit: {'killed at deadline' if code is None else code}"
                 f", {run.seconds:.1f} s\n\n{stdout}\n--- stderr ---\n{stderr}")
             if result is not None:
                 result.files.append(log)
@@ -240,7 +241,7 @@ def _step_tests(run: _Run, result: StepResult, timeout: float) -> None:
             continue
         proc = run.child(argv, left, f"tests_{tier}.log", result)
         line, counts = pytest_summary(proc.stdout)
-        info: dict[str, Any] = {"command": " ".join(argv[1:]), "summary": line,
+        info: dict[str, Any] = {"command": shlex.join(argv[1:]), "summary": line,
                                 "counts": counts, "seconds": round(proc.seconds, 1)}
         if proc.timed_out:
             info["status"] = "failed"
