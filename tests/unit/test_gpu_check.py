@@ -134,3 +134,12 @@ def test_overlapping_kernel_pairs_counts_pairs_on_different_streams() -> None:
         "kernels_per_stream": {"7": 2, "13": 2}, "overlapping_pairs": 2}
     serial = {"traceEvents": [kernel(7, 0, 10), kernel(13, 10, 10)]}
     assert overlapping_kernel_pairs(serial)["overlapping_pairs"] == 0
+
+
+def test_every_cuda_marked_test_lives_in_tests_cuda() -> None:
+    """gpu_check collects the cuda tier from tests/cuda only (so that a missing test extra such
+    as hypothesis cannot stop it); a cuda-marked test elsewhere would never run there."""
+    elsewhere = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").rglob("*.py"))
+                 if "mark.cuda" in p.read_text() and p.parent.name != "cuda"
+                 and p.name != "test_gpu_check.py"]
+    assert elsewhere == []

@@ -4,8 +4,8 @@ Steps, in order (each timed; each passed, failed or skipped with a reason):
 
 1. ``environment`` - Python, torch, triton, GPU name/memory/driver/CUDA, freezeframe; fails
    when something the project needs is missing (optional extras only degrade).
-2. ``tests`` - the ``cuda`` test tier (``pytest -m cuda``, CUDA only) and the emulated scenario
-   suite (``tests/emulated``), each a pytest subprocess.
+2. ``tests`` - the ``cuda`` test tier (``pytest -m cuda tests/cuda``, CUDA only) and the
+   emulated scenario suite (``tests/emulated``), each a pytest subprocess.
 3. ``bench`` - ``freezeframe bench``: ``--preset 1b`` on CUDA, the tiny preset on CPU.
 4. ``capture`` - the capture report of the default ladder on the 1B preset (CUDA only): time
    and memory per graph and in total, replays checked against the uncompiled model.
@@ -227,7 +227,9 @@ def _step_tests(run: _Run, result: StepResult, timeout: float) -> None:
     tiers: list[tuple[str, list[str]]] = []
     pytest = [run.python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if run.cuda:
-        tiers.append(("cuda", [*pytest, "-m", "cuda"]))
+        # every cuda-marked test lives in tests/cuda (a unit test checks this); collecting only
+        # there keeps the tier independent of test-only extras such as hypothesis
+        tiers.append(("cuda", [*pytest, "-m", "cuda", "tests/cuda"]))
     else:
         result.details["cuda"] = {"status": "skipped", "reason": NEEDS_CUDA}
     marks = ["-m", "not inductor"] if run.opts.quick else []
