@@ -493,3 +493,30 @@ def test_a_trace_made_with_a_hook_is_not_loaded_without_it(tmp_path: Path) -> No
     second = ff.compile(plain, _config(tmp_path))
     assert torch.equal(second(x), plain(x).detach())
     assert second.stats.traces_loaded == 0
+
+
+class WithOptions(torch.nn.Module):
+    def forward(self, x: torch.Tensor, opts: object) -> torch.Tensor:
+        if isinstance(opts, dict):
+            return x * opts["k"]
+        return opts(x) + 1  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("first", "second", "loads"), [
+    ({"k": 2.0}, {"k": 5.0}, 0),
+    ({"k": 2.0}, {"k": 2.0}, 1),
+    ({"k": 1.0}, {"k": 1}, 0),
+    (torch.sin, torch.cos, 0),
+    (torch.sin, torch.sin, 1),
+])
+def test_a_saved_trace_is_loaded_only_for_the_same_plain_arguments(
+        tmp_path: Path, first: object, second: object, loads: int) -> None:
+    """A dict, a function or a number's type baked into a trace is part of the key: another
+    one never loads that trace (this used to key dicts and functions by type only)."""
+    x = torch.arange(6.0).reshape(3, 2)
+    ff.compile(WithOptions(), _config(tmp_path))(x, first)
+    model = ff.compile(WithOptions(), _config(tmp_path))
+    out = model(x, second)
+    want = WithOptions()(x, second)
+    assert out.dtype == want.dtype and torch.equal(out, want)
+    assert model.stats.traces_loaded == loads

@@ -220,8 +220,9 @@ class CompiledModel(nn.Module):
                     f"structure is traced separately; this one is {signature.describe()}, and "
                     f"the first trace had {self._first_structure()}. Keep the "
                     "call structure fixed: pass values that change per call (step counters, "
-                    "flags) as tensors, keep tensors contiguous, and avoid Python branches on "
-                    "the batch size in forward")
+                    "flags) as tensors, keep tensors contiguous, pass the same function or "
+                    "object each call (a new one is compared by identity), and avoid Python "
+                    "branches on the batch size in forward")
             why = self._dynamo_off()
             if why is not None:
                 return self._run_eager(why, args, kwargs)

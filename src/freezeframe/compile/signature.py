@@ -26,8 +26,11 @@ input error (dim 1 was fixed at 16).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import logging
+import math
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,8 +42,61 @@ __all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "incompatibili
 
 logger = logging.getLogger(__name__)
 
-_PLAIN = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device)
+_PLAIN = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device,
+          enum.Enum)
 _MAX_DEPTH = 4
+_MAX_ATTRS = 32  # a plain object with more attributes than this is compared by identity
+# Callables a trace inlines: the same code with other closure values is other code, so each
+# object is its own structure (compared by identity).
+_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+              types.BuiltinMethodType)
+
+
+def plain_token(value: Any) -> Any:
+    """How a plain value enters a key: its type and value, with ``-0.0`` told from ``0.0``
+    (``1 / k`` differs) and every NaN equal to every other (``nan != nan`` would make each
+    call with a NaN a new structure). The type matters too: ``1``, ``1.0`` and ``True`` are
+    equal in Python but give ``x * k`` another dtype."""
+    if type(value) is float and (value == 0 or math.isnan(value)):
+        return (float, repr(value))
+    if type(value) is complex:
+        return (complex, repr(value))
+    return (type(value), value)
+
+
+class Same:
+    """Equal only to a ``Same`` of the very same object. It holds a reference, so the
+    object's id cannot be reused by a new object while a key or signature holds it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        name = getattr(self.obj, "__qualname__", None) or type(self.obj).__qualname__
+        return f"{name} at {id(self.obj):#x}"
+
+
+def object_fields(value: Any) -> tuple[str, ...] | None:
+    """The attributes by which a plain object argument is compared (a dataclass's fields, a
+    small ``__dict__``), or None when it is compared by identity (callables, modules, objects
+    with slots or many attributes)."""
+    if isinstance(value, (_CALLABLES, type, torch.nn.Module)):
+        return None
+    if dataclasses.is_dataclass(value):
+        return tuple(f.name for f in dataclasses.fields(value))
+    attrs = getattr(value, "__dict__", None)
+    if type(attrs) is dict and len(attrs) <= _MAX_ATTRS and not hasattr(type(value),
+                                                                        "__slots__"):
+        return tuple(sorted(attrs))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +117,14 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ValueSpec:
-    """A plain value the trace specialised on (an int, a float, a string, a dtype...)."""
+    """A plain value the trace specialised on (an int, a float, a string, a dtype, an enum
+    member...), compared by :func:`plain_token` (type and value)."""
 
-    value: Any
+    value: Any = dataclasses.field(compare=False)
+    token: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token", plain_token(self.value))
 
     def describe(self) -> str:
         return f"the {type(self.value).__name__} {self.value!r}"
@@ -83,12 +144,18 @@ class ContainerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectSpec:
-    """Any other object, known by its type only."""
+    """Any other object (a function, a module, an object with slots): the trace may have read
+    anything from it, so only the very same object is the same structure."""
 
     type_name: str
+    ref: Same
 
     def describe(self) -> str:
-        return f"a {self.type_name}"
+        obj = self.ref.obj
+        name = getattr(obj, "__qualname__", None)
+        if isinstance(name, str) and callable(obj):
+            return f"the {self.type_name} {name} at {id(obj):#x}"
+        return f"a {self.type_name} object at {id(obj):#x} (compared by identity)"
 
 
 ArgSpec = TensorSpec | ValueSpec | ContainerSpec | ObjectSpec
@@ -171,17 +238,21 @@ class Signer:
             layout = True if value.is_contiguous() else value.stride()
             return (value.dtype, value.device, sizes, layout, value.requires_grad)
         if isinstance(value, _PLAIN):
-            return (type(value), value)
-        if isinstance(value, (list, tuple)) and depth < _MAX_DEPTH:
-            return (type(value), tuple(self._leaf_key(None, v, depth + 1) for v in value))
-        if isinstance(value, dict) and depth < _MAX_DEPTH:
-            return (dict, tuple((k, self._leaf_key(None, v, depth + 1))
-                                for k, v in value.items()))
-        if (dataclasses.is_dataclass(value) and not isinstance(value, type)
-                and depth < _MAX_DEPTH):
-            return (type(value), tuple(self._leaf_key(None, getattr(value, f.name), depth + 1)
-                                       for f in dataclasses.fields(value)))
-        return (type(value),)
+            return plain_token(value)
+        if depth < _MAX_DEPTH:
+            if isinstance(value, (list, tuple)):
+                return (type(value), tuple(self._leaf_key(None, v, depth + 1) for v in value))
+            if isinstance(value, dict):
+                return (dict, tuple((plain_token(k), self._leaf_key(None, v, depth + 1))
+                                    for k, v in value.items()))
+            if isinstance(value, slice):
+                return (slice, tuple(self._leaf_key(None, v, depth + 1)
+                                     for v in (value.start, value.stop, value.step)))
+            fields = object_fields(value)
+            if fields is not None:
+                return (type(value), fields, tuple(
+                    self._leaf_key(None, getattr(value, f), depth + 1) for f in fields))
+        return Same(value)
 
     # -- the full description (once per new key) ------------------------------------------
     def signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallSignature:
@@ -222,16 +293,20 @@ class Signer:
                 self._spec(name, v, f"{path}[{i}]", tensors, depth + 1)
                 for i, v in enumerate(value)))
         if isinstance(value, dict) and depth < _MAX_DEPTH:
-            return ContainerSpec("dict", tuple(value), tuple(
+            return ContainerSpec("dict", tuple(plain_token(k) for k in value), tuple(
                 self._spec(name, v, f"{path}[{k!r}]", tensors, depth + 1)
                 for k, v in value.items()))
-        if (dataclasses.is_dataclass(value) and not isinstance(value, type)
-                and depth < _MAX_DEPTH):
-            fields = dataclasses.fields(value)
-            return ContainerSpec(type(value).__qualname__, tuple(f.name for f in fields), tuple(
-                self._spec(name, getattr(value, f.name), f"{path}.{f.name}", tensors, depth + 1)
+        if isinstance(value, slice) and depth < _MAX_DEPTH:
+            return ContainerSpec("slice", ("start", "stop", "step"), tuple(
+                self._spec(name, v, f"{path}.{f}", tensors, depth + 1)
+                for f, v in (("start", value.start), ("stop", value.stop),
+                             ("step", value.step))))
+        fields = object_fields(value) if depth < _MAX_DEPTH else None
+        if fields is not None:
+            return ContainerSpec(type(value).__qualname__, fields, tuple(
+                self._spec(name, getattr(value, f), f"{path}.{f}", tensors, depth + 1)
                 for f in fields))
-        return ObjectSpec(type(value).__qualname__)
+        return ObjectSpec(type(value).__qualname__, Same(value))
 
     def dynamic_sizes(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
                       ) -> dict[tuple[str, int], int]:

@@ -1,0 +1,162 @@
+"""Plain Python arguments a trace specialises on: every value that gives another result in eager
+is another structure (its own trace), and a value seen before reuses its trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe.compile.signature import ObjectSpec, Signer, ValueSpec
+from freezeframe.errors import CompileError
+
+
+def config() -> ff.CompilationConfig:
+    return ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none",
+                                use_cache=False)
+
+
+class Times(nn.Module):
+    def forward(self, x: torch.Tensor, k: Any) -> torch.Tensor:
+        return x * k
+
+
+class Divide(nn.Module):
+    def forward(self, x: torch.Tensor, k: float) -> torch.Tensor:
+        return x / k
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_int_float_and_bool_of_equal_value_are_three_structures() -> None:
+    """``x * 1`` keeps an int tensor's dtype, ``x * 1.0`` makes it float."""
+    model, eager = ff.compile(Times(), config()), Times()
+    x = torch.arange(6).reshape(3, 2)
+    for k in (1, 1.0, True, 1, 1.0):
+        assert _same(model(x, k), eager(x, k)), k
+    assert model.num_traces == 3
+
+
+def test_negative_zero_is_not_zero() -> None:
+    model, eager = ff.compile(Divide(), config()), Divide()
+    x = torch.ones(3, 2)
+    for k in (0.0, -0.0, 0.0):
+        assert torch.equal(model(x, k), eager(x, k)), k
+    assert model.num_traces == 2
+
+
+def test_nan_reuses_its_trace() -> None:
+    """``nan != nan``: without a canonical key every call with a NaN would trace again."""
+    model = ff.compile(Times(), config())
+    x = torch.ones(3, 2)
+    for _ in range(MAX := 12):
+        out = model(x, float("nan"))
+    assert torch.isnan(out).all() and MAX == 12
+    assert (model.num_traces, model.stats.retraces) == (1, 0)
+
+
+class Act(enum.Enum):
+    RELU = "relu"
+    TANH = "tanh"
+
+
+class ByEnum(nn.Module):
+    def forward(self, x: torch.Tensor, act: Act) -> torch.Tensor:
+        return torch.relu(x) if act is Act.RELU else torch.tanh(x)
+
+
+class ByFunction(nn.Module):
+    def forward(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+        return fn(x) + 1
+
+
+class ByRows(nn.Module):
+    def forward(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        return x[:, rows] * 2
+
+
+class Settings:
+    """A plain (non-dataclass) object whose attribute forward reads."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class BySettings(nn.Module):
+    def forward(self, x: torch.Tensor, settings: Settings) -> torch.Tensor:
+        return x * settings.scale
+
+
+@dataclasses.dataclass
+class Frozen:
+    scale: float
+
+
+class ByDataclass(nn.Module):
+    def forward(self, x: torch.Tensor, settings: Frozen) -> torch.Tensor:
+        return x * settings.scale
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
+CASES: dict[str, tuple[type[nn.Module], list[Any], int]] = {
+    # (module, the argument of successive calls, traces expected)
+    "enum": (ByEnum, [Act.RELU, Act.TANH, Act.RELU], 2),
+    "function": (ByFunction, [torch.sin, torch.cos, _double, torch.sin], 3),
+    "slice": (ByRows, [slice(0, 2), slice(1, 4), slice(None, None, 2), slice(0, 2)], 3),
+    "plain object": (BySettings, [Settings(2.0), Settings(5.0), Settings(2.0)], 2),
+    "dataclass": (ByDataclass, [Frozen(2.0), Frozen(5.0), Frozen(2.0)], 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_another_value_of_a_non_primitive_argument_is_another_structure(case: str) -> None:
+    """These used to be compared by type only: the second value was served by the first
+    value's trace (relu for tanh, sin for cos, rows 0:2 for 1:4, scale 2 for 5)."""
+    module, values, traces = CASES[case]
+    model, eager = ff.compile(module(), config()), module()
+    x = torch.randn(3, 4)
+    for value in values:
+        assert torch.equal(model(x, value), eager(x, value)), (case, value)
+    assert model.num_traces == traces
+
+
+def test_a_new_function_every_call_ends_in_a_clear_error() -> None:
+    model = ff.compile(ByFunction(), config())
+    x = torch.randn(3, 4)
+    with pytest.raises(CompileError, match=r"trace number 9.*fn=the function "
+                                           r".*<lambda> at 0x.*pass the same function or "
+                                           r"object each call"):
+        for i in range(9):
+            model(x, lambda t, i=i: t * i)
+    assert model.num_traces == 8
+
+
+def test_identity_keys_hold_their_object() -> None:
+    """A key holds the object it compares by identity, so its id is never reused while the
+    key lives (a freed object's id given to a new one would match a stale trace)."""
+    signer = Signer(ByFunction().forward, {"x": (0,)}, grad_matters=False)
+    fn = lambda t: t  # noqa: E731
+    key = signer.key((torch.ones(2, 2), fn), {})
+    spec = signer.signature((torch.ones(2, 2), fn), {}).arg("fn")
+    assert isinstance(spec, ObjectSpec) and spec.ref.obj is fn
+    del fn
+    assert key[1].obj(3) == 3  # still alive through the key
+
+
+def test_value_specs_compare_by_type_and_canonical_value() -> None:
+    assert ValueSpec(1) != ValueSpec(1.0) != ValueSpec(True)
+    assert ValueSpec(0.0) != ValueSpec(-0.0)
+    assert ValueSpec(float("nan")) == ValueSpec(float("nan"))
+    assert ValueSpec(Act.RELU) == ValueSpec(Act.RELU) != ValueSpec(Act.TANH)
