@@ -469,6 +469,12 @@ class CompiledModel(nn.Module):
         return list(self._variants[0].backend.pieces) if self._variants else []
 
     @property
+    def compile_off_reason(self) -> str | None:
+        """Why a call now runs the module eagerly without tracing or graphs (Dynamo disabled,
+        the ``force_eager`` stance), or None when it compiles."""
+        return self._dynamo_off()
+
+    @property
     def traced(self) -> bool:
         return bool(self._variants)
 

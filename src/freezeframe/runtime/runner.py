@@ -59,6 +59,7 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.errors import (
+    CaptureError,
     ConfigError,
     FallbackError,
     FreezeframeError,
@@ -262,6 +263,10 @@ class GraphRunner:
         # (runtime mode, descriptor) -> the inputs its graph writes into, seen at capture: a
         # CUDA graph replay writes without bumping version counters.
         self._graph_writes: dict[tuple[CUDAGraphMode, BatchDescriptor], frozenset[str]] = {}
+        # Output leaves (in _slice's order) -> (padded tokens, padded requests, dim 0) seen at
+        # capture; the leaves whose dim 0 did not follow the padded size are never sliced.
+        self._leaf_sizes: dict[int, set[tuple[int, int | None, int | None]]] = {}
+        self._fixed_leaves: dict[int, frozenset[str]] = {}
         # Steps and capture hold this lock (see "Threads" in the class docstring).
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
@@ -350,6 +355,7 @@ class GraphRunner:
               extras: Mapping[str, Any] | None) -> Any:
         values = self._bind(args, kwargs)
         num_tokens, reqs = self._validate(values, num_reqs, uniform_decode)
+        aliased = self._aliased(values) if len(self._slots) > 1 else ()
         step_tokens, step_uniform = num_tokens, bool(uniform_decode)
         if self.dp_sync:
             step_tokens, step_uniform = agree_across_ranks(num_tokens, step_uniform,
@@ -379,6 +385,8 @@ class GraphRunner:
                                  step_uniform)
         versions = [buf._version for buf in self._buffer_list]
         writes = self._graph_writes.get((mode, desc))
+        if aliased and writes:
+            self._refuse_written_alias(aliased, writes)
         try:
             out = self._forward(mode, desc, padded_tokens, padded_reqs,
                                 num_tokens, reqs, step_extras)
@@ -387,11 +395,39 @@ class GraphRunner:
             with contextlib.suppress(Exception):
                 self._copy_back_written(values, versions, writes, num_tokens, reqs)
             raise
-        self._copy_back_written(values, versions, writes, num_tokens, reqs)
-        out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs)
+        written = self._copy_back_written(values, versions, writes, num_tokens, reqs)
+        if aliased and written:
+            self._refuse_written_alias(aliased, written)
+        out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs,
+                          [0])
         if self.copy_outputs or self._copy_after_overlap:
             out = _map_tensors(out, lambda t: t.clone())
         return out
+
+    def _aliased(self, values: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
+        """Groups of inputs that share memory (the same tensor passed twice, or views of one
+        storage); about 0.2 us per input."""
+        groups: dict[int, list[str]] = {}
+        for name in self.specs:
+            ptr = values[name].untyped_storage().data_ptr()
+            if ptr:
+                groups.setdefault(ptr, []).append(name)
+        return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+
+    def _refuse_written_alias(self, aliased: tuple[tuple[str, ...], ...],
+                              written: Collection[str]) -> None:
+        """Eagerly, a write into one of two inputs that share memory shows through the other;
+        the runner stages each input in a buffer of its own, so it would not."""
+        for group in aliased:
+            hit = [n for n in group if n in written]
+            if hit:
+                others = [n for n in group if n != hit[0]]
+                raise InputMismatchError(
+                    f"inputs {' and '.join(map(repr, group))} share memory and the model writes "
+                    f"into {hit[0]!r}: eagerly that write would show through {others[0]!r}, "
+                    "but the runner stages each input in a buffer of its own, so the step "
+                    f"would not give eager's answer. Pass separate tensors (e.g. "
+                    f"{others[0]}={others[0]}.clone())")
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         names = list(self.specs)
@@ -548,7 +584,7 @@ class GraphRunner:
 
     def _copy_back_written(self, values: Mapping[str, torch.Tensor], versions: list[int],
                            graph_writes: frozenset[str] | None, num_tokens: int,
-                           reqs: int | None) -> None:
+                           reqs: int | None) -> list[str]:
         """Write every input the model wrote into back into the caller's tensor, as running the
         model eagerly on that tensor would have: the real rows of a token or request input
         (never the padding), all of a static one.
@@ -556,8 +592,9 @@ class GraphRunner:
         A write shows as a moved version counter: every in-place op that goes through the
         dispatcher bumps it (eager code, an emulated replay, Inductor's compiled code). A CUDA
         graph replay writes without the dispatcher, so for a replayed graph the inputs its
-        capture wrote into (``graph_writes``) are copied back too.
+        capture wrote into (``graph_writes``) are copied back too. Returns the names copied.
         """
+        copied: list[str] = []
         for (name, kind, buf), before in zip(self._slots, versions, strict=True):
             if buf._version == before and (graph_writes is None or name not in graph_writes):
                 continue
@@ -567,6 +604,8 @@ class GraphRunner:
                 else:
                     values[name].copy_(buf[:num_tokens if kind == "tokens" else (reqs or 0)])
             self.stats.inc("inputs_copied_back")
+            copied.append(name)
+        return copied
 
     def _views(self, padded_tokens: int, padded_reqs: int | None) -> dict[str, torch.Tensor]:
         views = {}
@@ -609,27 +648,36 @@ class GraphRunner:
 
     # -- outputs -------------------------------------------------------------------------
     def _slice(self, out: Any, kinds: Any, padded_tokens: int, num_tokens: int,
-               padded_reqs: int | None, reqs: int | None) -> Any:
+               padded_reqs: int | None, reqs: int | None, leaf: list[int]) -> Any:
+        """The real rows of each output leaf of the kind ``outputs`` gives it. A leaf is
+        cut when its dim 0 is the padded size, unless capture saw that its dim 0 does not
+        follow the padded size (an output computed from a Static input or a weight whose
+        dim 0 happens to equal this step's padded size)."""
         if isinstance(out, torch.Tensor):
             if not isinstance(kinds, str):
                 raise ConfigError(f"outputs={self.outputs!r} does not match a single tensor "
                                   "output; use outputs='tokens', 'requests' or 'none'")
+            index = leaf[0]
+            leaf[0] += 1
+            fixed = self._fixed_leaves.get(index)
+            if fixed is not None and kinds in fixed:
+                return out
             return _slice_rows(out, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
         if isinstance(out, Mapping):
             return type(out)({  # type: ignore[call-arg]
                 k: self._slice(v, kinds[k] if isinstance(kinds, Mapping) else kinds,
-                               padded_tokens, num_tokens, padded_reqs, reqs)
+                               padded_tokens, num_tokens, padded_reqs, reqs, leaf)
                 for k, v in out.items()})
         if isinstance(out, (tuple, list)):
             if isinstance(kinds, (tuple, list)):
                 if len(kinds) != len(out):
                     raise ConfigError(f"outputs={self.outputs!r} has {len(kinds)} entries but "
                                       f"the model returned {len(out)} values")
-                parts = [self._slice(v, k, padded_tokens, num_tokens, padded_reqs, reqs)
+                parts = [self._slice(v, k, padded_tokens, num_tokens, padded_reqs, reqs, leaf)
                          for v, k in zip(out, kinds, strict=True)]
             else:
-                parts = [self._slice(v, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
-                         for v in out]
+                parts = [self._slice(v, kinds, padded_tokens, num_tokens, padded_reqs, reqs,
+                                     leaf) for v in out]
             return type(out)(parts) if not hasattr(out, "_fields") else type(out)(*parts)
         return out
 
@@ -672,6 +720,13 @@ class GraphRunner:
             logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
             self.report = CaptureReport(device=device_name)
             return self.report
+        off = getattr(self.model, "compile_off_reason", None)
+        if isinstance(off, str):
+            raise CaptureError(
+                f"GraphRunner.capture: {off}, so the model runs eagerly and would capture no "
+                "graph. Call capture() where compiling is on (outside torch.compiler."
+                "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
+                "run eagerly meanwhile")
         self._drop_foreign_graphs()
         window = getattr(self.model, "capture_window", None)
         total = sum(len(descs) for _, descs in groups)
@@ -685,6 +740,8 @@ class GraphRunner:
         self.stats.inc("capture_runs")
         primed = set(self._primed_sizes)
         stream = torch.cuda.current_stream(self.device) if on_cuda else None
+        saved = _SavedBuffers(self.model)
+        self._leaf_sizes.clear()
         try:
             if window is not None:
                 window.open()
@@ -699,6 +756,12 @@ class GraphRunner:
         finally:
             if window is not None:
                 window.close()
+            # The dummy steps' writes into the model's buffers (a running count, a cache) are
+            # undone: eagerly, those steps never happened.
+            restored = saved.restore()
+            if restored:
+                self.stats.inc("buffers_restored", restored)
+        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
         if on_cuda:
             torch.cuda.synchronize(self.device)
         report = CaptureReport(graphs=tuple(records), seconds=time.perf_counter() - start,
@@ -782,7 +845,10 @@ class GraphRunner:
         if on_cuda:
             torch.cuda.synchronize(self.device)
         versions = [buf._version for buf in self._buffer_list]
-        self._forward(mode, desc, tokens, reqs, tokens, reqs, dict(extras))
+        out = self._forward(mode, desc, tokens, reqs, tokens, reqs, dict(extras))
+        for i, leaf in enumerate(_tensor_leaves(out)):
+            self._leaf_sizes.setdefault(i, set()).add(
+                (tokens, reqs, int(leaf.shape[0]) if leaf.dim() else None))
         if on_cuda:
             torch.cuda.synchronize(self.device)
         self._graph_writes[(mode, desc)] = frozenset(
@@ -810,6 +876,69 @@ def _slice_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
             return t
         return t[:reqs] if t.shape[0] == padded_reqs else t
     raise ConfigError(f"outputs: unknown kind {kind!r}; use 'tokens', 'requests' or 'none'")
+
+
+def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of an output, in the order ``GraphRunner._slice`` visits them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensor_leaves(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensor_leaves(v)
+
+
+def _fixed_leaves(seen: Mapping[int, set[tuple[int, int | None, int | None]]]
+                  ) -> dict[int, frozenset[str]]:
+    """For each output leaf seen at two or more padded sizes: the kinds ('tokens',
+    'requests') whose padded size its dim 0 did not follow, so it is not cut as one."""
+    out: dict[int, frozenset[str]] = {}
+    for index, sizes in seen.items():
+        fixed = set()
+        if len({t for t, _, _ in sizes}) > 1 and any(d != t for t, _, d in sizes):
+            fixed.add("tokens")
+        if len({r for _, r, _ in sizes}) > 1 and any(d != r for _, r, d in sizes):
+            fixed.add("requests")
+        if fixed:
+            out[index] = frozenset(fixed)
+    return out
+
+
+class _SavedBuffers:
+    """The model's buffers as they were before ``capture()``, to undo what its dummy steps
+    write into them (a running count, a KV cache). A copy on the device up to
+    ``DEVICE_LIMIT`` bytes in all, on the host beyond that; restored in place (graphs keep the
+    addresses), and only where the version counter moved."""
+
+    DEVICE_LIMIT = 256 << 20
+
+    def __init__(self, model: Any) -> None:
+        named = model.named_buffers() if isinstance(model, torch.nn.Module) else ()
+        buffers = [b for _, b in named]
+        on_device = sum(b.numel() * b.element_size() for b in buffers) <= self.DEVICE_LIMIT
+        self.saved: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
+        with torch.no_grad():
+            for buf in buffers:
+                copy = buf.detach().clone() if on_device else buf.detach().to("cpu", copy=True)
+                self.saved.append((buf, _version_of(buf), copy))
+
+    def restore(self) -> int:
+        restored = 0
+        for buf, version, copy in self.saved:
+            if version is not None and _version_of(buf) == version:
+                continue
+            with torch.inference_mode(buf.is_inference()), torch.no_grad():
+                buf.copy_(copy)
+            restored += 1
+        self.saved.clear()
+        return restored
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """The version counter, or None for an inference tensor (it has none)."""
+    return None if t.is_inference() else t._version
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -854,13 +983,26 @@ def _free_memory(device: torch.device) -> int:
 @contextlib.contextmanager
 def _gc_frozen() -> Iterator[None]:
     """Collect once, then freeze every surviving object out of the collector's reach for the
-    duration, so the many short-lived objects of capture never trigger a full collection."""
+    duration, so the many short-lived objects of capture never trigger a full collection.
+
+    ``gc.unfreeze()`` cannot tell our frozen objects from the caller's, so when the caller has
+    frozen some already (a server calling ``gc.freeze()`` after start-up) the collector is
+    paused instead, and left as it was found."""
     gc.collect()
-    gc.freeze()
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+        return
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 class _NoBar:

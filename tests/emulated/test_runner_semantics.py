@@ -1,0 +1,164 @@
+"""GraphRunner steps give eager's answer where a runner could easily not: capture's dummy steps
+leave no trace in the model's buffers, an output that is not token-shaped is not cut to the real
+rows, inputs sharing memory are refused when the model writes one, a capture under the
+force_eager stance is refused instead of capturing nothing, and the caller's frozen objects stay
+frozen."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe import CompilationConfig
+from freezeframe.errors import CaptureError, InputMismatchError
+from freezeframe.runtime import GraphRunner, Static, Tokens
+from tests.helpers.silly import attention
+
+MODES = ["piecewise", "full", "full_and_piecewise"]
+
+
+def config(mode: str, **kw: Any) -> CompilationConfig:
+    fields: dict[str, Any] = dict(
+        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
+        cudagraph_mode=mode, graph_backend="emulated", cudagraph_capture_sizes=[1, 2, 4, 8],
+        max_num_tokens=8, max_num_seqs=8, use_cache=False)
+    fields.update(kw)
+    return CompilationConfig(**fields)
+
+
+class Counting(nn.Module):
+    """Counts its calls and the tokens it has seen in buffers, as a running statistic does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("tokens_seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        self.tokens_seen.add_((x[:, 0] >= 0).sum())  # padded rows hold -1
+        return attention(x, x, x) + self.calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_capture_leaves_the_model_buffers_as_eager_would(mode: str) -> None:
+    """Capture runs warm-ups and captures for every size (dummy steps eager never made):
+    afterwards the buffers hold what they held before."""
+    cfg = config(mode)
+    mine, theirs = Counting(), Counting()
+    runner = GraphRunner(ff.compile(mine, cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2, fill=-1.0)})
+    runner.capture()
+    assert (mine.calls.item(), mine.tokens_seen.item()) == (0.0, 0.0)
+    assert runner.stats.buffers_restored == 2
+    x = torch.ones(3, 2)
+    assert torch.equal(runner(x), theirs(x))
+    assert (mine.calls.item(), mine.tokens_seen.item()) == (1.0, 3.0)
+
+
+class WithTable(nn.Module):
+    """Returns token rows, a row derived from a Static input, and a weight-shaped table: the
+    last two have a fixed dim 0 (4) that equals the padded size of a 3-token step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(16.0).reshape(4, 4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, meta: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return attention(x @ self.w, x, x), meta * 2, self.w * 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_whose_dim0_does_not_follow_the_step_are_not_cut(mode: str) -> None:
+    cfg = config(mode)
+    runner = GraphRunner(ff.compile(WithTable(), cfg, dynamic_arg_dims={"x": 0}), cfg,
+                         inputs={"x": Tokens(4), "meta": Static(4)}, progress=False)
+    runner.capture()
+    x, meta = torch.arange(12.0).reshape(3, 4), torch.arange(4.0)
+    got, want = runner(x, meta), WithTable()(x, meta)
+    assert [tuple(t.shape) for t in got] == [(3, 4), (4,), (4, 4)]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+class WritesX(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return attention(y * 2, y, y)
+
+
+class ReadsBoth(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return attention(x + y, x, y)
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_one_tensor_passed_as_two_inputs_the_model_writes_is_refused(captured: bool) -> None:
+    """Eagerly ``y`` sees the write into ``x`` (the same tensor); two staging buffers would
+    not. A step of a captured size knows the write from the capture and refuses before
+    running; an uncaptured one finds it from the version counters after the step."""
+    cfg = config("full_and_piecewise")
+    runner = GraphRunner(ff.compile(WritesX(), cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2), "y": Tokens(2)})
+    if captured:
+        runner.capture()
+    t = torch.ones(3, 2)
+    with pytest.raises(InputMismatchError, match=r"inputs 'x' and 'y' share memory and the "
+                                                 r"model writes into 'x'.*y=y\.clone\(\)"):
+        runner(t, t)
+    a, b = torch.ones(3, 2), torch.ones(3, 2)
+    assert torch.equal(runner(a, b), WritesX()(torch.ones(3, 2), torch.ones(3, 2)))
+    assert torch.equal(a, torch.full((3, 2), 2.0))
+
+
+def test_one_tensor_passed_as_two_inputs_nothing_writes_is_fine() -> None:
+    cfg = config("full_and_piecewise")
+    runner = GraphRunner(ff.compile(ReadsBoth(), cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2), "y": Tokens(2)})
+    runner.capture()
+    t = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(runner(t, t), ReadsBoth()(t, t))
+
+
+class Plain(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention(x * 3, x, x)
+
+
+def test_capture_under_force_eager_is_refused_and_the_runner_still_works() -> None:
+    """It used to report graphs while none were captured, and later steps raised."""
+    cfg = config("full_and_piecewise")
+    model = ff.compile(Plain(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(2)}, progress=False)
+    x = torch.arange(6.0).reshape(3, 2)
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(CaptureError, match=r"stance is force_eager, so the model runs "
+                                               r"eagerly and would capture no graph"):
+            runner.capture()
+        assert torch.equal(runner(x), Plain()(x))
+    assert not runner.captured
+    report = runner.capture()
+    assert report.num_graphs == 8
+    assert torch.equal(runner(x), Plain()(x))
+    assert model.stats.replays >= 1
+
+
+def test_capture_keeps_the_callers_frozen_objects_frozen() -> None:
+    """``gc.unfreeze()`` after capture used to unfreeze what a server froze at start-up."""
+    cfg = config("piecewise")
+    runner = GraphRunner(ff.compile(Plain(), cfg), cfg, inputs={"x": Tokens(2)}, progress=False)
+    sentinel: list[int] = [1, 2]  # a tracked object the caller froze
+    gc.freeze()
+    try:
+        assert not any(o is sentinel for o in gc.get_objects())
+        runner.capture()
+        assert not any(o is sentinel for o in gc.get_objects())  # still frozen
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
