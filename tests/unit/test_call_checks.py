@@ -393,3 +393,34 @@ def test_testing_a_dynamic_size_for_one_value_is_a_clear_error():
     with pytest.raises(CompileError, match=r"forward pins a dynamic size to 2 \(.*line \d+, in "
                                            r"forward: if \(x.shape\[0\] == 2\)"):
         model(torch.randn(2, 4))
+
+
+class DataBranch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+def test_a_branch_on_tensor_values_is_a_compile_error_naming_the_line() -> None:
+    """Dynamo's raw Unsupported used to reach the user; now it is ours, with Dynamo's account
+    of the line kept, and the model traces again (and fails the same way) on the next call."""
+    model = ff.compile(DataBranch(), config())
+    for _ in range(2):
+        with pytest.raises(CompileError, match=r"forward cannot be traced as one graph"
+                                               r"(.|\n)*Data-dependent branching(.|\n)*"
+                                               r"test_call_checks.py(.|\n)*torch.where") as info:
+            model(torch.ones(3, 2))
+        assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
+    assert model.num_traces == 0
+
+
+class StarArgs(nn.Module):
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return args[0] * 2
+
+
+def test_a_forward_of_only_star_args_says_what_to_do() -> None:
+    with pytest.raises(ff.ConfigError, match=r"takes only \*args / \*\*kwargs.*give forward "
+                                             r"named parameters"):
+        ff.compile(StarArgs(), config())

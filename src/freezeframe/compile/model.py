@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 _requires_grad = operator.attrgetter("requires_grad")
 
 
+def _first_lines(text: str, n: int) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[:n] + (["  ..."] if len(lines) > n else []))
+
+
 def _needs_grad(values: Iterable[Any]) -> bool:
     """Whether a tensor among ``values`` (or inside a list, tuple or dict among them) requires
     grad; plain tensors are checked without flattening."""
@@ -307,6 +312,17 @@ class CompiledModel(nn.Module):
                 # Nothing of the failed trace is kept: a fresh spare takes its place, so the
                 # model looks as it did before the call and the next call traces again.
                 self._spare = self._new_variant(None)
+            if isinstance(exc, torch._dynamo.exc.Unsupported):
+                # Dynamo's message names the line and what it could not trace; ours says why
+                # that is fatal here and what to do.
+                raise CompileError(
+                    f"{self.model_key}: forward cannot be traced as one graph, which "
+                    "freezeframe needs (it splits that graph at the splitting ops and captures "
+                    "the pieces; there are no graph breaks to fall back on). Dynamo says:\n"
+                    f"{_first_lines(str(exc), 12)}\nMake that code traceable (torch.where "
+                    "or torch.cond for a branch on tensor values, no .item() in control flow), "
+                    "move it out of forward, or compile the module with torch.compile "
+                    "instead") from exc
             inner = getattr(exc, "inner_exception", None)
             if isinstance(exc, torch._dynamo.exc.BackendCompilerFailed) and isinstance(
                     inner, FreezeframeError):

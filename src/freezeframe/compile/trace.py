@@ -73,11 +73,18 @@ def resolve_dynamic_arg_dims(forward: Callable[..., Any],
         dims: dict[str, tuple[int, ...]] = {n: (0,) for n in params
                 if _is_tensor_annotation(hints.get(n, sig.parameters[n].annotation))}
         if not dims:
+            name = getattr(forward, '__qualname__', forward)
+            if not params:
+                raise ConfigError(
+                    f"dynamic_arg_dims: {name} takes only *args / **kwargs, so freezeframe "
+                    "cannot name the argument whose dim 0 is the batch: give forward named "
+                    "parameters (def forward(self, x: torch.Tensor, ...)), or wrap the module "
+                    "in one whose forward has them")
             raise ConfigError(
-                f"dynamic_arg_dims: {getattr(forward, '__qualname__', forward)} has no argument "
-                f"annotated Tensor or Optional[Tensor] (arguments: {params}), so no batch "
-                "dimension can be inferred; annotate the tensor arguments or pass "
-                "dynamic_arg_dims={'x': 0}")
+                f"dynamic_arg_dims: {name} has no argument annotated Tensor or "
+                f"Optional[Tensor] (arguments: {params}), so no batch dimension can be "
+                "inferred; annotate the tensor arguments or pass "
+                f"dynamic_arg_dims={{{params[0]!r}: 0}}")
         return dims
     if not isinstance(given, Mapping) or not given:
         raise ConfigError(f"dynamic_arg_dims: expected a non-empty mapping of argument name to "
