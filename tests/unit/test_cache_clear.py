@@ -127,3 +127,16 @@ def test_clearing_one_entry_keeps_the_other_and_its_saved_trace(
         torch.testing.assert_close(model(x), _eager(scale, x))
         loaded.append(model.stats.traces_loaded)
     assert sorted(loaded) == [0, 1]
+
+
+def test_info_on_an_unknown_key_is_an_error_like_clear(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    keys = _two_entries(tmp_path)
+    assert main(["cache", "info", "--dir", str(tmp_path), keys[0], "abc"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"freezeframe cache: error: no cache entry 'abc' under {tmp_path} (see "
+                   "`freezeframe cache list` for the keys)\n")
+    assert main(["cache", "info", "--dir", str(tmp_path), keys[0]]) == 0
+    assert capsys.readouterr().out.startswith(f"entry {keys[0]}")

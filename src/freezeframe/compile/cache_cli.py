@@ -62,13 +62,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if not wanted:
         print(f"cache root: {root}: no entries")
         return 0
+    unknown = [k for k in wanted if k not in entries]
+    if unknown:
+        raise ConfigError(
+            f"no cache entr{'y' if len(unknown) == 1 else 'ies'} "
+            f"{', '.join(map(repr, unknown))} under {root} (see `freezeframe cache list` for "
+            "the keys)")
     status = 0
     for key in wanted:
-        entry = entries.get(key)
-        if entry is None:
-            print(f"no cache entry {key!r} under {root} (see `freezeframe cache list`)")
-            status = 1
-            continue
+        entry = entries[key]
         index: dict[str, Any] = {}
         with contextlib.suppress(OSError, ValueError, AttributeError):
             index = json.loads((entry.path / "index.json").read_text()).get("artifacts", {})
