@@ -503,3 +503,18 @@ def test_a_step_of_the_whole_token_budget_replays_a_graph() -> None:
         assert torch.equal(tokens, x * scale), n
     assert runner.stats.steps_full == 4
     assert model.stats.replays == 4
+
+
+def test_graphs_the_runner_captured_in_steps_before_capture_are_kept() -> None:
+    """A step before capture() captures on the runner's own buffers (the window is open until
+    then); capture() used to free those as foreign and capture them again."""
+    cfg = config("piecewise")
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    x = torch.full((3, 3), 2.0)
+    assert torch.equal(runner(x), 9 * x + 19)
+    assert model.stats.graphs_captured == 3  # 3 capturable pieces at padded size 4
+    runner.capture()
+    assert runner.stats.foreign_graphs_dropped == 0
+    assert model.stats.graphs_captured == 3 * len(SIZES)
+    assert torch.equal(runner(x), 9 * x + 19)

@@ -271,6 +271,12 @@ class GraphRunner:
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
         self._copy_after_overlap = False
+        # Graph wrappers that held graphs before this runner existed (low-level forward_context
+        # calls on other tensors): capture() frees them. Graphs this runner's own steps capture
+        # before capture() read its buffers and are kept.
+        wrappers = getattr(model, "graph_wrappers", None)
+        self._foreign = [w for w in wrappers() if w.captured_descriptors] if callable(
+            wrappers) else []
         # Micro-batching (runtime/ubatch.py): this wrapper stands in for the model's FULL graph.
         self._ubatch: MicroBatchWrapper | None = None
         if config.micro_batching:
@@ -794,12 +800,11 @@ class GraphRunner:
         """Free graphs the model captured before this runner existed.
 
         Such graphs (from low-level ``ff.forward_context`` calls) read the caller's tensors, not
-        this runner's static buffers; replaying them here would silently return stale results.
+        this runner's static buffers: each replay would copy the step's inputs into them. Steps
+        this runner made before ``capture()`` captured on its own buffers; those are kept.
         """
-        wrappers = getattr(self.model, "graph_wrappers", None)
-        if not callable(wrappers):
-            return
-        foreign = [w for w in wrappers() if w.captured_descriptors]
+        foreign = [w for w in self._foreign if w.captured_descriptors]
+        self._foreign = []
         if foreign:
             logger.warning("GraphRunner.capture: the model already held graphs captured outside "
                            "this runner (%d wrappers); they read other tensors, so they are "
