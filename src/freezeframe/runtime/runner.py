@@ -738,6 +738,9 @@ class GraphRunner:
         total = sum(len(descs) for _, descs in groups)
         records: list[GraphCapture] = []
         on_cuda = self.device.type == "cuda"
+        # Copied aside before the clock and the memory baseline start: the report measures
+        # graphs, not the copies.
+        saved = _SavedBuffers(self.model)
         start = time.perf_counter()
         if on_cuda:
             torch.cuda.synchronize(self.device)
@@ -746,7 +749,6 @@ class GraphRunner:
         self.stats.inc("capture_runs")
         primed = set(self._primed_sizes)
         stream = torch.cuda.current_stream(self.device) if on_cuda else None
-        saved = _SavedBuffers(self.model)
         self._leaf_sizes.clear()
         try:
             if window is not None:
@@ -756,6 +758,10 @@ class GraphRunner:
                     for desc in descs:
                         records.append(self._capture_one(mode, desc))
                         bar.update(1)
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+            free_after = _free_memory(self.device)
         except BaseException:
             self._forget_failed_capture(primed, stream)
             raise
@@ -768,10 +774,8 @@ class GraphRunner:
             if restored:
                 self.stats.inc("buffers_restored", restored)
         self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
-        if on_cuda:
-            torch.cuda.synchronize(self.device)
-        report = CaptureReport(graphs=tuple(records), seconds=time.perf_counter() - start,
-                               memory_bytes=max(0, free_before - _free_memory(self.device)),
+        report = CaptureReport(graphs=tuple(records), seconds=seconds,
+                               memory_bytes=max(0, free_before - free_after),
                                device=device_name)
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
