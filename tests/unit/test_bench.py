@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from freezeframe.bench import run as bench_run
 from freezeframe.bench.run import BenchOptions, format_table, modes_from, run_bench
 from freezeframe.cli import main
 from freezeframe.errors import ConfigError
@@ -41,6 +42,8 @@ def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
             assert row["median_ms"] > 0
             assert row["floor_share"] == pytest.approx(row["floor_ms"] / row["median_ms"])
         assert entry["prefill_ms"] > 0 and entry["startup_s"] > 0
+        assert entry["matches_eager"] is True and entry["max_rel_diff_vs_eager"] <= 1e-4
+    assert saved["match_tolerance"] == 1e-4
     fp = saved["modes"]["full_and_piecewise"]
     # FULL graphs for uniform decode at 1, 2, 4 tokens... and PIECEWISE for mixed batches
     # max_num_seqs 3 (largest batch + 1): PIECEWISE at 1, 2, 4, 6 and FULL decode at 1, 2
@@ -201,3 +204,36 @@ def test_quiet_and_non_terminal_output(tmp_path: Path, monkeypatch: pytest.Monke
     assert main(_bench_argv(tmp_path, modes="eager")) == 0
     assert _numbers_out(capsys.readouterr().err)[-1] == "bench: [1/1] eager: done in N s"
     assert _FakeBar.made == []
+
+
+def test_a_mode_whose_logits_differ_from_eager_is_named_and_fails_the_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    want = [torch.tensor([[1.0, -4.0]]), torch.tensor([[2.0, 0.5]])]
+    result: dict[str, Any] = {"notes": [], "modes": {"eager": {}, "full": {}, "none": {}}}
+    bench_run._compare_with_eager(result, {
+        "eager": want,
+        "full": [want[0], torch.tensor([[2.0, 0.7]])],  # 0.2 off a largest value of 2
+        "none": [want[0] + 1e-5, want[1]],
+    }, torch.float32)
+    assert result["modes"]["full"] == {"max_rel_diff_vs_eager": pytest.approx(0.1),
+                                       "matches_eager": False}
+    assert result["modes"]["none"]["matches_eager"] is True
+    assert result["modes"]["eager"]["max_rel_diff_vs_eager"] == 0.0
+    assert result["notes"] == ["full: logits differ from eager's by 1.00e-01 of their largest "
+                               "value (tolerance 1e-04): a wrong answer, not a speed result"]
+    assert bench_run.mismatched_modes(result) == ["full"]
+
+    real = bench_run.run_bench
+
+    def wrong_full(opts: BenchOptions, progress: Any = None) -> dict[str, Any]:
+        out = real(opts, progress)
+        out["modes"]["full"]["matches_eager"] = False
+        return out
+
+    monkeypatch.setattr(bench_run, "run_bench", wrong_full)
+    code = main(["bench", "--modes", "eager,full", "--batch-sizes", "1", "--steps", "1",
+                 "--warmup", "0", "--out", str(tmp_path), "-q"])
+    assert code == 1
+    assert capsys.readouterr().err.endswith(
+        "freezeframe bench: error: full gave other logits than eager (see the notes above)\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from freezeframe.cli import int_at_least, int_list
@@ -44,7 +45,14 @@ def add_parser(subparsers: Any) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     from freezeframe.bench.progress import Progress
-    from freezeframe.bench.run import ALL_MODES, BenchOptions, format_table, modes_from, run_bench
+    from freezeframe.bench.run import (
+        ALL_MODES,
+        BenchOptions,
+        format_table,
+        mismatched_modes,
+        modes_from,
+        run_bench,
+    )
     from freezeframe.errors import ConfigError
 
     if args.modes is not None and not args.modes.strip(","):
@@ -69,4 +77,9 @@ def _main(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}/results.json" + (
         "" if any("matplotlib" in n for n in result["notes"])
         else f" and {args.out}/latency_vs_batch.png"))
+    wrong = mismatched_modes(result)
+    if wrong:
+        print(f"freezeframe bench: error: {', '.join(wrong)} gave other logits than eager "
+              "(see the notes above)", file=sys.stderr)
+        return 1
     return 0

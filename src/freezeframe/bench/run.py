@@ -25,7 +25,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +291,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
                 return model.compute_logits(hidden[rows])
         return run
 
+    # each mode's logits of its first decode step at each batch size, compared with eager's
+    firsts: dict[str, list[torch.Tensor]] = {}
     for mode in opts.modes:
         entry: dict[str, Any] = {}
         result["modes"][mode] = entry
@@ -341,8 +343,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         # first call of each step kind: compiles lazily for the torch.compile modes
         progress.phase("first call at each batch size"
                        + (" (torch.compile compiles here)" if mode in TORCH_MODES[1:] else ""))
-        for step in [decode_step(bs) for bs in batch_sizes]:
-            logits_of(forward, step, base)()
+        firsts[mode] = [logits_of(forward, step, base)().float().cpu()
+                        for step in [decode_step(bs) for bs in batch_sizes]]
         _sync(device)
         entry["startup_s"] = time.perf_counter() - t0
         entry["graph_memory_bytes"] = _device_used(device) - mem0 if on_cuda else None
@@ -369,6 +371,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
             entry["runner_stats"] = runner.stats.snapshot()
         progress.end_mode(f"done in {time.perf_counter() - t0:.1f} s")
 
+    _compare_with_eager(result, firsts, dtype)
     eager_ms = {bs: result["modes"].get("eager", {}).get("decode", {}).get(str(bs), {})
                 .get("median_ms") for bs in batch_sizes}
     for entry in result["modes"].values():
@@ -378,6 +381,39 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     if out is not None:
         write_outputs(result, out)
     return result
+
+
+# Largest |logits - eager logits| over the largest |eager logit| a mode may show: float32 runs
+# the same math in another order; 16-bit types round every layer's activations.
+MATCH_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+MATCH_TOLERANCE_16BIT = 5e-2
+
+
+def _compare_with_eager(result: dict[str, Any], firsts: Mapping[str, list[torch.Tensor]],
+                        dtype: torch.dtype) -> None:
+    """Record, per mode, how far its logits are from eager's on the same steps
+    (``max_rel_diff_vs_eager``) and whether that is within tolerance (``matches_eager``); a
+    mode that does not match is named in the notes. Needs the eager mode in the run."""
+    reference = firsts.get("eager")
+    if reference is None:
+        result["notes"].append("outputs not checked: the eager mode was not run")
+        return
+    tolerance = MATCH_TOLERANCE.get(dtype, MATCH_TOLERANCE_16BIT)
+    result["match_tolerance"] = tolerance
+    for mode, outs in firsts.items():
+        diff = max(float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
+                   for got, want in zip(outs, reference, strict=True))
+        entry = result["modes"][mode]
+        entry["max_rel_diff_vs_eager"] = diff
+        entry["matches_eager"] = diff <= tolerance
+        if diff > tolerance:
+            result["notes"].append(
+                f"{mode}: logits differ from eager's by {diff:.2e} of their largest value "
+                f"(tolerance {tolerance:.0e}): a wrong answer, not a speed result")
+
+
+def mismatched_modes(result: Mapping[str, Any]) -> list[str]:
+    return [m for m, e in result["modes"].items() if e.get("matches_eager") is False]
 
 
 def _count(n: int) -> str:
@@ -392,7 +428,8 @@ def format_table(result: dict[str, Any]) -> str:
     """A plain-text table: one row per mode, decode latency per batch size, then the rest."""
     sizes = result["batch_sizes"]
     head = ["mode", *[f"decode bs{b} ms" for b in sizes], "floor% bs1" if 1 in sizes else
-            f"floor% bs{sizes[0]}", f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s"]
+            f"floor% bs{sizes[0]}", f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s",
+            "vs eager"]
     rows = [head]
     for mode, e in result["modes"].items():
         if "skipped" in e:
@@ -403,7 +440,8 @@ def format_table(result: dict[str, Any]) -> str:
         rows.append([mode, *[f"{d[str(b)]['median_ms']:.3f}" for b in sizes],
                      f"{100 * first['floor_share']:.1f}",
                      f"{e['mixed'][str(sizes[-1])]['median_ms']:.3f}",
-                     f"{e['prefill_ms']:.3f}", f"{e['startup_s']:.2f}"])
+                     f"{e['prefill_ms']:.3f}", f"{e['startup_s']:.2f}",
+                     _match_cell(e)])
     width = [max(len(r[i]) for r in rows if i < len(r) and len(r) == len(head))
              for i in range(len(head))]
     lines = []
@@ -417,6 +455,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"{result['torch']}, compiler {result['compiler']}), context {result['context']}, "
             f"bandwidth {result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
     return "\n".join([info, *lines, *[f"note: {n}" for n in result["notes"]]])
+
+
+def _match_cell(entry: Mapping[str, Any]) -> str:
+    if "matches_eager" not in entry:
+        return "-"
+    verdict = "ok" if entry["matches_eager"] else "DIFFERS"
+    return f"{verdict} {entry['max_rel_diff_vs_eager']:.0e}"
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
