@@ -204,3 +204,29 @@ def test_snapshot_tokens_compare_values_and_identities() -> None:
     m.scale = 2  # same value, another type
     m.cfg = state._subs[0].attrs["cfg"].obj  # type: ignore[attr-defined]
     assert state.difference() == "model.scale was 2.0 at the trace and is 2 now"
+
+
+class KeepsLast(nn.Module):
+    """Stores its last output for inspection: the store is replayed with each call's tensor,
+    so this is not a change the trace baked in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.last = y * 2
+        return y
+
+
+def test_a_forward_that_stores_a_tensor_attribute_is_fine() -> None:
+    mine = KeepsLast()
+    model = ff.compile(mine, _config(debug=True))
+    for n in (3, 5, 2):
+        x = torch.randn(n, 4)
+        out = model(x)
+        assert torch.equal(out, mine.lin(x).detach())
+        assert mine.last is not None and torch.equal(mine.last, out * 2)

@@ -17,7 +17,8 @@ checks this state itself, in two tiers::
 What is compared, per submodule: ``training``; the forward and forward-pre hooks (by identity);
 every attribute whose name does not start with ``_``: numbers, strings and None by value
 (``-0.0`` and ``0.0`` differ, NaN equals NaN), lists, tuples and dicts of them item by item,
-anything else (tensors, config objects, functions) by identity. Parameters and buffers are not
+tensors by dtype, device and rank (the trace reads them as inputs), anything else (config
+objects, functions) by identity. Parameters and buffers are not
 part of it: the trace reads them as inputs, so in-place updates and replacements are seen.
 
 A difference is never served from the stale trace: :meth:`ModuleState.difference` names it and
@@ -30,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -67,6 +69,11 @@ def _token(value: Any, depth: int = 0) -> Any:
     if isinstance(value, float):
         # repr tells -0.0 from 0.0 and makes every NaN equal
         return (float, repr(value) if math.isnan(value) or value == 0 else value)
+    if isinstance(value, torch.Tensor):
+        # The trace reads a tensor attribute as an input (as it does parameters), and a
+        # forward that stores a tensor (self.last = out) has the store replayed on every call:
+        # only what the graph was made for counts.
+        return ("tensor", value.dtype, value.device, value.dim())
     if depth < _MAX_DEPTH:
         if isinstance(value, (list, tuple)) and len(value) <= _MAX_ITEMS:
             return (type(value), tuple(_token(v, depth + 1) for v in value))
@@ -76,9 +83,16 @@ def _token(value: Any, depth: int = 0) -> Any:
     return _Same(value)
 
 
+def _is_tensor_token(token: Any) -> bool:
+    return isinstance(token, tuple) and len(token) == 4 and token[0] == "tensor"
+
+
 def _describe(token: Any) -> str:
     if isinstance(token, _Same):
         return repr(token)
+    if _is_tensor_token(token):
+        return f"a {token[1]} tensor of {token[3]} dims on {token[2]}"
+
     if isinstance(token, tuple) and len(token) == 2 and isinstance(token[0], type):
         kind, value = token
         if kind is float and isinstance(value, str):
@@ -115,7 +129,8 @@ class _SubmoduleState:
         self.attrs = {name: _token(value) for name, value in vars(module).items()
                       if not name.startswith("_") and name != "training"}
 
-    def difference(self, now: _SubmoduleState, where: str) -> str | None:
+    def difference(self, now: _SubmoduleState, where: str,
+                   tensor_stores: bool = False) -> str | None:
         if now.training != self.training:
             return (f"{where}.training was {self.training} at the trace and is "
                     f"{now.training} now (model.train() / model.eval())")
@@ -123,6 +138,8 @@ class _SubmoduleState:
             return (f"{where} had {len(self.hooks)} forward hook(s) at the trace and has "
                     f"{len(now.hooks)} different one(s) now")
         for name in sorted(self.attrs.keys() | now.attrs.keys()):
+            if tensor_stores and _is_tensor_token(now.attrs.get(name)):
+                continue  # forward stored a tensor: replayed with the new value every call
             if name not in now.attrs:
                 return f"{where}.{name} was deleted after the trace"
             if name not in self.attrs:
@@ -149,8 +166,10 @@ class ModuleState:
         return (self.module.training is not self.training
                 or _global_hook_counts() != self.global_counts)
 
-    def difference(self) -> str | None:
-        """The full tier: what differs from the snapshot, in words, or None."""
+    def difference(self, tensor_stores: bool = False) -> str | None:
+        """The full tier: what differs from the snapshot, in words, or None.
+        ``tensor_stores``: an attribute that now holds a tensor is not a difference (the check
+        after the first call: a forward that stores a tensor has the store replayed)."""
         if _global_hooks() != self._global_hooks:
             return ("the global module hooks (torch.nn.modules.module."
                     "register_module_forward_hook / _pre_hook) changed after the trace")
@@ -159,7 +178,7 @@ class ModuleState:
                 a is not b for (_, a), (_, b) in zip(modules, self._modules, strict=True)):
             return "a submodule was added, removed or replaced after the trace"
         for (name, sub), before in zip(modules, self._subs, strict=True):
-            why = before.difference(_SubmoduleState(sub), _where(name))
+            why = before.difference(_SubmoduleState(sub), _where(name), tensor_stores)
             if why is not None:
                 return why
         return None
