@@ -375,8 +375,10 @@ def test_cli_list_info_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert cache_cli.main(["cache", "info", "--dir", root, cache.key]) == 0
     out = capsys.readouterr().out
     assert "piece_0_range_1_8.bin: 10 bytes, compiler=inductor" in out and '"torch"' in out
-    assert cache_cli.main(["cache", "info", "--dir", root, "0123456789abcdef"]) == 1
-    capsys.readouterr()
+    assert cache_cli.main(["cache", "info", "--dir", root, "0123456789abcdef"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "error: no cache entry '0123456789abcdef'" in captured.err
     assert cache_cli.main(["cache", "clear", "--dir", root, "-y"]) == 0
     assert "removed 1 entry" in capsys.readouterr().out
     assert ff_cache.list_entries(tmp_path / "c") == []
