@@ -87,6 +87,28 @@ def test_outputs_whose_dim0_does_not_follow_the_step_are_not_cut(mode: str) -> N
         assert torch.equal(a, b)
 
 
+class Clipped(nn.Module):
+    """Returns at most four rows: dim 0 follows the step up to 4 (1, 2, 4, 4 at the sizes
+    1, 2, 4, 8), so it is cut to the real rows wherever it is the padded size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention(x * 2, x, x)[:4]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8])
+def test_an_output_clipped_to_fixed_rows_is_cut_where_it_follows_the_step(mode: str,
+                                                                          n: int) -> None:
+    cfg = config(mode)
+    runner = GraphRunner(ff.compile(Clipped(), cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2, fill=-7.0)})
+    runner.capture()
+    x = torch.arange(2.0 * n).reshape(n, 2)
+    got = runner(x)
+    assert tuple(got.shape) == (min(n, 4), 2)
+    assert torch.equal(got, Clipped()(x))
+
+
 class WritesX(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x.add_(1)
@@ -124,6 +146,31 @@ def test_one_tensor_passed_as_two_inputs_nothing_writes_is_fine() -> None:
     runner.capture()
     t = torch.arange(6.0).reshape(3, 2)
     assert torch.equal(runner(t, t), ReadsBoth()(t, t))
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_disjoint_views_of_one_storage_are_independent_inputs(captured: bool) -> None:
+    """``t[:3]`` and ``t[3:]`` share a storage but no byte: eagerly the write into x does
+    not show through y, so the runner's separate staging gives eager's answer."""
+    cfg = config("full_and_piecewise")
+    runner = GraphRunner(ff.compile(WritesX(), cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2), "y": Tokens(2)})
+    if captured:
+        runner.capture()
+    t, e = torch.arange(12.0).reshape(6, 2), torch.arange(12.0).reshape(6, 2)
+    got, want = runner(t[:3], t[3:]), WritesX()(e[:3], e[3:])
+    assert torch.equal(got, want)
+    assert torch.equal(t, e)
+
+
+def test_overlapping_views_the_model_writes_are_refused() -> None:
+    cfg = config("full_and_piecewise")
+    runner = GraphRunner(ff.compile(WritesX(), cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2), "y": Tokens(2)})
+    runner.capture()
+    t = torch.arange(12.0).reshape(6, 2)
+    with pytest.raises(InputMismatchError, match=r"inputs 'x' and 'y' share memory"):
+        runner(t[:4], t[2:])
 
 
 class Plain(nn.Module):
