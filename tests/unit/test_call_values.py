@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,87 @@ def test_value_specs_compare_by_type_and_canonical_value() -> None:
     assert ValueSpec(0.0) != ValueSpec(-0.0)
     assert ValueSpec(float("nan")) == ValueSpec(float("nan"))
     assert ValueSpec(Act.RELU) == ValueSpec(Act.RELU) != ValueSpec(Act.TANH)
+
+
+class Slotted:
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class BySlotted(nn.Module):
+    def forward(self, x: torch.Tensor, settings: Slotted) -> torch.Tensor:
+        return x * settings.scale
+
+
+@dataclasses.dataclass
+class WithSet:
+    scale: float
+    tags: set[str]
+
+
+class ByTags(nn.Module):
+    def forward(self, x: torch.Tensor, settings: WithSet) -> torch.Tensor:
+        return x * (settings.scale + len(settings.tags) + (10 if "b" in settings.tags else 0))
+
+
+class Scaler:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        return t * self.k
+
+
+def _scale(t: torch.Tensor, k: float) -> torch.Tensor:
+    return t * k
+
+
+class ByLongList(nn.Module):
+    def forward(self, x: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        return x * ids[-1]
+
+
+RETRACE_FREE: dict[str, tuple[type[nn.Module], list[Callable[[], Any]], int]] = {
+    # (module, fresh equal-or-not argument per call, traces expected): a fresh object equal to
+    # an earlier one reuses its trace; they used to be compared by identity and retraced on
+    # every call until the limit
+    "numpy scalar": (Times, [lambda: np.float32(2.0), lambda: np.float32(2.0),
+                             lambda: np.float64(2.0), lambda: np.float32(3.0),
+                             lambda: np.float32("nan"), lambda: np.float32("nan")], 4),
+    "bound method": (ByFunction, [lambda: Scaler(2.0).apply, lambda: Scaler(2.0).apply,
+                                  lambda: Scaler(3.0).apply], 2),
+    "partial": (ByFunction, [lambda: functools.partial(_scale, k=2.0),
+                             lambda: functools.partial(_scale, k=2.0),
+                             lambda: functools.partial(_scale, k=3.0)], 2),
+    "slots object": (BySlotted, [lambda: Slotted(2.0), lambda: Slotted(2.0),
+                                 lambda: Slotted(3.0)], 2),
+    "dataclass with a set": (ByTags, [lambda: WithSet(1.0, {"a", "b"}),
+                                      lambda: WithSet(1.0, {"b", "a"}),
+                                      lambda: WithSet(1.0, {"a", "c"})], 2),
+    "long list": (ByLongList, [lambda: list(range(1000)), lambda: list(range(1000)),
+                               lambda: [*range(999), 5]], 2),
+}
+
+
+@pytest.mark.parametrize("case", list(RETRACE_FREE))
+def test_fresh_equal_arguments_reuse_their_trace(case: str) -> None:
+    module, makers, traces = RETRACE_FREE[case]
+    model, eager = ff.compile(module(), config()), module()
+    x = torch.randn(3, 4)
+    for make in makers:
+        value = make()
+        assert torch.allclose(model(x, value), eager(x, value), equal_nan=True), (case, value)
+    assert model.num_traces == traces
+
+
+def test_a_partial_with_other_arguments_is_another_structure() -> None:
+    """A partial has no attributes of its own: compared as an object with an empty __dict__,
+    every partial of one function shared the first one's trace (k=2 served k=3)."""
+    model, eager = ff.compile(ByFunction(), config()), ByFunction()
+    x = torch.ones(3, 4)
+    for k in (2.0, 3.0):
+        fn = functools.partial(_scale, k=k)
+        assert torch.equal(model(x, fn), eager(x, fn)), k
+    assert model.num_traces == 2

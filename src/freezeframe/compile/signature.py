@@ -26,78 +26,19 @@ input error (dim 1 was fixed at 16).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
 import logging
-import math
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from freezeframe.compile.values import MAX_DEPTH, Same, describe, parts, plain_token, token
 from freezeframe.errors import InputMismatchError
 
 __all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "incompatibility"]
 
 logger = logging.getLogger(__name__)
-
-_PLAIN = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device,
-          enum.Enum)
-_MAX_DEPTH = 4
-_MAX_ATTRS = 32  # a plain object with more attributes than this is compared by identity
-# Callables a trace inlines: the same code with other closure values is other code, so each
-# object is its own structure (compared by identity).
-_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-              types.BuiltinMethodType)
-
-
-def plain_token(value: Any) -> Any:
-    """How a plain value enters a key: its type and value, with ``-0.0`` told from ``0.0``
-    (``1 / k`` differs) and every NaN equal to every other (``nan != nan`` would make each
-    call with a NaN a new structure). The type matters too: ``1``, ``1.0`` and ``True`` are
-    equal in Python but give ``x * k`` another dtype."""
-    if type(value) is float and (value == 0 or math.isnan(value)):
-        return (float, repr(value))
-    if type(value) is complex:
-        return (complex, repr(value))
-    return (type(value), value)
-
-
-class Same:
-    """Equal only to a ``Same`` of the very same object. It holds a reference, so the
-    object's id cannot be reused by a new object while a key or signature holds it."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __repr__(self) -> str:
-        name = getattr(self.obj, "__qualname__", None) or type(self.obj).__qualname__
-        return f"{name} at {id(self.obj):#x}"
-
-
-def object_fields(value: Any) -> tuple[str, ...] | None:
-    """The attributes by which a plain object argument is compared (a dataclass's fields, a
-    small ``__dict__``), or None when it is compared by identity (callables, modules, objects
-    with slots or many attributes)."""
-    if isinstance(value, (_CALLABLES, type, torch.nn.Module)):
-        return None
-    if dataclasses.is_dataclass(value):
-        return tuple(f.name for f in dataclasses.fields(value))
-    attrs = getattr(value, "__dict__", None)
-    if type(attrs) is dict and len(attrs) <= _MAX_ATTRS and not hasattr(type(value),
-                                                                        "__slots__"):
-        return tuple(sorted(attrs))
-    return None
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
@@ -195,6 +136,7 @@ class Signer:
                             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._dims = {name: tuple(d) for name, d in dynamic_arg_dims.items()}
         self._grad_matters = grad_matters
+        self._dyn: dict[tuple[Any, int], frozenset[int]] = {}  # (arg, rank) -> dynamic dims
 
     # -- the per-call key (hot path) ------------------------------------------------------
     def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -204,55 +146,39 @@ class Signer:
         structure; :meth:`signature` then gives equal signatures.
         """
         positional = self._positional
-        parts: list[Any] = []
+        pieces: list[Any] = []
         storages: list[int] | None = None
         n_tensors = 0
         for i, value in enumerate(args):
             name = positional[i] if i < len(positional) else i
-            parts.append(self._leaf_key(name, value))
+            pieces.append(self._leaf_key(name, value))
             if isinstance(value, torch.Tensor):
                 n_tensors += 1
         for name, value in kwargs.items():
-            parts.append((name, self._leaf_key(name, value)))
+            pieces.append((name, self._leaf_key(name, value)))
             if isinstance(value, torch.Tensor):
                 n_tensors += 1
         if n_tensors > 1:
             storages = [v.untyped_storage().data_ptr() for v in (*args, *kwargs.values())
                         if isinstance(v, torch.Tensor)]
             if len(set(storages)) != len(storages):
-                parts.append(("aliases", tuple(storages.index(s) for s in storages)))
+                pieces.append(("aliases", tuple(storages.index(s) for s in storages)))
         if self._grad_matters:
-            parts.append(torch.is_grad_enabled())
-        return tuple(parts)
+            pieces.append(torch.is_grad_enabled())
+        return tuple(pieces)
 
-    def _leaf_key(self, name: Any, value: Any, depth: int = 0) -> Any:
+    def _leaf_key(self, name: Any, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            dims = self._dims.get(name, ()) if depth == 0 else ()
             shape = value.shape
-            if dims:
-                rank = len(shape)
-                dyn = _dims_of(dims, rank)
-                sizes: tuple[Any, ...] = tuple(-1 if d in dyn else s for d, s in enumerate(shape))
-            else:
-                sizes = tuple(shape)
+            dyn = self._dyn.get((name, len(shape)))
+            if dyn is None:
+                dyn = self._dyn[(name, len(shape))] = _dims_of(self._dims.get(name, ()),
+                                                               len(shape))
+            sizes: tuple[Any, ...] = tuple(-1 if d in dyn else s for d, s in enumerate(shape)) \
+                if dyn else tuple(shape)
             layout = True if value.is_contiguous() else value.stride()
             return (value.dtype, value.device, sizes, layout, value.requires_grad)
-        if isinstance(value, _PLAIN):
-            return plain_token(value)
-        if depth < _MAX_DEPTH:
-            if isinstance(value, (list, tuple)):
-                return (type(value), tuple(self._leaf_key(None, v, depth + 1) for v in value))
-            if isinstance(value, dict):
-                return (dict, tuple((plain_token(k), self._leaf_key(None, v, depth + 1))
-                                    for k, v in value.items()))
-            if isinstance(value, slice):
-                return (slice, tuple(self._leaf_key(None, v, depth + 1)
-                                     for v in (value.start, value.stop, value.step)))
-            fields = object_fields(value)
-            if fields is not None:
-                return (type(value), fields, tuple(
-                    self._leaf_key(None, getattr(value, f), depth + 1) for f in fields))
-        return Same(value)
+        return token(value, _nested_tensor_key)
 
     # -- the full description (once per new key) ------------------------------------------
     def signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallSignature:
@@ -286,26 +212,14 @@ class Signer:
             sizes = tuple(None if d in dyn else int(s) for d, s in enumerate(value.shape))
             strides = None if value.is_contiguous() else tuple(value.stride())
             return TensorSpec(value.dtype, value.device, sizes, strides, value.requires_grad)
-        if isinstance(value, _PLAIN):
+        if plain_token(value) is not None:
             return ValueSpec(value)
-        if isinstance(value, (list, tuple)) and depth < _MAX_DEPTH:
-            return ContainerSpec(type(value).__name__, tuple(range(len(value))), tuple(
-                self._spec(name, v, f"{path}[{i}]", tensors, depth + 1)
-                for i, v in enumerate(value)))
-        if isinstance(value, dict) and depth < _MAX_DEPTH:
-            return ContainerSpec("dict", tuple(plain_token(k) for k in value), tuple(
-                self._spec(name, v, f"{path}[{k!r}]", tensors, depth + 1)
-                for k, v in value.items()))
-        if isinstance(value, slice) and depth < _MAX_DEPTH:
-            return ContainerSpec("slice", ("start", "stop", "step"), tuple(
-                self._spec(name, v, f"{path}.{f}", tensors, depth + 1)
-                for f, v in (("start", value.start), ("stop", value.stop),
-                             ("step", value.step))))
-        fields = object_fields(value) if depth < _MAX_DEPTH else None
-        if fields is not None:
-            return ContainerSpec(type(value).__qualname__, fields, tuple(
-                self._spec(name, getattr(value, f), f"{path}.{f}", tensors, depth + 1)
-                for f in fields))
+        split = parts(value) if depth < MAX_DEPTH else None
+        if split is not None:
+            kind, keys, items = split
+            return ContainerSpec(kind, keys, tuple(
+                self._spec(name, v, _item_path(path, kind, keys, i), tensors, depth + 1)
+                for i, v in enumerate(items)))
         return ObjectSpec(type(value).__qualname__, Same(value))
 
     def dynamic_sizes(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -322,6 +236,21 @@ class Signer:
                 for d in _dims_of(dims, value.dim()):
                     out[(name, d)] = int(value.shape[d])
         return out
+
+
+def _nested_tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor inside a container: every size counts (only top-level arguments have
+    dynamic dims)."""
+    layout = True if value.is_contiguous() else value.stride()
+    return (value.dtype, value.device, tuple(value.shape), layout, value.requires_grad)
+
+
+def _item_path(path: str, kind: str, keys: tuple[Any, ...], i: int) -> str:
+    if not keys:
+        return f"{path}[{i}]"
+    if kind == "dict":
+        return f"{path}[{describe(keys[i])}]"
+    return f"{path}.{keys[i]}"
 
 
 def _fix_for(name: str, old: TensorSpec, new: TensorSpec,
