@@ -3,6 +3,8 @@ is refused with a clear error, never answered from the stale trace."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -135,15 +137,42 @@ def test_a_global_module_hook_is_caught_on_every_call() -> None:
     model(x)  # removed again: the state is as traced
 
 
-def test_a_plain_attribute_change_is_caught_at_the_next_new_route() -> None:
-    """Without debug, plain attributes are compared when a call needs a new route; a call of
-    a routed structure is served without that scan (documented)."""
+def test_a_root_attribute_set_or_hook_added_is_caught_at_the_next_call() -> None:
+    """The every-call tier follows which object each root attribute holds and the root's
+    hooks: ``model.scale = 5.0`` or ``model._steps = 1`` on a routed structure is refused at
+    once, not at the next new route."""
+    for change, message in [(_set_scale, r"model\.scale was 2\.0 at the trace and is 5\.0"),
+                            (lambda m: setattr(m, "_private", 7), r"model\._private was set"),
+                            (_hook_root, r"model had 0 forward hook\(s\)")]:
+        mine, _ = _pair()
+        model = ff.compile(mine, _config())
+        model(torch.randn(3, 4))
+        change(mine)
+        with pytest.raises(CompileError, match=message):
+            model(torch.randn(3, 4))
+
+
+def test_a_root_attribute_set_to_an_equal_value_is_served() -> None:
+    mine, theirs = _pair()
+    model = ff.compile(mine, _config())
+    model(torch.randn(3, 4))
+    mine.scale = float("2.0")  # another object, the same value
+    mine.offsets = [1.0, 0.0]
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), theirs(x).detach())
+    assert model.stats.retraces == 0
+
+
+def test_a_submodule_attribute_change_is_caught_at_the_next_new_route() -> None:
+    """Without debug, submodules are compared when a call needs a new route; a call of a
+    routed structure is served without that scan (documented)."""
     mine, _ = _pair()
     model = ff.compile(mine, _config())
     model(torch.randn(3, 4))
-    mine.scale = 5.0
+    mine.bn.momentum = 0.5
     model(torch.randn(3, 4))  # routed: served without the scan
-    with pytest.raises(CompileError, match=r"model\.scale was 2\.0"):
+    with pytest.raises(CompileError, match=r"model\.bn\.momentum was 0\.1 at the trace and "
+                                           r"is 0\.5 now"):
         model(torch.randn(4, 3).t())
 
 
@@ -200,7 +229,8 @@ def test_snapshot_tokens_compare_values_and_identities() -> None:
     m.nan = float("nan")  # type: ignore[attr-defined]
     assert state.difference() is None
     m.cfg = object()  # type: ignore[attr-defined]
-    assert state.difference() is not None and state.difference().startswith("model.cfg was <")
+    assert state.difference() is not None and state.difference().startswith(
+        "model.cfg was an object of type object at 0x")
     m.scale = 2  # same value, another type
     m.cfg = state._subs[0].attrs["cfg"].obj  # type: ignore[attr-defined]
     assert state.difference() == "model.scale was 2.0 at the trace and is 2 now"
@@ -230,3 +260,80 @@ def test_a_forward_that_stores_a_tensor_attribute_is_fine() -> None:
         out = model(x)
         assert torch.equal(out, mine.lin(x).detach())
         assert mine.last is not None and torch.equal(mine.last, out * 2)
+
+
+@dataclasses.dataclass
+class Eps:
+    eps: float = 1.0
+
+
+class WithConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = Eps()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cfg.eps
+
+
+def test_a_config_object_changed_in_place_is_caught_by_the_full_tier() -> None:
+    """Compared field by field, not by identity: the same object with another eps would
+    have been served by the trace that baked eps=1.0 in."""
+    mine = WithConfig()
+    model = ff.compile(mine, _config(debug=True))
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), x)
+    mine.cfg.eps = 3.0
+    with pytest.raises(CompileError, match=r"model\.cfg was Eps\(eps=1\.0\) at the trace and is "
+                                           r"Eps\(eps=3\.0\) now"):
+        model(x)
+
+
+class PrivateCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._calls += 1
+        return x * self._calls
+
+
+def test_a_private_attribute_counts_as_state() -> None:
+    """Attributes whose names start with ``_`` were never compared: the trace replayed
+    ``x * 1`` for every later call."""
+    model = ff.compile(PrivateCounter(), _config())
+    with pytest.raises(CompileError, match=r"forward changes the module's own Python state "
+                                           r"while it runs \(model\._calls was 0 at the trace"):
+        model(torch.ones(2, 2))
+
+
+class LazyTable(nn.Module):
+    """Builds a tensor attribute at its first call (a common cache pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table: torch.Tensor | None = None
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.arange(4.0)
+        return self.lin(x) + self.table
+
+
+def test_forward_that_sets_a_tensor_attribute_once_and_weight_norm_hooks_are_fine() -> None:
+    """A tensor attribute is a trace input (compared by dtype, device and rank), so neither a
+    lazily built table nor the pre-hook of the old ``weight_norm``, which sets
+    ``module.weight`` before every call, is a change the trace baked in."""
+    torch.manual_seed(0)
+    lazy = LazyTable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)))
+    for module, dims in ((lazy, None), (normed, {"input": 0})):
+        model = ff.compile(module, _config(debug=True), dynamic_arg_dims=dims)
+        for n in (3, 3, 5):
+            x = torch.randn(n, 4)
+            assert torch.equal(model(x), module(x).detach())
+        assert model.stats.retraces == 0

@@ -347,6 +347,7 @@ class CompiledModel(nn.Module):
     def _check_state(self, state: ModuleState) -> None:
         why = state.difference()
         if why is None:
+            state.refresh()
             return
         raise CompileError(
             f"{self.model_key}: the module changed after its first call was traced: {why}. "
