@@ -76,7 +76,8 @@ def test_another_dtype_is_a_clear_error_not_garbage(mode):
     (torch.ones(2, 5), r"argument 'x' has size 5 in dim 1, but dim 1 was fixed at 3 when the "
                        r"model was traced \(only dims \[0\] of 'x' vary between calls\); if dim "
                        r"1 should vary, pass dynamic_arg_dims=\{'x': \[0, 1\]\} to ff.compile"),
-    ([[1.0, 2.0, 3.0]], r"argument 'x' is a list of 1, but the model was traced with a "
+    ([[1.0, 2.0, 3.0]], r"argument 'x' is a list \(a list \(the float 1\.0; the float 2\.0; "
+                        r"the float 3\.0\)\), but the model was traced with a "
                         r"torch.float32 tensor on cpu of shape \(\*, 3\), contiguous; pass a "
                         r"tensor"),
     (torch.ones(2, 3, device="meta"), r"argument 'x' is on meta, but the model was traced "

@@ -246,3 +246,25 @@ def test_a_partial_with_other_arguments_is_another_structure() -> None:
         fn = functools.partial(_scale, k=k)
         assert torch.equal(model(x, fn), eager(x, fn)), k
     assert model.num_traces == 2
+
+
+class ByNested(nn.Module):
+    def forward(self, x: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        return x + extra["bias"]
+
+
+def test_a_nested_tensor_that_follows_the_batch_is_named_in_the_error() -> None:
+    """Only top-level tensors have dynamic dims: a tensor in a dict whose dim 0 follows the
+    batch fixes the batch dim. The error named a pinned size and a `==` test the user never
+    wrote; it names the nested tensor and the fix."""
+    model = ff.compile(ByNested(), config())
+    with pytest.raises(CompileError, match=r"pins a dynamic size to 3 .*that is a size of "
+                                           r"extra\['bias'\] \(shape \(3, 2\)\), a tensor inside "
+                                           r"a list, tuple or dict argument.*Pass that tensor as "
+                                           r"an argument of forward of its own"):
+        model(torch.ones(3, 2), {"bias": torch.ones(3, 2)})
+    bias = torch.arange(2.0)  # a nested tensor of fixed size is fine
+    for n in (3, 5):
+        x = torch.ones(n, 2)
+        assert torch.equal(model(x, {"bias": bias}), ByNested()(x, {"bias": bias}))
+    assert model.num_traces == 1

@@ -80,7 +80,15 @@ class ContainerSpec:
     items: tuple[Any, ...]
 
     def describe(self) -> str:
-        return f"a {self.kind} of {len(self.items)}"
+        if len(self.items) > 4:
+            return f"a {self.kind} of {len(self.items)} items"
+        if not self.keys:
+            inner = [spec.describe() for spec in self.items]
+        else:
+            sep = ": " if self.kind == "dict" else "="
+            inner = [f"{describe(k) if self.kind == 'dict' else k}{sep}{spec.describe()}"
+                     for k, spec in zip(self.keys, self.items, strict=True)]
+        return f"a {self.kind} ({'; '.join(inner)})"
 
 
 @dataclasses.dataclass(frozen=True)

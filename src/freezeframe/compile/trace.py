@@ -146,8 +146,11 @@ def _dynamo_limits() -> Iterator[None]:
         yield
 
 
-def _specialised(exc: Exception) -> CompileError:
-    """The error for a forward that pins a dynamic size to one value (``if x.shape[0] == 2``)."""
+def _specialised(exc: Exception, nested: Sequence[tuple[str, torch.Tensor]] = ()
+                 ) -> CompileError:
+    """The error for a forward that pins a dynamic size to one value (``if x.shape[0] == 2``,
+    or a dynamic dim combined with a tensor nested in a list or dict, whose sizes are fixed).
+    ``nested``: the call's tensors inside containers, with their paths."""
     text = str(exc)
     lines = [line.strip() for line in text.splitlines()]
     where = ""
@@ -156,11 +159,41 @@ def _specialised(exc: Exception) -> CompileError:
         where = " (" + ": ".join(line for line in stack[:2] if line) + ")"
     value = re.search(r"specialized it to be a constant \((-?\d+)\)", text)
     pinned = f" to {value.group(1)}" if value else ""
+    size = int(value.group(1)) if value else None
+    holders = [f"{path} (shape {tuple(t.shape)})" for path, t in nested if size in t.shape]
+    if holders:
+        return CompileError(
+            f"forward pins a dynamic size{pinned}{where}: that is a size of "
+            f"{', '.join(holders)}, a tensor inside a list, tuple or dict argument. Only "
+            "top-level tensor arguments have dynamic dims; a nested tensor's sizes are fixed "
+            "at the trace, so using it with a dynamic dim fixes that dim too. Pass that tensor "
+            "as an argument of forward of its own (its dim 0 is then dynamic like the others), "
+            "or keep its sizes the same in every call")
     return CompileError(
         f"forward pins a dynamic size{pinned}{where}. A trace serves every batch size, so "
         "forward may compare a dynamic size with a bound (`x.shape[0] > 4`: each side is "
         "traced separately) but not test it for one value; compute such a value from a tensor "
         "instead, or leave that dim out of dynamic_arg_dims")
+
+
+def _nested_tensors(arguments: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors inside list, tuple and dict arguments, with a path for messages."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            if depth:
+                found.append((path, value))
+        elif depth < 4 and isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif depth < 4 and isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}[{k!r}]", depth + 1)
+
+    for name, value in arguments.items():
+        walk(value, name, 0)
+    return found
 
 
 @contextlib.contextmanager
@@ -261,7 +294,8 @@ class TraceOnce:
                 out = self._compiled(*args, **kwargs)
         except ConstraintViolationError as exc:
             self._compiled = None
-            raise _specialised(exc) from None
+            arguments = inspect.signature(self._module.forward).bind(*args, **kwargs).arguments
+            raise _specialised(exc, _nested_tensors(arguments)) from None
         except BaseException:
             self._compiled = None  # a failed first call leaves nothing half-built behind
             raise
