@@ -392,7 +392,7 @@ class GraphRunner:
         versions = [buf._version for buf in self._buffer_list]
         writes = self._graph_writes.get((mode, desc))
         if aliased and writes:
-            self._refuse_written_alias(aliased, writes)
+            self._refuse_written_alias(values, aliased, writes)
         try:
             out = self._forward(mode, desc, padded_tokens, padded_reqs,
                                 num_tokens, reqs, step_extras)
@@ -401,9 +401,10 @@ class GraphRunner:
             with contextlib.suppress(Exception):
                 self._copy_back_written(values, versions, writes, num_tokens, reqs)
             raise
+        out = self._detach_from_written(out, values, versions, writes)
         written = self._copy_back_written(values, versions, writes, num_tokens, reqs)
         if aliased and written:
-            self._refuse_written_alias(aliased, written)
+            self._refuse_written_alias(values, aliased, written)
         out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs,
                           [0])
         if self.copy_outputs or self._copy_after_overlap:
@@ -411,17 +412,12 @@ class GraphRunner:
         return out
 
     def _aliased(self, values: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
-        """Groups of inputs whose bytes overlap (the same tensor passed twice, or overlapping
-        views of one storage); disjoint views of one storage (``t[:2]`` and ``t[2:]``) are
-        independent, as they are eagerly. About 0.3 us per input."""
-        spans = []
-        for name in self.specs:
-            t = values[name]
-            start = t.data_ptr()
-            if start and t.numel():
-                last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
-                spans.append((start, start + (last + 1) * t.element_size(), name))
-        spans.sort()
+        """Groups of inputs whose byte ranges overlap (the same tensor passed twice, views of
+        one storage); :meth:`_refuse_written_alias` confirms that they share an element before
+        it refuses (``t[:, :2]`` and ``t[:, 2:]`` interleave but share none). About 0.3 us
+        per input."""
+        spans = sorted((*span, name) for name in self.specs
+                       if (span := _byte_span(values[name])) is not None)
         groups: list[list[str]] = []
         end = -1
         for start, stop, name in spans:
@@ -432,20 +428,23 @@ class GraphRunner:
             end = max(end, stop)
         return tuple(tuple(g) for g in groups if len(g) > 1)
 
-    def _refuse_written_alias(self, aliased: tuple[tuple[str, ...], ...],
+    def _refuse_written_alias(self, values: Mapping[str, torch.Tensor],
+                              aliased: tuple[tuple[str, ...], ...],
                               written: Collection[str]) -> None:
         """Eagerly, a write into one of two inputs that share memory shows through the other;
         the runner stages each input in a buffer of its own, so it would not."""
         for group in aliased:
-            hit = [n for n in group if n in written]
-            if hit:
-                others = [n for n in group if n != hit[0]]
+            for hit in (n for n in group if n in written):
+                other = next((n for n in group
+                              if n != hit and _share_elements(values[hit], values[n])), None)
+                if other is None:
+                    continue
                 raise InputMismatchError(
-                    f"inputs {' and '.join(map(repr, group))} share memory and the model writes "
-                    f"into {hit[0]!r}: eagerly that write would show through {others[0]!r}, "
+                    f"inputs {hit!r} and {other!r} share memory and the model writes "
+                    f"into {hit!r}: eagerly that write would show through {other!r}, "
                     "but the runner stages each input in a buffer of its own, so the step "
                     f"would not give eager's answer. Pass separate tensors (e.g. "
-                    f"{others[0]}={others[0]}.clone())")
+                    f"{other}={other}.clone())")
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         names = list(self.specs)
@@ -600,6 +599,23 @@ class GraphRunner:
                 if padded > real:
                     buf[real:padded].fill_(spec.fill)
 
+    def _written(self, versions: list[int], graph_writes: frozenset[str] | None
+                 ) -> list[tuple[str, str, torch.Tensor]]:
+        return [(name, kind, buf) for (name, kind, buf), before
+                in zip(self._slots, versions, strict=True)
+                if buf._version != before or (graph_writes is not None and name in graph_writes)]
+
+    def _detach_from_written(self, out: Any, values: Mapping[str, torch.Tensor],
+                             versions: list[int], graph_writes: frozenset[str] | None) -> Any:
+        """An output leaf that shares memory with an input about to be written back (the
+        previous step's output passed in again, to a model that writes its input) is cloned
+        first: the copy-back would otherwise overwrite the answer."""
+        targets = [values[name] for name, _, _ in self._written(versions, graph_writes)]
+        if not targets:
+            return out
+        return _map_tensors(out, lambda t: t.clone() if any(
+            _share_elements(t, target) for target in targets) else t)
+
     def _copy_back_written(self, values: Mapping[str, torch.Tensor], versions: list[int],
                            graph_writes: frozenset[str] | None, num_tokens: int,
                            reqs: int | None) -> list[str]:
@@ -613,14 +629,16 @@ class GraphRunner:
         capture wrote into (``graph_writes``) are copied back too. Returns the names copied.
         """
         copied: list[str] = []
-        for (name, kind, buf), before in zip(self._slots, versions, strict=True):
-            if buf._version == before and (graph_writes is None or name not in graph_writes):
-                continue
-            with torch.no_grad():
+        for name, kind, buf in self._written(versions, graph_writes):
+            target = values[name]
+            # An inference tensor (an earlier output passed back in) is written the way it
+            # was made; any other tensor outside autograd, as eager's in-place op would be.
+            mode = torch.inference_mode() if target.is_inference() else torch.no_grad()
+            with mode:
                 if kind == "static":
-                    values[name].copy_(buf)
+                    target.copy_(buf)
                 else:
-                    values[name].copy_(buf[:num_tokens if kind == "tokens" else (reqs or 0)])
+                    target.copy_(buf[:num_tokens if kind == "tokens" else (reqs or 0)])
             self.stats.inc("inputs_copied_back")
             copied.append(name)
         return copied
@@ -897,6 +915,34 @@ def _slice_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
             return t
         return t[:reqs] if t.shape[0] == padded_reqs else t
     raise ConfigError(f"outputs: unknown kind {kind!r}; use 'tokens', 'requests' or 'none'")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``t`` can touch, ``[start, stop)``, or None for an empty tensor."""
+    start = t.data_ptr()
+    if not start or not t.numel():
+        return None
+    last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have an element in common: their byte ranges overlap and,
+    unless both are plain ranges, their element offsets in the storage meet (computed on
+    the CPU from the strides; conservatively True when the element sizes differ)."""
+    span_a, span_b = _byte_span(a), _byte_span(b)
+    if span_a is None or span_b is None or span_a[1] <= span_b[0] or span_b[1] <= span_a[0]:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or \
+            a.element_size() != b.element_size() or (a.is_contiguous() and b.is_contiguous()):
+        return True
+    size = a.untyped_storage().nbytes() // a.element_size()
+    index = torch.arange(size, dtype=torch.int64)
+
+    def offsets(t: torch.Tensor) -> torch.Tensor:
+        return index.as_strided(t.shape, t.stride(), t.storage_offset()).flatten()
+
+    return bool(torch.isin(offsets(a), offsets(b)).any())
 
 
 def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
