@@ -268,3 +268,90 @@ def test_a_nested_tensor_that_follows_the_batch_is_named_in_the_error() -> None:
         x = torch.ones(n, 2)
         assert torch.equal(model(x, {"bias": bias}), ByNested()(x, {"bias": bias}))
     assert model.num_traces == 1
+
+
+class Iterates(nn.Module):
+    def forward(self, x: torch.Tensor, items: Any) -> torch.Tensor:
+        acc = x
+        for v in items:
+            acc = acc * 2 + v  # order matters
+        return acc
+
+
+@dataclasses.dataclass
+class Derived:
+    base: float
+
+    def __post_init__(self) -> None:
+        self.scale = self.base * 2  # an attribute that is not a field
+
+
+class ByDerived(nn.Module):
+    def forward(self, x: torch.Tensor, settings: Derived) -> torch.Tensor:
+        return x * settings.scale
+
+
+class ByKeyedTable(nn.Module):
+    def forward(self, x: torch.Tensor, table: dict[tuple[int, int], float]) -> torch.Tensor:
+        return x * table[(1, 2)]
+
+
+def test_value_rules_that_gave_wrong_answers_or_retraced() -> None:
+    """Sets go by iteration order (what forward sees); a dataclass by every attribute, not
+    only its fields; a dict's tuple keys by value; a numpy float's sign of zero counts."""
+    x = torch.ones(2, 2)
+    a, b = {1, 9}, {9, 1}
+    model = ff.compile(Iterates(), config())
+    for items in (a, b, [1, 9], [9, 1]):
+        assert torch.equal(model(x, items), Iterates()(x, items)), items
+    changed = Derived(1.0)
+    changed.scale = 7.0
+    model = ff.compile(ByDerived(), config())
+    for settings in (Derived(1.0), changed):
+        assert torch.equal(model(x, settings), ByDerived()(x, settings))
+    model = ff.compile(ByKeyedTable(), config())
+    for _ in range(10):  # a fresh dict with fresh tuple keys each call: one trace
+        assert torch.equal(model(x, {(1, 2): 3.0}), x * 3)
+    assert model.num_traces == 1
+    model = ff.compile(Divide(), config())
+    for k in (np.float64(0.0), np.float64(-0.0)):
+        assert torch.equal(model(x, k), Divide()(x, k)), k  # inf, then -inf
+    assert model.num_traces == 2
+
+
+class ReadsProperty:
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+    @property
+    def broken(self) -> float:
+        raise RuntimeError("not available")
+
+
+def test_an_object_whose_attributes_raise_is_compared_by_identity() -> None:
+    obj = ReadsProperty()
+    obj.__dict__["broken"] = 1.0  # a property shadowing an instance attribute raises on read
+    model = ff.compile(BySettings(), config())
+    x = torch.ones(2, 2)
+    assert torch.equal(model(x, obj), x * 2)  # type: ignore[arg-type]
+    assert torch.equal(model(x, obj), x * 2)  # type: ignore[arg-type]
+    assert model.num_traces == 1
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor, pair: list[torch.Tensor]) -> torch.Tensor:
+        pair[0].add_(1)
+        return x + pair[1]
+
+
+def test_tensors_shared_inside_a_list_are_another_structure() -> None:
+    """Aliasing among nested tensors is part of the key, as among top-level ones: a trace of
+    ``[a, a]`` (the write shows through the second) served ``[c, d]`` with 20 for 10."""
+    model = ff.compile(Pair(), config())
+    for aliased in (True, False, True):
+        a, b = torch.ones(2), torch.ones(2)
+        e, f = torch.ones(2), torch.ones(2)
+        got = model(torch.zeros(2, 2), [a, a] if aliased else [a, b])
+        want = Pair()(torch.zeros(2, 2), [e, e] if aliased else [e, f])
+        assert torch.equal(got, want), aliased
+    assert model.num_traces == 2

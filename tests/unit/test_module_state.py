@@ -337,3 +337,27 @@ def test_forward_that_sets_a_tensor_attribute_once_and_weight_norm_hooks_are_fin
             x = torch.randn(n, 4)
             assert torch.equal(model(x), module(x).detach())
         assert model.stats.retraces == 0
+
+
+def _swap_root_hook(m: nn.Module, handle: Any) -> None:
+    handle.remove()
+    m.register_forward_hook(lambda mod, i, o: o * 100)
+
+
+def test_a_swapped_root_hook_or_replaced_root_submodule_is_caught_at_the_next_call() -> None:
+    """Same hook count, another hook; same attribute name, another submodule: the every-call
+    tier compared counts only, and skipped submodules, so the old ones were replayed."""
+    mine, _ = _pair()
+    handle = mine.register_forward_hook(lambda mod, i, o: o * 10)
+    model = ff.compile(mine, _config())
+    model(torch.randn(3, 4))
+    _swap_root_hook(mine, handle)
+    with pytest.raises(CompileError, match=r"model had 1 forward hook\(s\) at the trace and has "
+                                           r"1 different one\(s\) now"):
+        model(torch.randn(3, 4))
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    model(torch.randn(3, 4))
+    mine.lin = nn.Linear(4, 4)
+    with pytest.raises(CompileError, match=r"a submodule was added, removed or replaced"):
+        model(torch.randn(3, 4))

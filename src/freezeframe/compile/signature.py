@@ -132,6 +132,13 @@ def _dims_of(dims: Sequence[int], rank: int) -> frozenset[int]:
     return frozenset(d % rank for d in dims if -rank <= d < rank) if rank else frozenset()
 
 
+def _nested_tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor inside a container: every size counts (only top-level arguments have
+    dynamic dims)."""
+    layout = True if value.is_contiguous() else value.stride()
+    return (value.dtype, value.device, tuple(value.shape), layout, value.requires_grad)
+
+
 class Signer:
     """Describes calls of one ``forward`` given its dynamic dims (``{arg name: dims}``)."""
 
@@ -155,27 +162,29 @@ class Signer:
         """
         positional = self._positional
         pieces: list[Any] = []
-        storages: list[int] | None = None
-        n_tensors = 0
+        storages: list[int] = []  # every tensor's, nested ones included, in call order
+
+        def nested(t: torch.Tensor) -> tuple[Any, ...]:
+            storages.append(t.untyped_storage().data_ptr())
+            return _nested_tensor_key(t)
+
         for i, value in enumerate(args):
             name = positional[i] if i < len(positional) else i
-            pieces.append(self._leaf_key(name, value))
             if isinstance(value, torch.Tensor):
-                n_tensors += 1
+                storages.append(value.untyped_storage().data_ptr())
+            pieces.append(self._leaf_key(name, value, nested))
         for name, value in kwargs.items():
-            pieces.append((name, self._leaf_key(name, value)))
             if isinstance(value, torch.Tensor):
-                n_tensors += 1
-        if n_tensors > 1:
-            storages = [v.untyped_storage().data_ptr() for v in (*args, *kwargs.values())
-                        if isinstance(v, torch.Tensor)]
-            if len(set(storages)) != len(storages):
-                pieces.append(("aliases", tuple(storages.index(s) for s in storages)))
+                storages.append(value.untyped_storage().data_ptr())
+            pieces.append((name, self._leaf_key(name, value, nested)))
+        if len(storages) > 1 and len(set(storages)) != len(storages):
+            pieces.append(("aliases", tuple(storages.index(s) for s in storages)))
         if self._grad_matters:
             pieces.append(torch.is_grad_enabled())
         return tuple(pieces)
 
-    def _leaf_key(self, name: Any, value: Any) -> Any:
+    def _leaf_key(self, name: Any, value: Any,
+                  nested: Callable[[torch.Tensor], Any] = _nested_tensor_key) -> Any:
         if isinstance(value, torch.Tensor):
             shape = value.shape
             dyn = self._dyn.get((name, len(shape)))
@@ -186,7 +195,7 @@ class Signer:
                 if dyn else tuple(shape)
             layout = True if value.is_contiguous() else value.stride()
             return (value.dtype, value.device, sizes, layout, value.requires_grad)
-        return token(value, _nested_tensor_key)
+        return token(value, nested)
 
     # -- the full description (once per new key) ------------------------------------------
     def signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallSignature:
@@ -244,13 +253,6 @@ class Signer:
                 for d in _dims_of(dims, value.dim()):
                     out[(name, d)] = int(value.shape[d])
         return out
-
-
-def _nested_tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
-    """A tensor inside a container: every size counts (only top-level arguments have
-    dynamic dims)."""
-    layout = True if value.is_contiguous() else value.stride()
-    return (value.dtype, value.device, tuple(value.shape), layout, value.requires_grad)
 
 
 def _item_path(path: str, kind: str, keys: tuple[Any, ...], i: int) -> str:

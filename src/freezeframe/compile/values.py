@@ -8,14 +8,15 @@ arguments, :mod:`module_state` of module attributes; both use :func:`token`::
 
     2.0, np.float32(2.0), Fraction(1, 2)    by type and value (1, 1.0 and True differ; -0.0 and
                                             0.0 differ; every NaN equals every NaN)
-    [a, b], (a, b), {k: v}, {a, b}          item by item (a set in any order)
-    slice(a, b), partial(f, a, k=b)         by their parts
+    [a, b], (a, b), {k: v}, {a, b}          item by item (a set in its iteration order)
+    slice(a, b), range(n), partial(f, a)    by their parts
     obj.method                              by the object (its fields) and the function
-    a dataclass, a small object             by its fields / attributes (``__dict__`` and
-                                            ``__slots__``, at most 32)
+    a dataclass, a plain object             by its attributes (``__dict__`` and ``__slots__``,
+                                            at most 256)
     a function, a module, anything else     by identity (:class:`Same`)
 
-Containers are compared :data:`MAX_DEPTH` levels deep; deeper values by identity. A long list
+Containers are compared :data:`MAX_DEPTH` levels deep; deeper values, and objects with more
+than 256 attributes, by identity: a change made in place there is not seen. A long list
 of only ints or only strings takes one ``tuple()`` copy rather than one token per item.
 Tensors are left to the caller (``tensor_token``): an argument's dynamic dims or an attribute's
 rank are the caller's rule.
@@ -23,7 +24,6 @@ rank are the caller's rule.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import math
@@ -37,7 +37,7 @@ import torch
 __all__ = ["MAX_DEPTH", "Same", "parts", "plain_token", "token"]
 
 MAX_DEPTH = 4
-_MAX_FIELDS = 32  # an object with more attributes than this is compared by identity
+_MAX_FIELDS = 256  # an object with more attributes than this is compared by identity
 _PLAIN = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device,
           enum.Enum)
 _FAST_LIST = 32  # lists at least this long try the int-only / str-only copy first
@@ -73,10 +73,10 @@ def plain_token(value: Any) -> tuple[Any, Any] | None:
     would otherwise be a new structure); numpy and other numeric scalars go by their repr,
     which keeps type, sign and NaN the same way."""
     if isinstance(value, _PLAIN):
-        if type(value) is float and (value == 0 or math.isnan(value)):
-            return (float, repr(value))
-        if type(value) is complex:
-            return (complex, repr(value))
+        if isinstance(value, float) and (value == 0 or math.isnan(value)):
+            return (type(value), repr(value))  # np.float64 is a float too
+        if isinstance(value, complex):
+            return (type(value), repr(value))
         return (type(value), value)
     if isinstance(value, numbers.Number) or _is_numpy_scalar(value):
         return (type(value), repr(value))
@@ -89,16 +89,26 @@ def _is_numpy_scalar(value: Any) -> bool:
 
 def parts(value: Any) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
     """``(kind, keys, items)`` of a value compared by its parts (see the module docstring),
-    or None when it is compared by identity. ``keys`` are hashable: dict keys as tokens,
-    field names as strings, ``()`` for sequences."""
+    or None when it is compared by identity (also when reading its parts raises: a property
+    that fails, an odd ``__iter__``). ``keys`` are hashable: dict keys as tokens, field names
+    as strings, ``()`` for sequences."""
+    try:
+        return _parts(value)
+    except Exception:
+        return None
+
+
+def _parts(value: Any) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, (), tuple(value))
     if isinstance(value, dict):
         return ("dict", tuple(_key(k) for k in value), tuple(value.values()))
     if isinstance(value, (set, frozenset)):
-        return (type(value).__name__, (), tuple(sorted(value, key=_order)))
-    if isinstance(value, slice):
-        return ("slice", ("start", "stop", "step"), (value.start, value.stop, value.step))
+        # in iteration order, which is what forward sees ({1, 9} and {9, 1} may differ)
+        return (type(value).__name__, (), tuple(value))
+    if isinstance(value, (slice, range)):
+        return (type(value).__name__, ("start", "stop", "step"),
+                (value.start, value.stop, value.step))
     if isinstance(value, functools.partial):
         return ("partial", ("func", "args", "keywords"),
                 (value.func, value.args, value.keywords))
@@ -110,10 +120,7 @@ def parts(value: Any) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
         return ("method", ("__self__", "__name__"), (value.__self__, value.__name__))
     if isinstance(value, (_CODE, torch.nn.Module, types.ModuleType)):
         return None
-    if dataclasses.is_dataclass(value):
-        names = tuple(f.name for f in dataclasses.fields(value))
-        return (type(value).__qualname__, names, tuple(getattr(value, n) for n in names))
-    fields = _object_fields(value)
+    fields = _object_fields(value)  # a dataclass too: its fields and what __post_init__ set
     if fields is None:
         return None
     return (type(value).__qualname__, fields, tuple(getattr(value, n) for n in fields))
@@ -138,12 +145,8 @@ def _object_fields(value: Any) -> tuple[str, ...] | None:
 
 
 def _key(k: Any) -> Any:
-    plain = plain_token(k)
-    return plain if plain is not None else Same(k)
-
-
-def _order(item: Any) -> tuple[str, str]:
-    return (type(item).__qualname__, repr(item))
+    """A dict key's token: ``(1, 2)`` built afresh equals the ``(1, 2)`` seen before."""
+    return token(k, Same)
 
 
 def token(value: Any, tensor_token: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
