@@ -15,7 +15,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CompilationConfig
-from freezeframe.errors import CaptureError, InputMismatchError
+from freezeframe.errors import CaptureError, ConfigError, InputMismatchError
 from freezeframe.runtime import GraphRunner, Static, Tokens
 from tests.helpers.silly import attention
 
@@ -107,6 +107,26 @@ def test_an_output_clipped_to_fixed_rows_is_cut_where_it_follows_the_step(mode: 
     got = runner(x)
     assert tuple(got.shape) == (min(n, 4), 2)
     assert torch.equal(got, Clipped()(x))
+
+
+class Flattened(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention(x * 2, x, x).flatten()
+
+
+def test_a_flattened_per_token_output_is_refused_where_it_holds_padding() -> None:
+    """dim 0 = 2 x the padded size: cutting the first 2 x n elements is right for flatten()
+    but not for repeat(), so the runner says so instead of returning the padding rows (8
+    elements for eager's 6)."""
+    cfg = config("full_and_piecewise")
+    runner = GraphRunner(ff.compile(Flattened(), cfg), cfg, progress=False,
+                         inputs={"x": Tokens(2)})
+    runner.capture()
+    x = torch.arange(8.0).reshape(4, 2)
+    assert torch.equal(runner(x), Flattened()(x))  # no padding at a captured size
+    with pytest.raises(ConfigError, match=r"output 0 \(a tensor of shape \(8,\)\) has a dim 0 of "
+                                          r"2 x the padded token count.*outputs='none'"):
+        runner(x[:3])
 
 
 class WritesX(nn.Module):

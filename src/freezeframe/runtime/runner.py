@@ -267,6 +267,7 @@ class GraphRunner:
         # capture; the leaves whose dim 0 did not follow the padded size are never sliced.
         self._leaf_sizes: dict[int, set[tuple[int, int | None, int | None]]] = {}
         self._fixed_leaves: dict[int, frozenset[str]] = {}
+        self._scaled_leaves: dict[int, int] = {}
         # Steps and capture hold this lock (see "Threads" in the class docstring).
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
@@ -698,6 +699,14 @@ class GraphRunner:
             fixed = self._fixed_leaves.get(index)
             if fixed is not None and kinds in fixed:
                 return out
+            scale = self._scaled_leaves.get(index)
+            if scale is not None and kinds == "tokens" and padded_tokens != num_tokens:
+                raise ConfigError(
+                    f"output {index} (a tensor of shape {tuple(out.shape)}) has a dim 0 of "
+                    f"{scale} x the padded token count at every captured size (a flatten() "
+                    "or view(-1) of per-token rows): the runner cannot tell its padding rows "
+                    f"from the real ones. Return it with the tokens first ((tokens, {scale}, "
+                    "...)) so they are cut, or mark it outputs='none' and cut it yourself")
             return _slice_rows(out, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
         if isinstance(out, Mapping):
             return type(out)({  # type: ignore[call-arg]
@@ -804,6 +813,7 @@ class GraphRunner:
             if restored:
                 self.stats.inc("buffers_restored", restored)
         self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
+        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
         report = CaptureReport(graphs=tuple(records), seconds=seconds,
                                memory_bytes=max(0, free_before - free_after),
                                device=device_name)
@@ -976,6 +986,20 @@ def _fixed_leaves(seen: Mapping[int, set[tuple[int, int | None, int | None]]]
             fixed.add("requests")
         if fixed:
             out[index] = frozenset(fixed)
+    return out
+
+
+def _scaled_leaves(seen: Mapping[int, set[tuple[int, int | None, int | None]]]
+                   ) -> dict[int, int]:
+    """Output leaves whose dim 0 was the same multiple (2 or more) of the padded token count
+    at two or more sizes: ``{leaf: multiple}``."""
+    out: dict[int, int] = {}
+    for index, sizes in seen.items():
+        ratios = {d // t if d is not None and t and d % t == 0 else None for t, _, d in sizes}
+        if len({t for t, _, _ in sizes}) > 1 and len(ratios) == 1:
+            ratio = ratios.pop()
+            if ratio is not None and ratio > 1:
+                out[index] = ratio
     return out
 
 
