@@ -62,12 +62,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if not wanted:
         print(f"cache root: {root}: no entries")
         return 0
-    unknown = [k for k in wanted if k not in entries]
-    if unknown:
-        raise ConfigError(
-            f"no cache entr{'y' if len(unknown) == 1 else 'ies'} "
-            f"{', '.join(map(repr, unknown))} under {root} (see `freezeframe cache list` for "
-            "the keys)")
+    _refuse_unknown([k for k in wanted if k not in entries], root, "")
     status = 0
     for key in wanted:
         entry = entries[key]
@@ -87,6 +82,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return status
 
 
+def _refuse_unknown(unknown: list[str], root: Path, consequence: str) -> None:
+    if unknown:
+        raise ConfigError(
+            f"no cache entr{'y' if len(unknown) == 1 else 'ies'} "
+            f"{', '.join(map(repr, unknown))} under {root}{consequence} (see `freezeframe "
+            "cache list` for the keys)")
+
+
 def _cmd_clear(args: argparse.Namespace) -> int:
     root = _root(args)
     if not root.is_dir():
@@ -95,12 +98,7 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     keys = args.key or None
     if keys is not None:
         known = {e.key for e in _cache.list_entries(root)}
-        unknown = [k for k in keys if k not in known]
-        if unknown:
-            raise ConfigError(
-                f"no cache entr{'y' if len(unknown) == 1 else 'ies'} "
-                f"{', '.join(map(repr, unknown))} under {root}; nothing was removed (see "
-                "`freezeframe cache list` for the keys)")
+        _refuse_unknown([k for k in keys if k not in known], root, "; nothing was removed")
     what = (f"every entry under {root}" if keys is None
             else f"{len(keys)} entr{'y' if len(keys) == 1 else 'ies'} under {root}")
     if not args.yes:
