@@ -44,7 +44,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("config", "freezeframe.cli:add_config_parser"),
     ("demo", "freezeframe.cli:add_demo_parser"),
     ("bench", "freezeframe.bench.cli"),
-    ("cache", "freezeframe.compile.cache_cli"),
+    ("cache", "freezeframe.cache.cli"),
 ]
 
 EXIT_FAILURE = 1

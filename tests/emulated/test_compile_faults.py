@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import freezeframe as ff
-from freezeframe.compile.compilers import EagerCompiler
+from freezeframe.compilation.compilers import EagerCompiler
 from freezeframe.errors import CaptureError, CompileError
 from freezeframe.graphs import CaptureWindow, GraphWrapper
 from freezeframe.graphs.emulated import EmulatedBackend

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import freezeframe as ff
-from freezeframe.compile.piecewise import PiecewiseBackend
+from freezeframe.compilation.piecewise import PiecewiseBackend
 from tests.helpers import silly
 from tests.helpers.toy_models import (
     LlamaConfig,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from freezeframe.batch import BatchDescriptor
-from freezeframe.compile import CompiledModel
-from freezeframe.compile import compile as ff_compile
+from freezeframe.compilation import CompiledModel
+from freezeframe.compilation import compile as ff_compile
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.errors import CaptureError, InputMismatchError

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import freezeframe as ff
-from freezeframe.compile import cache as ff_cache
-from freezeframe.compile.cache import CompileCache, CorruptArtifactError
+from freezeframe.cache import store as ff_cache
+from freezeframe.cache.store import CompileCache, CorruptArtifactError
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import CacheError
 from freezeframe.sizes import Range
@@ -169,7 +169,7 @@ def test_corrupt_artifact_is_a_logged_miss_and_removed(tmp_path: Path, damage: s
     damaged = {"truncate": blob[: len(blob) // 2], "empty": b"", "garbage": b"\x00" * 64,
                "flip": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:]}[damage]
     path.write_bytes(damaged)
-    with caplog.at_level("WARNING", logger="freezeframe.compile.cache"):
+    with caplog.at_level("WARNING", logger="freezeframe.cache.store"):
         assert cache.load_artifact(0, Range(1, 8), "g") is None
     assert "corrupt" in caplog.text and str(path) in caplog.text
     assert not path.exists()
@@ -239,7 +239,7 @@ def test_key_is_the_same_in_another_process(tmp_path: Path) -> None:
         import sys; sys.path[:0] = [{str(SRC)!r}, {str(Path(__file__).parents[2])!r}]
         import torch
         from tests.unit.test_cache import Tiny
-        from freezeframe.compile.cache import CompileCache
+        from freezeframe.cache.store import CompileCache
         from freezeframe.config import CompilationConfig
         torch.manual_seed(0)
         c = CompileCache.open(CompilationConfig(mode="piecewise", backend="eager",
@@ -364,7 +364,7 @@ def test_two_processes_one_compile(tmp_path: Path) -> None:
 
 # -- CLI -----------------------------------------------------------------------------------
 def test_cli_list_info_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from freezeframe.compile import cache_cli
+    from freezeframe.cache import cli as cache_cli
 
     cache = _open(tmp_path)
     cache.save_artifact(0, Range(1, 8), b"x" * 10, compiler="inductor")
@@ -388,7 +388,7 @@ def test_saved_trace_fit_check() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from freezeframe.compile.cache import _first_mismatch
+    from freezeframe.cache.store import _first_mismatch
 
     shape_env = ShapeEnv()
     with FakeTensorMode(shape_env=shape_env) as mode:
@@ -442,7 +442,7 @@ def test_lock_degrades_when_it_cannot_be_created(tmp_path: Path,
         return real_open(path, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "open", deny)
-    with caplog.at_level("WARNING", logger="freezeframe.compile.cache"), cache.lock():
+    with caplog.at_level("WARNING", logger="freezeframe.cache.store"), cache.lock():
         pass
     assert "cannot create the compile lock" in caplog.text
 

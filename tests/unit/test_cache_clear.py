@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import freezeframe as ff
+from freezeframe.cache import store as ff_cache
 from freezeframe.cli import main
-from freezeframe.compile import cache as ff_cache
 
 
 class Scaled(nn.Module):

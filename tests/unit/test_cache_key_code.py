@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import freezeframe as ff
-from freezeframe.compile import cache as ff_cache
+from freezeframe.cache import store as ff_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compile import cache as ff_cache
+from freezeframe.cache import store as ff_cache
 from tests.helpers.silly import attention
 
 ROOT = Path(__file__).resolve().parents[2]

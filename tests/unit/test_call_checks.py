@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compile.model import MAX_TRACES
+from freezeframe.compilation.model import MAX_TRACES
 from freezeframe.errors import CompileError, InputMismatchError
 from tests.helpers.toy_models import LlamaConfig, ToyLlama
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compile.signature import ObjectSpec, Signer, ValueSpec
+from freezeframe.compilation.signature import ObjectSpec, Signer, ValueSpec
 from freezeframe.errors import CompileError
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import fx, nn
 
 import freezeframe as ff
-from freezeframe.compile import cache as ff_cache
-from freezeframe.compile.compilers import (
+from freezeframe.cache import store as ff_cache
+from freezeframe.compilation.compilers import (
     CUSTOM_PASS_SETTINGS,
     InductorCompiler,
     current_compile_range,

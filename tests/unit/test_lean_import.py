@@ -62,12 +62,25 @@ def test_every_public_name_resolves(name: str) -> None:
 
 
 def test_compile_is_the_function_even_after_importing_the_subpackage() -> None:
-    # Importing freezeframe.compile.<x> makes the import system set the package attribute
+    # Importing freezeframe.compilation.<x> makes the import system set the package attribute
     # `compile` to the subpackage; ff.compile must stay the function.
-    code = ("import freezeframe.compile.split, freezeframe as ff, inspect; "
+    code = ("import freezeframe.compilation.split, freezeframe as ff, inspect; "
             "print(inspect.isfunction(ff.compile), "
             "ff.compile.__module__.startswith('freezeframe.'))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300, check=True)
     assert proc.stdout.split() == ["True", "True"]
+
+
+def test_the_public_surface_is_fifteen_names_and_older_names_still_resolve() -> None:
+    assert sorted(freezeframe._EXPORTS) == [
+        "BatchDescriptor", "CUDAGraphMode", "CompilationConfig", "CompilationMode",
+        "CompileError", "ConfigError", "FreezeframeError", "GraphRunner", "InputMismatchError",
+        "Requests", "Static", "Stats", "Tokens", "compile", "forward_context"]
+    from freezeframe import errors, sizes
+
+    assert freezeframe.errors is errors
+    assert freezeframe.CaptureError is errors.CaptureError  # type: ignore[attr-defined]
+    assert freezeframe.Range is sizes.Range  # type: ignore[attr-defined]
+    assert "CaptureError" not in dir(freezeframe)

@@ -14,7 +14,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CompilationConfig, CompileError
-from freezeframe.compile.module_state import ModuleState
+from freezeframe.compilation.module_state import ModuleState
 
 
 def _config(**kw: Any) -> CompilationConfig:

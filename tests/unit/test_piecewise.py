@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compile.backend import _CopyInputs
-from freezeframe.compile.compilers import CompilerManager, EagerCompiler, current_compile_range
+from freezeframe.compilation.backend import _CopyInputs
+from freezeframe.compilation.compilers import CompilerManager, EagerCompiler, current_compile_range
 from freezeframe.errors import CompileError
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats

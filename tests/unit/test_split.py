@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 import freezeframe as ff
-from freezeframe.compile.split import matches_splitting_op, split_graph
+from freezeframe.compilation.split import matches_splitting_op, split_graph
 from tests.helpers import silly
 from tests.helpers.toy_models import AttnSandwich, OuterWithTwoInner, SillyModel
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compile.trace import resolve_dynamic_arg_dims
+from freezeframe.compilation.trace import resolve_dynamic_arg_dims
 
 
 def config(mode, **changes):

@@ -20,8 +20,8 @@ padded tail, run the model inside ``ff.forward_context`` and slice the outputs t
 
 The graphs themselves live in the model's wrappers (see ``freezeframe.graphs``); the runner
 only sets the forward context they react to, so it works with any callable: a
-:class:`~freezeframe.compile.CompiledModel`, a module holding its own wrappers, or a plain module
-(which then simply runs eagerly on the padded buffers).
+:class:`~freezeframe.compilation.CompiledModel`, a module holding its own wrappers, or a plain
+module (which then simply runs eagerly on the padded buffers).
 
 Steps and captures run under ``torch.no_grad()``: the runner serves inference.
 

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from freezeframe.compile.backend import CompileBackend
-from freezeframe.compile.cache import ModelCache
-from freezeframe.compile.compilers import CompilerManager, make_compiler
-from freezeframe.compile.module_state import ModuleState, has_uninitialised_lazy
-from freezeframe.compile.signature import CallSignature, Signer, SizeGuards, incompatibility
-from freezeframe.compile.split import Piece
-from freezeframe.compile.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
+from freezeframe.cache.store import ModelCache
+from freezeframe.compilation.backend import CompileBackend
+from freezeframe.compilation.compilers import CompilerManager, make_compiler
+from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
+from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards, incompatibility
+from freezeframe.compilation.split import Piece
+from freezeframe.compilation.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.context import get_forward_context
 from freezeframe.errors import (
@@ -60,7 +60,7 @@ def _needs_grad(values: Iterable[Any]) -> bool:
     return False
 
 
-# A model gets one trace per distinct call structure (see freezeframe.compile.signature); a
+# A model gets one trace per distinct call structure (see freezeframe.compilation.signature); a
 # forward whose structure keeps changing (an int argument that counts steps) would otherwise
 # trace forever. Past this many traces a new structure is an error that names what changed.
 MAX_TRACES = 8
@@ -91,7 +91,7 @@ class CompiledModel(nn.Module):
     Holds every piece of compile state for this one instance (traces, pieces, compiled
     entries, graph wrappers, ``stats``), so two compiled models never share anything.
 
-    Every call is checked against what the trace assumed (:mod:`freezeframe.compile.signature`):
+    Every call is checked against what the trace assumed (:mod:`freezeframe.compilation.signature`):
     a tensor with another dtype, device, rank or fixed size is an
     :class:`~freezeframe.errors.InputMismatchError`; another call *structure* (``None`` where
     a tensor was, another plain value, another memory layout, arguments sharing storage, a

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from freezeframe.compile.values import MAX_DEPTH, Same, describe, parts, plain_token, token
+from freezeframe.compilation.values import MAX_DEPTH, Same, describe, parts, plain_token, token
 from freezeframe.errors import InputMismatchError
 
 __all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "incompatibility"]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from freezeframe.compile import cache as _cache
+from freezeframe.cache import store as _cache
 from freezeframe.errors import ConfigError
 
 __all__ = ["add_parser", "main"]
@@ -138,7 +138,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``freezeframe ARGV`` (``python -m freezeframe.compile.cache_cli cache list``), with
+    """Run ``freezeframe ARGV`` (``python -m freezeframe.cache.cli cache list``), with
     the command line's one-line errors and exit codes."""
     from freezeframe.cli import main as cli_main
 

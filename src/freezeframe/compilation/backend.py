@@ -1,6 +1,6 @@
 """The Dynamo backend of one compiled model: split, compile each piece, wrap, stitch.
 
-Dynamo calls it once per :class:`~freezeframe.compile.model.CompiledModel` with the traced FX
+Dynamo calls it once per :class:`~freezeframe.compilation.model.CompiledModel` with the traced FX
 graph and fake example inputs; it returns the callable Dynamo's bytecode will call with the flat
 graph inputs on every later step.
 
@@ -20,9 +20,9 @@ from typing import Any, cast
 import torch
 from torch import fx
 
-from freezeframe.compile.compilers import CompilerManager
-from freezeframe.compile.piecewise import PiecewiseBackend, _concrete
-from freezeframe.compile.split import Piece, SplitGraph, check_splitting_ops, split_graph
+from freezeframe.compilation.compilers import CompilerManager
+from freezeframe.compilation.piecewise import PiecewiseBackend, _concrete
+from freezeframe.compilation.split import Piece, SplitGraph, check_splitting_ops, split_graph
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import CompileError, ShapeOutOfRangeError
 from freezeframe.graphs import GraphOptions, GraphWrapper

@@ -20,7 +20,7 @@ checks this state itself, in two tiers::
 
 What is compared, per submodule: ``training``; the forward and forward-pre hooks (by identity);
 every attribute in its ``__dict__`` other than what ``nn.Module`` keeps there itself (so
-``self.scale`` and ``self._steps`` alike), by the rule of :mod:`freezeframe.compile.values`
+``self.scale`` and ``self._steps`` alike), by the rule of :mod:`freezeframe.compilation.values`
 (numbers and strings by type and value, containers item by item, small objects such as a config
 dataclass field by field, functions and large objects by identity), except tensors, compared by
 dtype, device and rank (the trace reads them as inputs). Parameters and buffers are not part of
@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from freezeframe.compile.values import Same, describe, token
+from freezeframe.compilation.values import Same, describe, token
 
 __all__ = ["ModuleState", "has_uninitialised_lazy"]
 

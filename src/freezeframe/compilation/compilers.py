@@ -71,7 +71,7 @@ class Compiler(Protocol):
 
 
 class ArtifactCache(Protocol):
-    """What :class:`CompilerManager` expects of an on-disk cache (engineer F's compile/cache.py).
+    """What :class:`CompilerManager` expects of an on-disk cache (:mod:`freezeframe.cache.store`).
 
     ``load`` returns a ready callable or ``None`` on a miss; ``save`` is called after a miss
     was compiled. ``compiler`` is the compiler that would compile (its ``name`` and, for

@@ -17,7 +17,7 @@ import sympy
 import torch
 from torch import fx
 
-from freezeframe.compile.compilers import CompilerManager
+from freezeframe.compilation.compilers import CompilerManager
 from freezeframe.errors import ShapeOutOfRangeError
 from freezeframe.sizes import Range
 

@@ -116,7 +116,7 @@ from freezeframe.errors import CacheError, ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from freezeframe.compile.trace import TraceOnce
+    from freezeframe.compilation.trace import TraceOnce
     from freezeframe.config import CompilationConfig
     from freezeframe.sizes import Range
     from freezeframe.stats import Stats
@@ -489,7 +489,7 @@ def hash_sources(paths: Iterable[str]) -> dict[str, str]:
 def config_passes(config: CompilationConfig) -> dict[str, Any]:
     """Every Inductor pass the config installs: ``inductor_passes`` and the custom-pass
     settings of ``inductor_compile_config``."""
-    from freezeframe.compile.compilers import CUSTOM_PASS_SETTINGS
+    from freezeframe.compilation.compilers import CUSTOM_PASS_SETTINGS
 
     passes = dict(config.inductor_passes)
     for setting in CUSTOM_PASS_SETTINGS:
@@ -505,11 +505,11 @@ def pass_sources(passes: Mapping[str, Any]) -> dict[str, list[str | None]]:
     The config's own key names a string pass by its name and a callable by its qualified name,
     and Inductor keys a custom pass by its ``uuid()``; none of them changes when the pass body
     or a helper it calls is edited, so the defining file's contents and the code's digest
-    (:func:`~freezeframe.compile.compilers.pass_identity`) join the key here. The file hash is
+    (:func:`~freezeframe.compilation.compilers.pass_identity`) join the key here. The file hash is
     None when the pass or its file cannot be found (a lambda typed at a prompt).
     """
     # Imported here: the compilers pull in torch, which `freezeframe cache list` never needs.
-    from freezeframe.compile.compilers import pass_identity, resolve_pass
+    from freezeframe.compilation.compilers import pass_identity, resolve_pass
 
     out: dict[str, list[str | None]] = {}
     for name, value in sorted(passes.items()):
@@ -1729,7 +1729,7 @@ class _SingleOutput:
 
 
 class PieceCache:
-    """The ``cache=`` object of :class:`~freezeframe.compile.compilers.CompilerManager`.
+    """The ``cache=`` object of :class:`~freezeframe.compilation.compilers.CompilerManager`.
 
     Inductor pieces: ``load`` turns a verified artifact into a runnable without running
     Inductor, ``save`` writes the ``standalone_compile`` artifact. Eager pieces have nothing
@@ -1887,7 +1887,7 @@ class _Chosen:
 
 
 class ModelCache:
-    """Drives the cache for one :class:`~freezeframe.compile.model.CompiledModel`.
+    """Drives the cache for one :class:`~freezeframe.compilation.model.CompiledModel`.
 
     The compile path calls :meth:`wrap_backend` around its Dynamo backend when it builds the
     trace, and routes calls through :meth:`__call__` (in place of the trace-once callable).
@@ -2212,7 +2212,7 @@ class _SavedSizes:
 
     def refuses(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why this call's sizes are not ones the saved trace serves, or None."""
-        from freezeframe.compile.signature import SizeGuards
+        from freezeframe.compilation.signature import SizeGuards
 
         signer = getattr(model, "_signer", None)
         if signer is None:
