@@ -147,13 +147,15 @@ def test_clear_drops_graphs_and_recaptures() -> None:
     assert fn.calls == 2
 
 
-def test_unwrap_and_attribute_fall_through() -> None:
+def test_unwrap_and_no_attribute_forwarding() -> None:
+    """The wrapped runnable is reached through unwrap(), never by attribute fall-through (a
+    typo on the wrapper would otherwise read the runnable's attribute silently)."""
     fn = Counting()
     w = make(fn)
     assert w.unwrap() is fn
-    assert w.config_name == "counting"
-    with pytest.raises(AttributeError):
-        _ = w.no_such_attribute
+    assert w.unwrap().config_name == "counting"
+    with pytest.raises(AttributeError, match="config_name"):
+        _ = w.config_name  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("mode", ["none", "full_and_piecewise", "full_decode_only"])

@@ -10,9 +10,11 @@ emulated capture must record as one unit.
 from __future__ import annotations
 
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend, resolve_backend
+from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
 
 __all__ = [
+    "Capturable",
     "CaptureWindow",
     "CapturedGraph",
     "GraphBackend",

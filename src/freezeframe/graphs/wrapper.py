@@ -229,12 +229,6 @@ class GraphWrapper:
         sight of a descriptor captures again (if the window is open)."""
         self._entries.clear()
 
-    def __getattr__(self, name: str) -> Any:
-        # Attribute access falls through to the runnable (e.g. a wrapped module's config).
-        if name.startswith("__") or name == "runnable":
-            raise AttributeError(name)
-        return getattr(self.runnable, name)
-
     def __repr__(self) -> str:
         return (f"GraphWrapper({self.runtime_mode.name}, backend={self.backend.name}, "
                 f"graphs={len(self.captured_descriptors)})")

@@ -66,6 +66,8 @@ from freezeframe.errors import (
     InputMismatchError,
     ShapeOutOfRangeError,
 )
+from freezeframe.graphs.capturable import Capturable
+from freezeframe.graphs.wrapper import GraphWrapper
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
@@ -189,13 +191,15 @@ class GraphRunner:
         call_positional: bool = False,
         progress: bool = True,
     ) -> None:
+        # A model holding its own graphs (ff.compile's); None for a plain callable.
+        self._held: Capturable | None = model if isinstance(model, Capturable) else None
+        model_config = self._held.config if self._held is not None else None
         if config is None:
-            config = getattr(model, "config", None)
+            config = model_config
         if not isinstance(config, CompilationConfig):
             raise ConfigError(
                 f"GraphRunner needs a CompilationConfig, got {config!r}; pass "
                 "GraphRunner(model, ff.CompilationConfig(...), inputs=...)")
-        model_config = getattr(model, "config", None)
         if isinstance(model_config, CompilationConfig) and (
                 model_config.cudagraph_mode is not config.cudagraph_mode
                 or model_config.cudagraph_capture_sizes != config.cudagraph_capture_sizes):
@@ -275,9 +279,9 @@ class GraphRunner:
         # Graph wrappers that held graphs before this runner existed (low-level forward_context
         # calls on other tensors): capture() frees them. Graphs this runner's own steps capture
         # before capture() read its buffers and are kept.
-        wrappers = getattr(model, "graph_wrappers", None)
-        self._foreign = [w for w in wrappers() if w.captured_descriptors] if callable(
-            wrappers) else []
+        self._foreign: list[GraphWrapper] = [
+            w for w in self._held.graph_wrappers() if w.captured_descriptors] \
+            if self._held is not None else []
         # Micro-batching (runtime/ubatch.py): this wrapper stands in for the model's FULL graph.
         self._ubatch: MicroBatchWrapper | None = None
         if config.micro_batching:
@@ -765,15 +769,15 @@ class GraphRunner:
             logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
             self.report = CaptureReport(device=device_name)
             return self.report
-        off = getattr(self.model, "compile_off_reason", None)
-        if isinstance(off, str):
+        off = self._held.compile_off_reason if self._held is not None else None
+        if off is not None:
             raise CaptureError(
                 f"GraphRunner.capture: {off}, so the model runs eagerly and would capture no "
                 "graph. Call capture() where compiling is on (outside torch.compiler."
                 "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
                 "run eagerly meanwhile")
         self._drop_foreign_graphs()
-        window = getattr(self.model, "capture_window", None)
+        window = self._held.capture_window if self._held is not None else None
         total = sum(len(descs) for _, descs in groups)
         records: list[GraphCapture] = []
         on_cuda = self.device.type == "cuda"
@@ -829,9 +833,8 @@ class GraphRunner:
         self.stats.inc("capture_failures")
         self._primed_sizes = primed
         self._graph_writes.clear()
-        wrappers = getattr(self.model, "graph_wrappers", None)
-        if callable(wrappers):
-            for wrapper in wrappers():
+        if self._held is not None:
+            for wrapper in self._held.graph_wrappers():
                 wrapper.clear()
         if self._ubatch is not None:
             self._ubatch.clear()

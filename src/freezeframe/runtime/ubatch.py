@@ -77,6 +77,7 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import ForwardContext, forward_context, get_forward_context
 from freezeframe.errors import CaptureError, FreezeframeError
+from freezeframe.graphs.capturable import Capturable
 from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, MicroBatchSlice
 from freezeframe.stats import Stats
 
@@ -480,10 +481,11 @@ class MicroBatchWrapper:
             from freezeframe.graphs import resolve_backend
 
             backend = resolve_backend(config)
-        model_stats = getattr(model, "stats", None)
+        held = model if isinstance(model, Capturable) else None
         return cls(model, backend=backend, unsplit=model,
-                   stats=model_stats if isinstance(model_stats, Stats) else stats,
-                   window=getattr(model, "capture_window", None), input_kinds=input_kinds)
+                   stats=held.stats if held is not None else stats,
+                   window=held.capture_window if held is not None else None,
+                   input_kinds=input_kinds)
 
     def clear(self) -> None:
         """Drop every split graph (the next split step of each size captures again)."""

@@ -1,0 +1,35 @@
+"""What a runner needs of a model that holds its own graphs.
+
+:class:`~freezeframe.runtime.GraphRunner` drives any callable. A model that owns graph wrappers
+(``ff.compile``'s :class:`~freezeframe.compilation.CompiledModel` is one) says so by having these
+members; the runner then checks its config against the model's, opens its capture window around
+``capture()``, frees its stale graphs, and refuses to capture while compiling is off. A plain
+``nn.Module`` has none of them and simply runs eagerly on the runner's padded buffers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from freezeframe.config import CompilationConfig
+    from freezeframe.graphs.wrapper import CaptureWindow, GraphWrapper
+    from freezeframe.stats import Stats
+
+__all__ = ["Capturable"]
+
+
+@runtime_checkable
+class Capturable(Protocol):
+    """A model holding graph wrappers (``isinstance(model, Capturable)`` tells)."""
+
+    config: CompilationConfig
+    stats: Stats
+    capture_window: CaptureWindow
+
+    @property
+    def compile_off_reason(self) -> str | None:
+        """Why calls now run eagerly (Dynamo disabled...), or None when they compile."""
+
+    def graph_wrappers(self) -> list[GraphWrapper]:
+        """Every graph wrapper the model owns."""
