@@ -16,22 +16,35 @@ from typing import Any
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
 
-__all__ = ["ForwardContext", "forward_context", "get_forward_context"]
+__all__ = ["ForwardContext", "entered", "forward_context", "get_forward_context"]
 
 _RUNTIME_MODES = CUDAGraphMode.valid_runtime_modes()
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardContext:
-    """One step's runtime mode, padded batch descriptor and user extras.
+    """One step as the graph wrappers and the model's ops see it.
 
-    ``extras`` carries whatever a model needs to read during the step (attention metadata,
-    micro-batch slices, ...); it is read-only.
+    ``mode`` and ``batch_descriptor`` say which graph (if any) the step replays. The typed
+    fields below are the library's own step data; ``extras`` is the caller's alone (attention
+    metadata, a tag...), read-only, and the library never puts anything there.
     """
 
     mode: CUDAGraphMode = CUDAGraphMode.NONE
     batch_descriptor: BatchDescriptor | None = None
     extras: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    #: the step's real token and request counts, before padding (set by ``GraphRunner``)
+    num_tokens_unpadded: int | None = None
+    num_reqs_unpadded: int | None = None
+    #: a warm-up or capture dummy step of ``GraphRunner.capture()``: every row is padding
+    capturing: bool = False
+    #: the step's micro-batch plan (a ``MicroBatchPlan``), for the micro-batch wrapper to split
+    micro_batches: Any = None
+    #: inside one micro-batch's thread: its ``MicroBatchSlice``, its index and, with data
+    #: parallelism, its per-rank token counts
+    micro_batch: Any = None
+    micro_batch_index: int | None = None
+    dp_metadata: Any = None
 
     def __post_init__(self) -> None:
         if self.mode not in _RUNTIME_MODES:
@@ -61,12 +74,19 @@ def get_forward_context() -> ForwardContext | None:
 def forward_context(
     batch_descriptor: BatchDescriptor | int | None = None,
     mode: CUDAGraphMode | str = CUDAGraphMode.NONE,
+    *,
+    num_tokens_unpadded: int | None = None,
+    num_reqs_unpadded: int | None = None,
+    capturing: bool = False,
+    micro_batches: Any = None,
     **extras: Any,
 ) -> Iterator[ForwardContext]:
     """Run the ``with`` block as one step with the given runtime mode and descriptor.
 
-    ``batch_descriptor`` may be an int, meaning ``BatchDescriptor(num_tokens=n)``. Contexts nest:
-    the inner one wins until it exits, then the outer one is back.
+    ``batch_descriptor`` may be an int, meaning ``BatchDescriptor(num_tokens=n)``. The keyword
+    arguments named here set the context's typed fields; any other keyword is the caller's and
+    goes to ``extras``. Contexts nest: the inner one wins until it exits, then the outer one is
+    back.
     """
     desc: BatchDescriptor | None
     if isinstance(batch_descriptor, bool):
@@ -80,7 +100,19 @@ def forward_context(
         mode=CUDAGraphMode.parse(mode),
         batch_descriptor=desc,
         extras=MappingProxyType(dict(extras)),
+        num_tokens_unpadded=num_tokens_unpadded,
+        num_reqs_unpadded=num_reqs_unpadded,
+        capturing=capturing,
+        micro_batches=micro_batches,
     )
+    with entered(ctx):
+        yield ctx
+
+
+@contextlib.contextmanager
+def entered(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` (built whole, e.g. with :func:`dataclasses.replace`) the current context
+    for the ``with`` block."""
     token = _CURRENT.set(ctx)
     try:
         yield ctx

@@ -20,7 +20,7 @@ import freezeframe as ff
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context, get_forward_context
-from freezeframe.runtime.ubatch import MICRO_BATCH_INDEX_KEY, PLAN_KEY, MicroBatchWrapper
+from freezeframe.runtime.ubatch import MicroBatchWrapper
 from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_micro_batches
 
 pytestmark = pytest.mark.cuda
@@ -52,7 +52,8 @@ class OverlapModel(nn.Module):
 
     def _phase(self, name: str, fn: Any) -> Any:
         ctx = get_forward_context()
-        index = ctx.extras.get(MICRO_BATCH_INDEX_KEY, -1) if ctx is not None else -1
+        index = -1 if ctx is None or ctx.micro_batch_index is None \
+                else ctx.micro_batch_index
         stream = torch.cuda.current_stream()
         self.streams[(index, name)] = stream
         if not self.timed:
@@ -98,7 +99,7 @@ def _inputs(tokens: int, seed: int) -> torch.Tensor:
 def _step(wrapper: Any, x: torch.Tensor, plan: MicroBatchPlan,
           mode: CUDAGraphMode = CUDAGraphMode.NONE) -> torch.Tensor:
     with torch.inference_mode(), forward_context(BatchDescriptor(num_tokens=x.shape[0]),
-                                                 mode=mode, **{PLAN_KEY: plan}):
+                                                 mode=mode, micro_batches=plan):
         return wrapper(x)
 
 

@@ -22,7 +22,7 @@ import freezeframe as ff
 from freezeframe import CUDAGraphMode
 from freezeframe.graphs.cuda import CudaBackend, is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
-from freezeframe.runtime.ubatch import PLAN_KEY, MicroBatchWrapper
+from freezeframe.runtime.ubatch import MicroBatchWrapper
 from freezeframe.runtime.ubatch_slicing import plan_micro_batches
 from tests.helpers.faults import _assert_clean
 from tests.unit.test_graph_backends import FakeCuda, FakeStream
@@ -152,7 +152,7 @@ class _Split:
         plan = plan_micro_batches(self.config, [4, 4], CAPTURE_SIZE, sync=False)
         assert plan is not None and plan.num_micro_batches == 2
         with ff.forward_context(ff.BatchDescriptor(num_tokens=CAPTURE_SIZE), mode=self.mode,
-                                **{PLAN_KEY: plan}):
+                                micro_batches=plan):
             return self.wrapper(self.buffer).clone()
 
     def check(self, seeds: range) -> None:

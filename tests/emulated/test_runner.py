@@ -170,16 +170,19 @@ class Recorder(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: list[tuple[CUDAGraphMode, BatchDescriptor | None, dict[str, Any], int]] = []
+        self.seen: list[tuple[CUDAGraphMode, BatchDescriptor | None, dict[str, Any],
+                              tuple[int | None, int | None], int]] = []
 
     def forward(self, x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         ctx = ff.get_forward_context()
         assert ctx is not None
-        self.seen.append((ctx.mode, ctx.batch_descriptor, dict(ctx.extras), seq_lens.shape[0]))
+        self.seen.append((ctx.mode, ctx.batch_descriptor, dict(ctx.extras),
+                          (ctx.num_tokens_unpadded, ctx.num_reqs_unpadded), seq_lens.shape[0]))
         return x * 2
 
 
-def test_context_extras_expose_real_sizes_and_requests_are_padded_for_full_keys() -> None:
+def test_context_exposes_real_sizes_and_requests_are_padded_for_full_keys() -> None:
+    """The real sizes are typed fields of the context; ``extras`` holds only the caller's."""
     cfg = config("full_and_piecewise")
     rec = Recorder()
     runner = GraphRunner(rec, cfg, progress=False, outputs="tokens",
@@ -188,17 +191,17 @@ def test_context_extras_expose_real_sizes_and_requests_are_padded_for_full_keys(
     y = runner(torch.ones(3, 2), torch.tensor([5, 6, 7], dtype=torch.int32), uniform_decode=True,
                extras={"tag": "decode"})
     assert torch.equal(y, torch.full((3, 2), 2.0))
-    mode, desc, extras, reqs_rows = rec.seen[-1]
+    mode, desc, extras, real, reqs_rows = rec.seen[-1]
     assert (mode, desc) == (FULL, BatchDescriptor(4, 4, uniform=True))
-    assert extras == {"tag": "decode", "num_tokens_unpadded": 3, "num_reqs_unpadded": 3}
+    assert (extras, real) == ({"tag": "decode"}, (3, 3))
     assert reqs_rows == 4
     assert runner.buffers["seq_lens"][:4].tolist() == [5, 6, 7, 0]
     # A PIECEWISE key ignores the request count, so the pieces see as many request rows as
     # they were captured with (min(padded tokens, max_num_seqs)), the padded ones at the fill.
     runner(torch.ones(5, 2), torch.tensor([2, 3], dtype=torch.int32))
-    mode, desc, extras, reqs_rows = rec.seen[-1]
+    mode, desc, extras, real, reqs_rows = rec.seen[-1]
     assert (mode, desc, reqs_rows) == (PW, BatchDescriptor(8), min(8, cfg.max_num_seqs))
-    assert (extras["num_tokens_unpadded"], extras["num_reqs_unpadded"]) == (5, 2)
+    assert (extras, real) == ({}, (5, 2))
     assert runner.buffers["seq_lens"][:4].tolist() == [2, 3, 0, 0]
 
 
@@ -260,7 +263,7 @@ class GcProbe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = ff.get_forward_context()
-        if ctx is not None and ctx.extras.get("capturing"):
+        if ctx is not None and ctx.capturing:
             self.freeze_counts.append(gc.get_freeze_count())
         return x + 1
 

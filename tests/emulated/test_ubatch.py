@@ -17,13 +17,7 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context, get_forward_context
 from freezeframe.graphs.emulated import EmulatedBackend
-from freezeframe.runtime.ubatch import (
-    MICRO_BATCH_INDEX_KEY,
-    MICRO_BATCH_KEY,
-    PLAN_KEY,
-    MicroBatchError,
-    MicroBatchWrapper,
-)
+from freezeframe.runtime.ubatch import MicroBatchError, MicroBatchWrapper
 from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_micro_batches
 
 HIDDEN = 4
@@ -49,7 +43,7 @@ class CommModel(nn.Module):
 
     def _where(self) -> int | None:
         ctx = get_forward_context()
-        return None if ctx is None else ctx.extras.get(MICRO_BATCH_INDEX_KEY)
+        return None if ctx is None else ctx.micro_batch_index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, HIDDEN]
         self.calls += 1
@@ -93,8 +87,7 @@ def model() -> Iterator[CommModel]:
 def _step(wrapper: Any, x: torch.Tensor, plan: MicroBatchPlan | None,
           mode: CUDAGraphMode = CUDAGraphMode.NONE) -> torch.Tensor:
     desc = BatchDescriptor(num_tokens=x.shape[0])
-    extras = {PLAN_KEY: plan} if plan is not None else {}
-    with torch.inference_mode(), forward_context(desc, mode=mode, **extras):
+    with torch.inference_mode(), forward_context(desc, mode=mode, micro_batches=plan):
         return wrapper(x)
 
 
@@ -141,8 +134,8 @@ def test_each_thread_has_its_own_forward_context(model: CommModel) -> None:
         assert ctx is not None
         with lock:
             seen.append((threading.current_thread().name, ctx.batch_descriptor.num_tokens,
-                         ctx.extras[MICRO_BATCH_KEY], ctx.mode))
-        assert PLAN_KEY not in ctx.extras
+                         ctx.micro_batch, ctx.mode))
+        assert ctx.micro_batches is None
         ff.ubatch.yield_()
         return model(x)
 
@@ -150,11 +143,11 @@ def test_each_thread_has_its_own_forward_context(model: CommModel) -> None:
     wrapper = MicroBatchWrapper(probe, timeout_s=30)
     desc = BatchDescriptor(num_tokens=8)
     with torch.inference_mode(), forward_context(desc, mode=CUDAGraphMode.NONE, user="kept",
-                                                 **{PLAN_KEY: plan}):
+                                                 micro_batches=plan):
         wrapper(_inputs(8))
         # the caller's context is untouched
         outer = get_forward_context()
-        assert outer is not None and outer.extras[PLAN_KEY] is plan
+        assert outer is not None and outer.micro_batches is plan
     assert sorted(seen, key=lambda s: s[0]) == [
         ("freezeframe-ubatch-0", 4, plan.padded_slices[0], CUDAGraphMode.NONE),
         ("freezeframe-ubatch-1", 4, plan.padded_slices[1], CUDAGraphMode.NONE),

@@ -54,7 +54,7 @@ def _phase() -> str:
     if ctx is None:
         return "outside"
     prefix = "micro_batch_" if ff.ubatch.in_micro_batch() else ""
-    if ctx.extras.get("capturing"):
+    if ctx.capturing:
         # inside a micro-batch thread the mode is NONE; the capture pass is told apart by the
         # split step the runner made (its extras carry no parent mode), so both count as capture
         return prefix + ("capture" if ctx.mode is not NONE or prefix else "warmup")

@@ -296,7 +296,7 @@ def probe_ubatch(trace_path: Path, tokens: int, hidden: int, steps: int) -> dict
     from freezeframe.batch import BatchDescriptor
     from freezeframe.config import CompilationConfig, CUDAGraphMode
     from freezeframe.context import forward_context, get_forward_context
-    from freezeframe.runtime.ubatch import MICRO_BATCH_INDEX_KEY, PLAN_KEY, MicroBatchWrapper
+    from freezeframe.runtime.ubatch import MicroBatchWrapper
     from freezeframe.runtime.ubatch_slicing import plan_micro_batches
 
     if not torch.cuda.is_available():
@@ -323,7 +323,8 @@ def probe_ubatch(trace_path: Path, tokens: int, hidden: int, steps: int) -> dict
 
         def _phase(self, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
             ctx = get_forward_context()
-            index = ctx.extras.get(MICRO_BATCH_INDEX_KEY, -1) if ctx is not None else -1
+            index = -1 if ctx is None or ctx.micro_batch_index is None \
+                else ctx.micro_batch_index
             begin = torch.cuda.Event(enable_timing=True)
             finish = torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -356,7 +357,7 @@ def probe_ubatch(trace_path: Path, tokens: int, hidden: int, steps: int) -> dict
 
     def split() -> torch.Tensor:
         with torch.inference_mode(), forward_context(
-                BatchDescriptor(num_tokens=tokens), mode=CUDAGraphMode.NONE, **{PLAN_KEY: plan}):
+                BatchDescriptor(num_tokens=tokens), mode=CUDAGraphMode.NONE, micro_batches=plan):
             return wrapper(x)  # type: ignore[no-any-return]
 
     def unsplit() -> torch.Tensor:

@@ -71,8 +71,8 @@ from freezeframe.graphs.wrapper import GraphWrapper
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
-from freezeframe.runtime.ubatch import PLAN_KEY, MicroBatchWrapper
-from freezeframe.runtime.ubatch_slicing import plan_for_step
+from freezeframe.runtime.ubatch import MicroBatchWrapper
+from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_for_step
 from freezeframe.stats import Stats
 
 __all__ = ["CaptureReport", "GraphCapture", "GraphRunner"]
@@ -318,8 +318,8 @@ class GraphRunner:
         ``uniform_decode``: every request has exactly ``1 + num_speculative_tokens`` tokens.
         ``num_reqs``: the request count when no ``Requests`` input carries it.
         ``extras``: extra values for the forward context (read by ops as
-        ``ff.get_forward_context().extras[...]``); the runner adds ``num_tokens_unpadded`` and
-        ``num_reqs_unpadded``.
+        ``ff.get_forward_context().extras[...]``); the runner sets the context's own
+        ``num_tokens_unpadded`` and ``num_reqs_unpadded`` fields.
 
         Steps (and :meth:`capture`) hold the runner's lock, so concurrent calls run one after
         the other; see the class docstring for what that means for the returned tensors.
@@ -392,15 +392,15 @@ class GraphRunner:
         self.stats.inc(f"steps_{mode.name.lower() if mode is not _NONE else 'eager'}")
         self.stats.inc("padded_tokens", padded_tokens - num_tokens)
         step_extras = dict(extras or {})
-        self._plan_micro_batches(step_extras, num_tokens, reqs, padded_tokens, padded_reqs,
-                                 step_uniform)
+        plan = self._plan_micro_batches(step_extras, num_tokens, reqs, padded_tokens,
+                                        padded_reqs, step_uniform)
         versions = [buf._version for buf in self._buffer_list]
         writes = self._graph_writes.get((mode, desc))
         if aliased and writes:
             self._refuse_written_alias(values, aliased, writes)
         try:
             out = self._forward(mode, desc, padded_tokens, padded_reqs,
-                                num_tokens, reqs, step_extras)
+                                num_tokens, reqs, step_extras, plan)
         except BaseException:
             # What the model wrote before it raised reaches the caller, as in eager.
             with contextlib.suppress(Exception):
@@ -662,30 +662,30 @@ class GraphRunner:
 
     def _forward(self, mode: CUDAGraphMode, desc: BatchDescriptor, padded_tokens: int,
                  padded_reqs: int | None, num_tokens: int, reqs: int | None,
-                 extras: dict[str, Any]) -> Any:
+                 extras: Mapping[str, Any], plan: MicroBatchPlan | None,
+                 capturing: bool = False) -> Any:
         views = self._views(padded_tokens, padded_reqs)
-        extras.setdefault("num_tokens_unpadded", num_tokens)
-        extras.setdefault("num_reqs_unpadded", reqs)
         model = self._ubatch if self._ubatch is not None else self.model
         # Inference only: no autograd graph may hang on the static buffers or graph outputs.
-        with torch.no_grad(), forward_context(desc, mode=mode, **extras):
+        with torch.no_grad(), forward_context(
+                desc, mode=mode, num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs,
+                capturing=capturing, micro_batches=plan, **extras):
             if self.call_positional:
                 return model(*views.values())
             return model(**views)
 
-    def _plan_micro_batches(self, extras: dict[str, Any], num_tokens: int, reqs: int | None,
-                            padded_tokens: int, padded_reqs: int | None, uniform: bool) -> None:
-        """Put this step's micro-batch plan (or none: run unsplit) into the extras. Per-request
-        token counts may be given as ``extras["num_scheduled_tokens"]``."""
-        if self._ubatch is None or PLAN_KEY in extras:
-            return
-        plan = plan_for_step(
+    def _plan_micro_batches(self, extras: Mapping[str, Any], num_tokens: int,
+                            reqs: int | None, padded_tokens: int, padded_reqs: int | None,
+                            uniform: bool) -> MicroBatchPlan | None:
+        """This step's micro-batch plan, or None: run unsplit. Per-request token counts may be
+        given as ``extras["num_scheduled_tokens"]``."""
+        if self._ubatch is None:
+            return None
+        return plan_for_step(
             self.config, num_tokens, reqs, padded_tokens, padded_reqs, uniform_decode=uniform,
             query_len=self.dispatcher.uniform_decode_query_len,
             num_scheduled_tokens=extras.get("num_scheduled_tokens"),
             dp_group=self.dp_group, sync=self.dp_sync)
-        if plan is not None:
-            extras[PLAN_KEY] = plan
 
     # -- outputs -------------------------------------------------------------------------
     def _slice(self, out: Any, kinds: Any, padded_tokens: int, num_tokens: int,
@@ -885,19 +885,19 @@ class GraphRunner:
                 if spec.kind != "static":
                     rows = tokens if spec.kind == "tokens" else reqs
                     self._buffers[name][:rows].fill_(spec.fill)
-        extras = {"num_tokens_unpadded": tokens, "num_reqs_unpadded": reqs, "capturing": True}
-        if mode is _FULL:  # FULL graphs of split sizes are captured split (warm-ups split too)
-            self._plan_micro_batches(extras, tokens, reqs, tokens, reqs, desc.uniform)
+        # FULL graphs of split sizes are captured split (warm-ups split too)
+        plan = self._plan_micro_batches({}, tokens, reqs, tokens, reqs, desc.uniform) \
+            if mode is _FULL else None
         on_cuda = self.device.type == "cuda"
         free_before = _free_memory(self.device)
         t0 = time.perf_counter()
         for _ in range(self._num_warmups(tokens)):
-            self._forward(_NONE, desc, tokens, reqs, tokens, reqs, dict(extras))
+            self._forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
             self.stats.inc("warmups")
         if on_cuda:
             torch.cuda.synchronize(self.device)
         versions = [buf._version for buf in self._buffer_list]
-        out = self._forward(mode, desc, tokens, reqs, tokens, reqs, dict(extras))
+        out = self._forward(mode, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
         for i, leaf in enumerate(_tensor_leaves(out)):
             self._leaf_sizes.setdefault(i, set()).add(
                 (tokens, reqs, int(leaf.shape[0]) if leaf.dim() else None))

@@ -68,6 +68,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -75,15 +76,13 @@ from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
-from freezeframe.context import ForwardContext, forward_context, get_forward_context
+from freezeframe.context import ForwardContext, entered, get_forward_context
 from freezeframe.errors import CaptureError, FreezeframeError
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, MicroBatchSlice
 from freezeframe.stats import Stats
 
 __all__ = [
-    "MICRO_BATCH_KEY",
-    "PLAN_KEY",
     "MicroBatchContext",
     "MicroBatchError",
     "MicroBatchWrapper",
@@ -96,13 +95,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# forward-context extras: the runner puts the plan under PLAN_KEY; each micro-batch thread sees
-# its own MicroBatchSlice under MICRO_BATCH_KEY (and the plan is removed from its extras)
-PLAN_KEY = "micro_batch_plan"
-MICRO_BATCH_KEY = "micro_batch"
-MICRO_BATCH_INDEX_KEY = "micro_batch_index"
-DP_METADATA_KEY = "dp_metadata"
 
 _POLL_S = 0.05  # how often a waiting thread re-checks the abort flag
 
@@ -420,7 +412,7 @@ class MicroBatchWrapper:
     Used by the runner in place of the FULL :class:`~freezeframe.graphs.GraphWrapper` when
     ``config.micro_batching`` is on. The step's plan (:class:`MicroBatchPlan`, from
     :func:`~freezeframe.runtime.ubatch_slicing.plan_micro_batches`) is read from the forward
-    context extras under :data:`PLAN_KEY`; without one the step runs unsplit (through
+    context's ``micro_batches`` field; without one the step runs unsplit (through
     ``unsplit`` — typically a FULL GraphWrapper — or ``runnable``).
 
     Inputs: every tensor argument whose dim 0 equals the padded token count is sliced per
@@ -494,7 +486,7 @@ class MicroBatchWrapper:
     # -- entry --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fctx = get_forward_context()
-        plan: MicroBatchPlan | None = fctx.extras.get(PLAN_KEY) if fctx is not None else None
+        plan: MicroBatchPlan | None = fctx.micro_batches if fctx is not None else None
         mode = fctx.mode if fctx is not None else CUDAGraphMode.NONE
         if plan is None:
             return self._run_unsplit(fctx, mode, args, kwargs)
@@ -504,8 +496,8 @@ class MicroBatchWrapper:
             # lock. So the first call runs unsplit (and eagerly: nothing is captured).
             assert fctx is not None
             self.stats.inc("micro_batch_unsplit_first_calls")
-            extras = {k: v for k, v in fctx.extras.items() if k != PLAN_KEY}
-            with forward_context(fctx.batch_descriptor, mode=CUDAGraphMode.NONE, **extras):
+            with entered(dataclasses.replace(fctx, mode=CUDAGraphMode.NONE,
+                                             micro_batches=None)):
                 return self.runnable(*args, **kwargs)
         self.stats.inc("micro_batched_steps")
         key = plan.num_tokens_padded
@@ -530,7 +522,7 @@ class MicroBatchWrapper:
             logger.debug("unsplit step at %d tokens, whose FULL graph was captured split: "
                          "running eagerly", desc.num_tokens)
             assert fctx is not None
-            with forward_context(desc, mode=CUDAGraphMode.NONE, **fctx.extras):
+            with entered(dataclasses.replace(fctx, mode=CUDAGraphMode.NONE)):
                 return self.runnable(*args, **kwargs)
         return self.unsplit(*args, **kwargs)
 
@@ -575,19 +567,15 @@ class MicroBatchWrapper:
         return self._comm_stream
 
     def _thread_context(self, fctx: ForwardContext | None, plan: MicroBatchPlan, index: int
-                        ) -> tuple[BatchDescriptor, dict[str, Any]]:
-        """The descriptor and extras micro-batch ``index`` runs under (its mode is NONE:
-        inside a micro-batch nothing captures; a split graph, if any, is the whole step)."""
+                        ) -> ForwardContext:
+        """The context micro-batch ``index`` runs under: its own descriptor, slice and index,
+        the caller's extras (plus what ``slice_extras`` adds), and mode NONE (inside a
+        micro-batch nothing captures; a split graph, if any, is the whole step)."""
         sl = plan.padded_slices[index]
-        parent = dict(fctx.extras) if fctx is not None else {}
-        parent.pop(PLAN_KEY, None)
-        extras: dict[str, Any] = dict(parent)
-        extras[MICRO_BATCH_KEY] = sl
-        extras[MICRO_BATCH_INDEX_KEY] = index
-        if plan.dp is not None:
-            extras[DP_METADATA_KEY] = plan.dp[index]
+        parent = fctx if fctx is not None else ForwardContext()
+        extras: dict[str, Any] = dict(parent.extras)
         if self.slice_extras is not None:
-            extras.update(self.slice_extras(index, sl, parent))
+            extras.update(self.slice_extras(index, sl, parent.extras))
         desc = fctx.batch_descriptor if fctx is not None else None
         sub = BatchDescriptor(
             num_tokens=sl.num_tokens,
@@ -596,7 +584,10 @@ class MicroBatchWrapper:
             has_lora=desc.has_lora if desc is not None else False,
             num_active_loras=desc.num_active_loras if desc is not None else 0,
         )
-        return sub, extras
+        return dataclasses.replace(
+            parent, mode=CUDAGraphMode.NONE, batch_descriptor=sub,
+            extras=MappingProxyType(extras), micro_batches=None, micro_batch=sl,
+            micro_batch_index=index, dp_metadata=plan.dp[index] if plan.dp is not None else None)
 
     def _run_threads(self, fctx: ForwardContext | None, plan: MicroBatchPlan,
                      args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -630,7 +621,7 @@ class MicroBatchWrapper:
                              for i, a in enumerate(args))
             sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded, kinds.get(k))
                           for k, v in kwargs.items()}
-            desc, extras = self._thread_context(fctx, plan, index)
+            thread_ctx = self._thread_context(fctx, plan, index)
             try:
                 if use_cuda:
                     torch.cuda.set_device(device)
@@ -651,7 +642,7 @@ class MicroBatchWrapper:
                              else torch.set_grad_enabled(grad))
                 token = _CURRENT.set(ctx)
                 try:
-                    with grad_mode, forward_context(desc, mode=CUDAGraphMode.NONE, **extras):
+                    with grad_mode, entered(thread_ctx):
                         if backend is not None:
                             run.graphs[index], run.results[index] = backend.capture(
                                 lambda: self.runnable(*sub_args, **sub_kwargs), gc_disable=True)
