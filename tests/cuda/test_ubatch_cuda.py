@@ -20,8 +20,8 @@ import freezeframe as ff
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context, get_forward_context
-from freezeframe.runtime.ubatch import MicroBatchWrapper
-from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_micro_batches
+from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
+from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_micro_batches
 
 pytestmark = pytest.mark.cuda
 

@@ -22,8 +22,8 @@ import freezeframe as ff
 from freezeframe import CUDAGraphMode
 from freezeframe.graphs.cuda import CudaBackend, is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
-from freezeframe.runtime.ubatch import MicroBatchWrapper
-from freezeframe.runtime.ubatch_slicing import plan_micro_batches
+from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
+from freezeframe.runtime.ubatch.slicing import plan_micro_batches
 from tests.helpers.faults import _assert_clean
 from tests.unit.test_graph_backends import FakeCuda, FakeStream
 

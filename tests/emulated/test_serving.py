@@ -12,14 +12,14 @@ import torch
 
 import freezeframe as ff
 from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
-from freezeframe.runtime.runner import GraphRunner
-from freezeframe.runtime.serving import (
+from freezeframe.models.serving import (
     Request,
     RunnerForward,
     ServingDriver,
     ServingResult,
     llama_runner_inputs,
 )
+from freezeframe.runtime.runner import GraphRunner
 
 CACHE = KVCacheConfig(num_blocks=64, block_size=4, max_model_len=48)
 MAX_SEQS, MAX_TOKENS = 4, 16

@@ -17,8 +17,8 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context, get_forward_context
 from freezeframe.graphs.emulated import EmulatedBackend
-from freezeframe.runtime.ubatch import MicroBatchError, MicroBatchWrapper
-from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_micro_batches
+from freezeframe.runtime.ubatch.overlap import MicroBatchError, MicroBatchWrapper
+from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_micro_batches
 
 HIDDEN = 4
 

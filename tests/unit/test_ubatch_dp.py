@@ -35,7 +35,7 @@ def _worker(rank: int, port: int, out: Any) -> None:
     import torch.distributed as dist
 
     from freezeframe.config import CompilationConfig
-    from freezeframe.runtime.ubatch_slicing import agree_across_dp, plan_micro_batches
+    from freezeframe.runtime.ubatch.slicing import agree_across_dp, plan_micro_batches
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freezeframe.config import CompilationConfig
-from freezeframe.runtime.ubatch_slicing import (
+from freezeframe.runtime.ubatch.slicing import (
     MicroBatchSlice,
     agree_across_dp,
     create_slices,

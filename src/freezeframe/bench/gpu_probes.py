@@ -149,7 +149,7 @@ def probe_capture(preset: str, compiler: str, tolerance: float,
     import freezeframe as ff
     from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
     from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
-    from freezeframe.runtime.serving import EagerForward, RunnerForward, llama_runner_inputs
+    from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda and not allow_cpu:
@@ -296,8 +296,8 @@ def probe_ubatch(trace_path: Path, tokens: int, hidden: int, steps: int) -> dict
     from freezeframe.batch import BatchDescriptor
     from freezeframe.config import CompilationConfig, CUDAGraphMode
     from freezeframe.context import forward_context, get_forward_context
-    from freezeframe.runtime.ubatch import MicroBatchWrapper
-    from freezeframe.runtime.ubatch_slicing import plan_micro_batches
+    from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
+    from freezeframe.runtime.ubatch.slicing import plan_micro_batches
 
     if not torch.cuda.is_available():
         return {"ok": False, "problems": ["needs CUDA: torch.cuda.is_available() is False"]}

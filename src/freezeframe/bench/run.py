@@ -189,7 +189,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         build_llama,
     )
     from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
-    from freezeframe.runtime.serving import EagerForward, RunnerForward, llama_runner_inputs
+    from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
 
     progress = progress if progress is not None else Progress(len(opts.modes), enabled=False)
     device = resolve_device(opts.device)

@@ -71,8 +71,8 @@ from freezeframe.graphs.wrapper import GraphWrapper
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
-from freezeframe.runtime.ubatch import MicroBatchWrapper
-from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, plan_for_step
+from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
+from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_for_step
 from freezeframe.stats import Stats
 
 __all__ = ["CaptureReport", "GraphCapture", "GraphRunner"]
@@ -282,7 +282,7 @@ class GraphRunner:
         self._foreign: list[GraphWrapper] = [
             w for w in self._held.graph_wrappers() if w.captured_descriptors] \
             if self._held is not None else []
-        # Micro-batching (runtime/ubatch.py): this wrapper stands in for the model's FULL graph.
+        # Micro-batching (runtime/ubatch/overlap.py) stands in for the model's FULL graph.
         self._ubatch: MicroBatchWrapper | None = None
         if config.micro_batching:
             kinds: dict[str | int, str] = {name: s.kind for name, s in specs.items()}

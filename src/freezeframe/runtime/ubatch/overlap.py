@@ -79,7 +79,7 @@ from freezeframe.config import CUDAGraphMode
 from freezeframe.context import ForwardContext, entered, get_forward_context
 from freezeframe.errors import CaptureError, FreezeframeError
 from freezeframe.graphs.capturable import Capturable
-from freezeframe.runtime.ubatch_slicing import MicroBatchPlan, MicroBatchSlice
+from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, MicroBatchSlice
 from freezeframe.stats import Stats
 
 __all__ = [
@@ -411,14 +411,14 @@ class MicroBatchWrapper:
 
     Used by the runner in place of the FULL :class:`~freezeframe.graphs.GraphWrapper` when
     ``config.micro_batching`` is on. The step's plan (:class:`MicroBatchPlan`, from
-    :func:`~freezeframe.runtime.ubatch_slicing.plan_micro_batches`) is read from the forward
+    :func:`~freezeframe.runtime.ubatch.slicing.plan_micro_batches`) is read from the forward
     context's ``micro_batches`` field; without one the step runs unsplit (through
     ``unsplit`` — typically a FULL GraphWrapper — or ``runnable``).
 
     Inputs: every tensor argument whose dim 0 equals the padded token count is sliced per
     micro-batch; other arguments are shared. Outputs are concatenated along dim 0 in micro-batch
     order. ``slice_extras(index, slice, parent_extras) -> dict`` may add per-micro-batch extras
-    (attention metadata from :func:`~freezeframe.runtime.ubatch_slicing.slice_attention_metadata`,
+    (attention metadata from :func:`~freezeframe.runtime.ubatch.slicing.slice_attention_metadata`,
     ...) to each thread's forward context.
     """
 
