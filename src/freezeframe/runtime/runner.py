@@ -193,26 +193,7 @@ class GraphRunner:
     ) -> None:
         # A model holding its own graphs (ff.compile's); None for a plain callable.
         self._held: Capturable | None = model if isinstance(model, Capturable) else None
-        model_config = self._held.config if self._held is not None else None
-        if config is None:
-            config = model_config
-        if not isinstance(config, CompilationConfig):
-            raise ConfigError(
-                f"GraphRunner needs a CompilationConfig, got {config!r}; pass "
-                "GraphRunner(model, ff.CompilationConfig(...), inputs=...)")
-        if isinstance(model_config, CompilationConfig) and (
-                model_config.cudagraph_mode is not config.cudagraph_mode
-                or model_config.cudagraph_capture_sizes != config.cudagraph_capture_sizes):
-            raise ConfigError(
-                "GraphRunner config disagrees with the model's: cudagraph_mode "
-                f"{config.cudagraph_mode!s} vs {model_config.cudagraph_mode!s}, capture "
-                f"sizes {config.cudagraph_capture_sizes} vs "
-                f"{model_config.cudagraph_capture_sizes}; pass the config the model was "
-                "compiled with (or leave config out to use model.config)")
-        if strict and config.cudagraph_mode is _NONE:
-            raise ConfigError(
-                "strict=True with cudagraph_mode NONE: every step would be a fallback; turn "
-                "graphs on or leave strict off")
+        config = _runner_config(config, self._held, strict)
         self.model = model
         self.config = config
         self.dispatcher = Dispatcher(config)
@@ -234,23 +215,7 @@ class GraphRunner:
         self.device = _resolve_device(device, model)
         self.graphs_available = _graphs_available(config)
 
-        if not isinstance(inputs, Mapping) or not inputs:
-            raise ConfigError("inputs: give a mapping of input name -> ff.runtime.Tokens(...) / "
-                              "Requests(...) / Static(...), with at least one Tokens input")
-        specs: dict[str, InputSpec] = {}
-        for name, spec in inputs.items():
-            if not isinstance(name, str) or not name.isidentifier():
-                raise ConfigError(f"inputs: name {name!r} is not a Python identifier")
-            if name in _STEP_OPTIONS:
-                raise ConfigError(f"inputs: name {name!r} is reserved for a step option "
-                                  f"({sorted(_STEP_OPTIONS)}); rename the input")
-            if not isinstance(spec, InputSpec):
-                raise ConfigError(f"inputs[{name!r}]: expected ff.runtime.Tokens(...), "
-                                  f"Requests(...) or Static(...), got {spec!r}")
-            specs[name] = spec.named(name)
-        if not any(s.kind == "tokens" for s in specs.values()):
-            raise ConfigError("inputs: at least one input must be Tokens(...): the runner reads "
-                              "the step size from the token dimension")
+        specs = _input_specs(inputs)
         self.specs: Mapping[str, InputSpec] = specs
         # One buffer per input, allocated once; every step writes into these same tensors.
         # Always normal tensors (not inference tensors, even when the runner is built under
@@ -917,6 +882,55 @@ class GraphRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def _runner_config(config: CompilationConfig | None, held: Capturable | None,
+                   strict: bool) -> CompilationConfig:
+    """The runner's config: the one given, else the model's; it must agree with the model's
+    on what sizes the keys (graph mode and capture sizes)."""
+    model_config = held.config if held is not None else None
+    if config is None:
+        config = model_config
+    if not isinstance(config, CompilationConfig):
+        raise ConfigError(
+            f"GraphRunner needs a CompilationConfig, got {config!r}; pass "
+            "GraphRunner(model, ff.CompilationConfig(...), inputs=...)")
+    if isinstance(model_config, CompilationConfig) and (
+            model_config.cudagraph_mode is not config.cudagraph_mode
+            or model_config.cudagraph_capture_sizes != config.cudagraph_capture_sizes):
+        raise ConfigError(
+            "GraphRunner config disagrees with the model's: cudagraph_mode "
+            f"{config.cudagraph_mode!s} vs {model_config.cudagraph_mode!s}, capture "
+            f"sizes {config.cudagraph_capture_sizes} vs "
+            f"{model_config.cudagraph_capture_sizes}; pass the config the model was "
+            "compiled with (or leave config out to use model.config)")
+    if strict and config.cudagraph_mode is _NONE:
+        raise ConfigError(
+            "strict=True with cudagraph_mode NONE: every step would be a fallback; turn "
+            "graphs on or leave strict off")
+    return config
+
+
+def _input_specs(inputs: Any) -> dict[str, InputSpec]:
+    """``inputs`` checked (identifiers, not step options, at least one ``Tokens``) and named."""
+    if not isinstance(inputs, Mapping) or not inputs:
+        raise ConfigError("inputs: give a mapping of input name -> ff.runtime.Tokens(...) / "
+                          "Requests(...) / Static(...), with at least one Tokens input")
+    specs: dict[str, InputSpec] = {}
+    for name, spec in inputs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"inputs: name {name!r} is not a Python identifier")
+        if name in _STEP_OPTIONS:
+            raise ConfigError(f"inputs: name {name!r} is reserved for a step option "
+                              f"({sorted(_STEP_OPTIONS)}); rename the input")
+        if not isinstance(spec, InputSpec):
+            raise ConfigError(f"inputs[{name!r}]: expected ff.runtime.Tokens(...), "
+                              f"Requests(...) or Static(...), got {spec!r}")
+        specs[name] = spec.named(name)
+    if not any(s.kind == "tokens" for s in specs.values()):
+        raise ConfigError("inputs: at least one input must be Tokens(...): the runner reads "
+                          "the step size from the token dimension")
+    return specs
+
+
 def _slice_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
                 padded_reqs: int | None, reqs: int | None) -> torch.Tensor:
     if kind == "none" or t.dim() == 0:
