@@ -17,6 +17,7 @@ import of torch here is inside a function.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import json
@@ -28,7 +29,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from freezeframe.bench.run import CompiledLlama, StepBuilder
+    from freezeframe.config import CompilationConfig
+    from freezeframe.models import LlamaModel
+    from freezeframe.models.inputs import StepInputs
+    from freezeframe.runtime.runner import CaptureReport
 
 __all__ = ["MIN_TORCH", "main", "overlapping_kernel_pairs", "probe_environment"]
 
@@ -146,96 +156,25 @@ def probe_capture(preset: str, compiler: str, tolerance: float,
     """
     import torch
 
-    import freezeframe as ff
-    from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
-    from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
-    from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
+    from freezeframe.bench.run import StepBuilder, StepShapes, graph_config
+    from freezeframe.models import build_llama
+    from freezeframe.models.serving import EagerForward
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda and not allow_cpu:
         return {"ok": False, "problems": ["needs CUDA: torch.cuda.is_available() is False"]}
     device = torch.device("cuda" if on_cuda else "cpu")
-
-    def sync() -> None:
-        if on_cuda:
-            torch.cuda.synchronize()
-
-    def memory(fn: Callable[[torch.device], int]) -> int:
-        return fn(device) if on_cuda else 0
-
-    # the bench's shapes for this preset (context and prefill length by preset, as it does)
-    context, prefill_len = (64, 64) if preset == "tiny" else (1024, 512)
-    max_bs, mixed_chunk, block_size = 64, 16, 16
-    max_model_len = max(context, prefill_len) + block_size
-    blocks_per_req = -(-max_model_len // block_size)
-    cache = KVCacheConfig(num_blocks=blocks_per_req * (max_bs + 1), block_size=block_size,
-                          max_model_len=max_model_len)
-    base = build_llama(preset, cache, device=device, seed=0)
-    config = ff.CompilationConfig(
-        mode="piecewise", backend=compiler, splitting_ops=[ATTENTION_OP],
-        cudagraph_mode="FULL_AND_PIECEWISE", graph_backend="cuda" if on_cuda else "emulated",
-        max_num_seqs=max_bs + 1,
-        max_num_tokens=max(prefill_len, max_bs + mixed_chunk))
-
-    def blocks(r: int) -> tuple[int, ...]:
-        return tuple(range(r * blocks_per_req, (r + 1) * blocks_per_req))
-
-    def decode(bs: int) -> StepInputs:
-        return build_step([RequestChunk((1 + r % 7,), context - 1, blocks(r))
-                           for r in range(bs)], cache, device=device)
-
-    def mixed(bs: int) -> StepInputs:
-        chunks = [RequestChunk((1 + r % 7,), context - 1, blocks(r)) for r in range(bs)]
-        chunks.append(RequestChunk(tuple(range(mixed_chunk)), 0, blocks(bs)))
-        return build_step(chunks, cache, device=device)
-
-    def logits(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs) -> torch.Tensor:
-        with torch.no_grad():
-            hidden = forward(step)
-            return base.compute_logits(hidden[step.last_token_index()]).float()
-
-    weights_bytes = memory(torch.cuda.memory_allocated)
-    t0 = time.perf_counter()
-    compiled = ff.compile(base, config, dynamic_arg_dims=dict(
-        LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
-    runner = ff.GraphRunner(compiled, config, inputs=llama_runner_inputs(base, max_bs + 1),
-                            progress=False)
-    forward = RunnerForward(runner, max_bs + 1)
-    logits(forward, mixed(max_bs))  # compiles (a dynamic dim first seen as 1 is specialised)
-    sync()
-    compile_s = time.perf_counter() - t0
-    reserved_before = memory(torch.cuda.memory_reserved)
-    report = runner.capture()
-    reserved_after = memory(torch.cuda.memory_reserved)
-
-    problems: list[str] = []
-    checks = []
+    shapes = StepShapes.for_preset(preset, max_bs=64, mixed_chunk=16)
+    steps = StepBuilder(shapes, shapes.cache_config(), device)
+    base = build_llama(preset, steps.cache, device=device, seed=0)
+    config = graph_config(shapes, "FULL_AND_PIECEWISE", compiler, on_cuda)
+    captured = _compile_and_capture(base, config, steps)
     eager = EagerForward(base)
-    for name, step in [("decode bs1", decode(1)), ("decode bs5 (padded)", decode(5)),
-                       ("decode bs64", decode(max_bs)), ("mixed bs8", mixed(8))]:
-        before = runner.stats.snapshot()
-        got = logits(forward, step)
-        again = logits(forward, step)
-        after = runner.stats.snapshot()
-        # runner steps that replayed a graph (the runner counts each step by its graph mode)
-        replays = sum(after.get(k, 0) - before.get(k, 0)
-                      for k in ("steps_piecewise", "steps_full"))
-        want = logits(eager, step)
-        rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
-        finite = bool(torch.isfinite(got).all())
-        deterministic = bool(torch.equal(got, again))
-        checks.append({"step": name, "graph_replays": replays, "relative_error": rel,
-                       "finite": finite, "replay_repeatable": deterministic})
-        if not finite:
-            problems.append(f"{name}: non-finite logits from the captured graphs")
-        if rel > tolerance:
-            problems.append(f"{name}: logits differ from the uncompiled model by {rel:.3g} "
-                            f"(relative L2), more than the {tolerance:g} allowed")
-        if not deterministic:
-            problems.append(f"{name}: two replays of the same step gave different logits")
-        if replays != 2:
-            problems.append(f"{name}: {replays} of 2 steps replayed a graph (the others ran "
-                            "eagerly)")
+    replay_steps = [("decode bs1", steps.decode(1)), ("decode bs5 (padded)", steps.decode(5)),
+                    ("decode bs64", steps.decode(shapes.max_bs)), ("mixed bs8", steps.mixed(8))]
+    checks = [_check_replays(name, step, captured.llama, eager, base)
+              for name, step in replay_steps]
+    problems = [problem for check in checks for problem in check.problems(tolerance)]
     return {
         "ok": not problems,
         "problems": problems,
@@ -244,22 +183,120 @@ def probe_capture(preset: str, compiler: str, tolerance: float,
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu (emulated graphs)",
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "capture_sizes": list(config.cudagraph_capture_sizes or ()),
-        "weights_bytes": weights_bytes,
-        "compile_s": compile_s,
-        "capture_s": report.seconds,
-        "capture_memory_bytes": report.memory_bytes,
-        "reserved_growth_bytes": reserved_after - reserved_before,
-        # freezeframe has no estimate of graph memory before capture: nothing to compare with
-        "predicted_memory_bytes": None,
-        "summary": report.summary(),
-        "graphs": [{"mode": g.mode.name, "num_tokens": g.descriptor.num_tokens,
-                    "num_reqs": g.descriptor.num_reqs, "uniform": g.descriptor.uniform,
-                    "seconds": g.seconds, "memory_bytes": g.memory_bytes}
-                   for g in report.graphs],
-        "replay_checks": checks,
-        "runner_stats": runner.stats.snapshot(),
-        "model_stats": compiled.stats.snapshot(),
+        **captured.to_json(),
+        "replay_checks": [dataclasses.asdict(check) for check in checks],
+        "runner_stats": captured.llama.runner.stats.snapshot(),
+        "model_stats": captured.llama.compiled.stats.snapshot(),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+    """The compiled Llama after capture, and what compiling and capturing cost."""
+
+    llama: CompiledLlama
+    report: CaptureReport
+    weights_bytes: int
+    compile_s: float
+    reserved_growth_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        report = self.report
+        return {
+            "weights_bytes": self.weights_bytes,
+            "compile_s": self.compile_s,
+            "capture_s": report.seconds,
+            "capture_memory_bytes": report.memory_bytes,
+            "reserved_growth_bytes": self.reserved_growth_bytes,
+            # freezeframe has no estimate of graph memory before capture: nothing to compare with
+            "predicted_memory_bytes": None,
+            "summary": report.summary(),
+            "graphs": [{"mode": g.mode.name, "num_tokens": g.descriptor.num_tokens,
+                        "num_reqs": g.descriptor.num_reqs, "uniform": g.descriptor.uniform,
+                        "seconds": g.seconds, "memory_bytes": g.memory_bytes}
+                       for g in report.graphs],
+        }
+
+
+def _compile_and_capture(base: LlamaModel, config: CompilationConfig,
+                         steps: StepBuilder) -> _Captured:
+    """Compile on the bench's largest mixed step, then capture every graph of ``config``."""
+    import torch
+
+    from freezeframe.bench.run import compile_with_runner
+
+    on_cuda = steps.device.type == "cuda"
+
+    def memory(fn: Callable[[torch.device], int]) -> int:
+        return fn(steps.device) if on_cuda else 0
+
+    weights_bytes = memory(torch.cuda.memory_allocated)
+    t0 = time.perf_counter()
+    llama = compile_with_runner(base, config, steps.shapes)
+    # compiles (a dynamic dim first seen as 1 is specialised)
+    _replay_logits(llama.forward, steps.mixed(steps.shapes.max_bs), base)
+    if on_cuda:
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    reserved_before = memory(torch.cuda.memory_reserved)
+    report = llama.runner.capture()
+    reserved_after = memory(torch.cuda.memory_reserved)
+    return _Captured(llama, report, weights_bytes, compile_s, reserved_after - reserved_before)
+
+
+def _replay_logits(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
+                   base: LlamaModel) -> torch.Tensor:
+    """Each request's logits (float32) of one step through ``forward``."""
+    import torch
+
+    with torch.no_grad():
+        hidden = forward(step)
+        return base.compute_logits(hidden[step.last_token_index()]).float()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayCheck:
+    """Two replays of one step against the uncompiled model (a ``replay_checks`` entry)."""
+
+    step: str
+    graph_replays: int  # of the two runner steps, those that replayed a graph
+    relative_error: float  # relative L2 difference of the logits from the uncompiled model's
+    finite: bool
+    replay_repeatable: bool  # both replays gave the same logits
+
+    def problems(self, tolerance: float) -> list[str]:
+        name = self.step
+        problems: list[str] = []
+        if not self.finite:
+            problems.append(f"{name}: non-finite logits from the captured graphs")
+        if self.relative_error > tolerance:
+            problems.append(f"{name}: logits differ from the uncompiled model by "
+                            f"{self.relative_error:.3g} (relative L2), more than the "
+                            f"{tolerance:g} allowed")
+        if not self.replay_repeatable:
+            problems.append(f"{name}: two replays of the same step gave different logits")
+        if self.graph_replays != 2:
+            problems.append(f"{name}: {self.graph_replays} of 2 steps replayed a graph (the "
+                            "others ran eagerly)")
+        return problems
+
+
+def _check_replays(name: str, step: StepInputs, llama: CompiledLlama,
+                   eager: Callable[[StepInputs], torch.Tensor], base: LlamaModel) -> ReplayCheck:
+    """Run ``step`` twice through the captured graphs and once through ``eager``."""
+    import torch
+
+    before = llama.runner.stats.snapshot()
+    got = _replay_logits(llama.forward, step, base)
+    again = _replay_logits(llama.forward, step, base)
+    after = llama.runner.stats.snapshot()
+    # the runner counts each step by its graph mode
+    replays = sum(after.get(k, 0) - before.get(k, 0) for k in ("steps_piecewise", "steps_full"))
+    want = _replay_logits(eager, step, base)
+    rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    return ReplayCheck(step=name, graph_replays=replays, relative_error=rel,
+                       finite=bool(torch.isfinite(got).all()),
+                       replay_repeatable=bool(torch.equal(got, again)))
 
 
 # -- micro-batch overlap ----------------------------------------------------------------------
