@@ -23,7 +23,6 @@ import importlib.metadata
 import json
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -327,155 +326,48 @@ def probe_ubatch(trace_path: Path, tokens: int, hidden: int, steps: int) -> dict
     each micro-batch's communication overlaps the other's compute (CUDA events), the step time
     against the unsplit model, and a ``torch.profiler`` Chrome trace of split steps."""
     import torch
-    from torch import nn
 
-    import freezeframe as ff
-    from freezeframe.batch import BatchDescriptor
-    from freezeframe.config import CompilationConfig, CUDAGraphMode
-    from freezeframe.context import forward_context, get_forward_context
-    from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
-    from freezeframe.runtime.ubatch.slicing import plan_micro_batches
+    from freezeframe.bench.ubatch_probe import MicroBatchedToy, median_ms, spin_cycles_per_ms
 
     if not torch.cuda.is_available():
         return {"ok": False, "problems": ["needs CUDA: torch.cuda.is_available() is False"]}
     gen = torch.Generator().manual_seed(0)
-
-    def weight() -> torch.Tensor:
-        return (torch.randn(hidden, hidden, generator=gen) / hidden**0.5).cuda().half()
-
-    # calibrate the spin kernel: cycles per ms on this GPU
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
-
-    class Toy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w1, self.w2 = nn.Parameter(weight()), nn.Parameter(weight())
-            self.comm_cycles = 0
-            self.events: dict[tuple[int, str], tuple[Any, Any]] = {}
-
-        def _phase(self, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-            ctx = get_forward_context()
-            index = -1 if ctx is None or ctx.micro_batch_index is None \
-                else ctx.micro_batch_index
-            begin = torch.cuda.Event(enable_timing=True)
-            finish = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            out = fn()
-            finish.record()
-            self.events[(index, name)] = (begin, finish)
-            return out
-
-        def _comm(self, h: torch.Tensor) -> torch.Tensor:
-            torch.cuda._sleep(self.comm_cycles)  # the latency of a simulated all-to-all
-            received = torch.empty_like(h)
-            received.copy_(h)
-            return received
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self._phase("compute1", lambda: torch.relu(x @ self.w1) @ self.w2)
-            ff.ubatch.yield_to_comm()
-            h = self._phase("comm", lambda: self._comm(h))
-            ff.ubatch.yield_to_compute()
-            return self._phase("compute2", lambda: torch.relu(h @ self.w1) @ self.w2)
-
-    model = Toy()
-    wrapper = MicroBatchWrapper(model, timeout_s=120)  # no graph backend: runs the threads
-    cfg = CompilationConfig(micro_batching=True, micro_batch_decode_threshold=2,
-                            micro_batch_prefill_threshold=2)
-    plan = plan_micro_batches(cfg, [1] * tokens, tokens, tokens, uniform_decode=True, sync=False)
-    if plan is None:
+    cycles_per_ms = spin_cycles_per_ms()
+    toy = MicroBatchedToy.build(tokens, hidden, gen)
+    if toy is None:
         return {"ok": False, "problems": [f"plan_micro_batches did not split {tokens} tokens"]}
-    x = torch.randn(tokens, hidden, generator=gen).cuda().half()
-
-    def split() -> torch.Tensor:
-        with torch.inference_mode(), forward_context(
-                BatchDescriptor(num_tokens=tokens), mode=CUDAGraphMode.NONE, micro_batches=plan):
-            return wrapper(x)  # type: ignore[no-any-return]
-
-    def unsplit() -> torch.Tensor:
-        with torch.inference_mode():
-            return model(x)  # type: ignore[no-any-return]
-
-    def median_ms(fn: Callable[[], torch.Tensor], n: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-
-    # the communication takes about as long as half a micro-batch's compute phase
-    compute_ms = median_ms(lambda: torch.relu(x[: tokens // 2] @ model.w1) @ model.w2, 5)
-    model.comm_cycles = max(1, int(cycles_per_ms * compute_ms / 2))
-    problems: list[str] = []
-    expected = unsplit()
-    got = split()
-    torch.cuda.synchronize()
-    # each row goes through the same ops split or not, but a matmul over half the rows may pick
-    # another kernel, so the comparison allows fp16 rounding and no more
-    max_diff = float((got.float() - expected.float()).abs().max())
-    scale = float(expected.float().abs().max())
-    if not bool(torch.isfinite(got).all()) or max_diff > 1e-2 * max(scale, 1.0):
-        problems.append(f"the micro-batched output differs from the unsplit model's: max abs "
-                        f"diff {max_diff:.3g} with outputs up to {scale:.3g}")
-    # overlap measured with the CUDA events of the split step just run
-    origin = torch.cuda.Event(enable_timing=True)
-    origin.record()
-    model.events.clear()
-    split()
-    torch.cuda.synchronize()
-    t = {f"ubatch{k[0]}:{k[1]}": (origin.elapsed_time(s), origin.elapsed_time(e))
-         for k, (s, e) in sorted(model.events.items())}
-
-    def overlap(a: str, b: str) -> bool:
-        return a in t and b in t and t[a][0] < t[b][1] and t[b][0] < t[a][1]
-
-    overlaps = {"ubatch0:comm with ubatch1:compute1": overlap("ubatch0:comm", "ubatch1:compute1"),
-                "ubatch1:comm with ubatch0:compute2": overlap("ubatch1:comm", "ubatch0:compute2")}
-    problems += [f"no overlap of {name} (CUDA event timeline)"
-                 for name, seen in overlaps.items() if not seen]
-    split_ms = median_ms(split, steps)
-    unsplit_ms = median_ms(unsplit, steps)
-
-    from torch.profiler import ProfilerActivity, profile
-
-    model.events.clear()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            split()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(trace_path))
+    comm_ms = toy.match_comm_to_compute(cycles_per_ms)
+    output = toy.compare_with_unsplit()
+    timeline = toy.event_timeline()
+    split_ms = median_ms(toy.split, steps)
+    unsplit_ms = median_ms(toy.unsplit, steps)
+    toy.profile_split(trace_path)
     in_trace = overlapping_kernel_pairs(json.loads(trace_path.read_text()))
-    if in_trace["overlapping_pairs"] == 0:
-        problems.append("the profiler trace shows no kernels on different streams running at "
-                        "the same time")
+    problems = [*output.problems(), *timeline.problems(), *_trace_problems(in_trace)]
     return {
         "ok": not problems,
         "problems": problems,
         "device": torch.cuda.get_device_name(),
         "tokens": tokens,
         "hidden": hidden,
-        "micro_batches": len(plan.slices),
-        "max_abs_diff_vs_unsplit": max_diff,
-        "comm_ms_target": compute_ms / 2,
-        "timeline_ms": t,
-        "overlaps": overlaps,
+        "micro_batches": len(toy.plan.slices),
+        "max_abs_diff_vs_unsplit": output.max_abs_diff,
+        "comm_ms_target": comm_ms,
+        "timeline_ms": timeline.phases_ms,
+        "overlaps": timeline.overlaps(),
         "split_step_ms": split_ms,
         "unsplit_step_ms": unsplit_ms,
         "trace": trace_path.name,
         "trace_overlap": in_trace,
-        "schedule": [list(e) for e in wrapper.last_trace],
+        "schedule": [list(e) for e in toy.wrapper.last_trace],
     }
+
+
+def _trace_problems(in_trace: dict[str, Any]) -> list[str]:
+    if in_trace["overlapping_pairs"] == 0:
+        return ["the profiler trace shows no kernels on different streams running at the same "
+                "time"]
+    return []
 
 
 # -- command line -----------------------------------------------------------------------------
