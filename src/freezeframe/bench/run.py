@@ -517,9 +517,9 @@ class _Bench:
         llama = compile_with_runner(
             self.base, graph_config(shapes, mode.upper(), self.setup.compiler, self.on_cuda),
             shapes)
+        self.progress.phase(f"compiling (trace, split, {self.setup.compiler} compiler)")
         # compile first, on a step of several tokens: Dynamo specialises a dynamic dim that it
         # first sees with size 1
-        self.progress.phase(f"compiling (trace, split, {self.setup.compiler} compiler)")
         _logits_of(llama.forward, self.steps.mixed(shapes.max_bs), self.base)()
         if mode == "none":
             return _Started(llama.forward, llama.runner)
