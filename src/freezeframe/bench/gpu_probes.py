@@ -17,18 +17,27 @@ import of torch here is inside a function.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import json
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from freezeframe.bench.run import CompiledLlama, StepBuilder
+    from freezeframe.config import CompilationConfig
+    from freezeframe.models import LlamaModel
+    from freezeframe.models.inputs import StepInputs
+    from freezeframe.runtime.runner import CaptureReport
 
 __all__ = ["MIN_TORCH", "main", "overlapping_kernel_pairs", "probe_environment"]
 
@@ -146,96 +155,25 @@ def probe_capture(preset: str, compiler: str, tolerance: float,
     """
     import torch
 
-    import freezeframe as ff
-    from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
-    from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
-    from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
+    from freezeframe.bench.run import StepBuilder, StepShapes, graph_config
+    from freezeframe.models import build_llama
+    from freezeframe.models.serving import EagerForward
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda and not allow_cpu:
         return {"ok": False, "problems": ["needs CUDA: torch.cuda.is_available() is False"]}
     device = torch.device("cuda" if on_cuda else "cpu")
-
-    def sync() -> None:
-        if on_cuda:
-            torch.cuda.synchronize()
-
-    def memory(fn: Callable[[torch.device], int]) -> int:
-        return fn(device) if on_cuda else 0
-
-    # the bench's shapes for this preset (context and prefill length by preset, as it does)
-    context, prefill_len = (64, 64) if preset == "tiny" else (1024, 512)
-    max_bs, mixed_chunk, block_size = 64, 16, 16
-    max_model_len = max(context, prefill_len) + block_size
-    blocks_per_req = -(-max_model_len // block_size)
-    cache = KVCacheConfig(num_blocks=blocks_per_req * (max_bs + 1), block_size=block_size,
-                          max_model_len=max_model_len)
-    base = build_llama(preset, cache, device=device, seed=0)
-    config = ff.CompilationConfig(
-        mode="piecewise", backend=compiler, splitting_ops=[ATTENTION_OP],
-        cudagraph_mode="FULL_AND_PIECEWISE", graph_backend="cuda" if on_cuda else "emulated",
-        max_num_seqs=max_bs + 1,
-        max_num_tokens=max(prefill_len, max_bs + mixed_chunk))
-
-    def blocks(r: int) -> tuple[int, ...]:
-        return tuple(range(r * blocks_per_req, (r + 1) * blocks_per_req))
-
-    def decode(bs: int) -> StepInputs:
-        return build_step([RequestChunk((1 + r % 7,), context - 1, blocks(r))
-                           for r in range(bs)], cache, device=device)
-
-    def mixed(bs: int) -> StepInputs:
-        chunks = [RequestChunk((1 + r % 7,), context - 1, blocks(r)) for r in range(bs)]
-        chunks.append(RequestChunk(tuple(range(mixed_chunk)), 0, blocks(bs)))
-        return build_step(chunks, cache, device=device)
-
-    def logits(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs) -> torch.Tensor:
-        with torch.no_grad():
-            hidden = forward(step)
-            return base.compute_logits(hidden[step.last_token_index()]).float()
-
-    weights_bytes = memory(torch.cuda.memory_allocated)
-    t0 = time.perf_counter()
-    compiled = ff.compile(base, config, dynamic_arg_dims=dict(
-        LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
-    runner = ff.GraphRunner(compiled, config, inputs=llama_runner_inputs(base, max_bs + 1),
-                            progress=False)
-    forward = RunnerForward(runner, max_bs + 1)
-    logits(forward, mixed(max_bs))  # compiles (a dynamic dim first seen as 1 is specialised)
-    sync()
-    compile_s = time.perf_counter() - t0
-    reserved_before = memory(torch.cuda.memory_reserved)
-    report = runner.capture()
-    reserved_after = memory(torch.cuda.memory_reserved)
-
-    problems: list[str] = []
-    checks = []
+    shapes = StepShapes.for_preset(preset, max_bs=64, mixed_chunk=16)
+    steps = StepBuilder(shapes, shapes.cache_config(), device)
+    base = build_llama(preset, steps.cache, device=device, seed=0)
+    config = graph_config(shapes, "FULL_AND_PIECEWISE", compiler, on_cuda)
+    captured = _compile_and_capture(base, config, steps)
     eager = EagerForward(base)
-    for name, step in [("decode bs1", decode(1)), ("decode bs5 (padded)", decode(5)),
-                       ("decode bs64", decode(max_bs)), ("mixed bs8", mixed(8))]:
-        before = runner.stats.snapshot()
-        got = logits(forward, step)
-        again = logits(forward, step)
-        after = runner.stats.snapshot()
-        # runner steps that replayed a graph (the runner counts each step by its graph mode)
-        replays = sum(after.get(k, 0) - before.get(k, 0)
-                      for k in ("steps_piecewise", "steps_full"))
-        want = logits(eager, step)
-        rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
-        finite = bool(torch.isfinite(got).all())
-        deterministic = bool(torch.equal(got, again))
-        checks.append({"step": name, "graph_replays": replays, "relative_error": rel,
-                       "finite": finite, "replay_repeatable": deterministic})
-        if not finite:
-            problems.append(f"{name}: non-finite logits from the captured graphs")
-        if rel > tolerance:
-            problems.append(f"{name}: logits differ from the uncompiled model by {rel:.3g} "
-                            f"(relative L2), more than the {tolerance:g} allowed")
-        if not deterministic:
-            problems.append(f"{name}: two replays of the same step gave different logits")
-        if replays != 2:
-            problems.append(f"{name}: {replays} of 2 steps replayed a graph (the others ran "
-                            "eagerly)")
+    replay_steps = [("decode bs1", steps.decode(1)), ("decode bs5 (padded)", steps.decode(5)),
+                    ("decode bs64", steps.decode(shapes.max_bs)), ("mixed bs8", steps.mixed(8))]
+    checks = [_check_replays(name, step, captured.llama, eager, base)
+              for name, step in replay_steps]
+    problems = [problem for check in checks for problem in check.problems(tolerance)]
     return {
         "ok": not problems,
         "problems": problems,
@@ -244,22 +182,120 @@ def probe_capture(preset: str, compiler: str, tolerance: float,
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu (emulated graphs)",
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "capture_sizes": list(config.cudagraph_capture_sizes or ()),
-        "weights_bytes": weights_bytes,
-        "compile_s": compile_s,
-        "capture_s": report.seconds,
-        "capture_memory_bytes": report.memory_bytes,
-        "reserved_growth_bytes": reserved_after - reserved_before,
-        # freezeframe has no estimate of graph memory before capture: nothing to compare with
-        "predicted_memory_bytes": None,
-        "summary": report.summary(),
-        "graphs": [{"mode": g.mode.name, "num_tokens": g.descriptor.num_tokens,
-                    "num_reqs": g.descriptor.num_reqs, "uniform": g.descriptor.uniform,
-                    "seconds": g.seconds, "memory_bytes": g.memory_bytes}
-                   for g in report.graphs],
-        "replay_checks": checks,
-        "runner_stats": runner.stats.snapshot(),
-        "model_stats": compiled.stats.snapshot(),
+        **captured.to_json(),
+        "replay_checks": [dataclasses.asdict(check) for check in checks],
+        "runner_stats": captured.llama.runner.stats.snapshot(),
+        "model_stats": captured.llama.compiled.stats.snapshot(),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+    """The compiled Llama after capture, and what compiling and capturing cost."""
+
+    llama: CompiledLlama
+    report: CaptureReport
+    weights_bytes: int
+    compile_s: float
+    reserved_growth_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        report = self.report
+        return {
+            "weights_bytes": self.weights_bytes,
+            "compile_s": self.compile_s,
+            "capture_s": report.seconds,
+            "capture_memory_bytes": report.memory_bytes,
+            "reserved_growth_bytes": self.reserved_growth_bytes,
+            # freezeframe has no estimate of graph memory before capture: nothing to compare with
+            "predicted_memory_bytes": None,
+            "summary": report.summary(),
+            "graphs": [{"mode": g.mode.name, "num_tokens": g.descriptor.num_tokens,
+                        "num_reqs": g.descriptor.num_reqs, "uniform": g.descriptor.uniform,
+                        "seconds": g.seconds, "memory_bytes": g.memory_bytes}
+                       for g in report.graphs],
+        }
+
+
+def _compile_and_capture(base: LlamaModel, config: CompilationConfig,
+                         steps: StepBuilder) -> _Captured:
+    """Compile on the bench's largest mixed step, then capture every graph of ``config``."""
+    import torch
+
+    from freezeframe.bench.run import compile_with_runner
+
+    on_cuda = steps.device.type == "cuda"
+
+    def memory(fn: Callable[[torch.device], int]) -> int:
+        return fn(steps.device) if on_cuda else 0
+
+    weights_bytes = memory(torch.cuda.memory_allocated)
+    t0 = time.perf_counter()
+    llama = compile_with_runner(base, config, steps.shapes)
+    # compiles (a dynamic dim first seen as 1 is specialised)
+    _replay_logits(llama.forward, steps.mixed(steps.shapes.max_bs), base)
+    if on_cuda:
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    reserved_before = memory(torch.cuda.memory_reserved)
+    report = llama.runner.capture()
+    reserved_after = memory(torch.cuda.memory_reserved)
+    return _Captured(llama, report, weights_bytes, compile_s, reserved_after - reserved_before)
+
+
+def _replay_logits(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
+                   base: LlamaModel) -> torch.Tensor:
+    """Each request's logits (float32) of one step through ``forward``."""
+    import torch
+
+    with torch.no_grad():
+        hidden = forward(step)
+        return base.compute_logits(hidden[step.last_token_index()]).float()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayCheck:
+    """Two replays of one step against the uncompiled model (a ``replay_checks`` entry)."""
+
+    step: str
+    graph_replays: int  # of the two runner steps, those that replayed a graph
+    relative_error: float  # relative L2 difference of the logits from the uncompiled model's
+    finite: bool
+    replay_repeatable: bool  # both replays gave the same logits
+
+    def problems(self, tolerance: float) -> list[str]:
+        name = self.step
+        problems: list[str] = []
+        if not self.finite:
+            problems.append(f"{name}: non-finite logits from the captured graphs")
+        if self.relative_error > tolerance:
+            problems.append(f"{name}: logits differ from the uncompiled model by "
+                            f"{self.relative_error:.3g} (relative L2), more than the "
+                            f"{tolerance:g} allowed")
+        if not self.replay_repeatable:
+            problems.append(f"{name}: two replays of the same step gave different logits")
+        if self.graph_replays != 2:
+            problems.append(f"{name}: {self.graph_replays} of 2 steps replayed a graph (the "
+                            "others ran eagerly)")
+        return problems
+
+
+def _check_replays(name: str, step: StepInputs, llama: CompiledLlama,
+                   eager: Callable[[StepInputs], torch.Tensor], base: LlamaModel) -> ReplayCheck:
+    """Run ``step`` twice through the captured graphs and once through ``eager``."""
+    import torch
+
+    before = llama.runner.stats.snapshot()
+    got = _replay_logits(llama.forward, step, base)
+    again = _replay_logits(llama.forward, step, base)
+    after = llama.runner.stats.snapshot()
+    # the runner counts each step by its graph mode
+    replays = sum(after.get(k, 0) - before.get(k, 0) for k in ("steps_piecewise", "steps_full"))
+    want = _replay_logits(eager, step, base)
+    rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    return ReplayCheck(step=name, graph_replays=replays, relative_error=rel,
+                       finite=bool(torch.isfinite(got).all()),
+                       replay_repeatable=bool(torch.equal(got, again)))
 
 
 # -- micro-batch overlap ----------------------------------------------------------------------
@@ -290,155 +326,48 @@ def probe_ubatch(trace_path: Path, tokens: int, hidden: int, steps: int) -> dict
     each micro-batch's communication overlaps the other's compute (CUDA events), the step time
     against the unsplit model, and a ``torch.profiler`` Chrome trace of split steps."""
     import torch
-    from torch import nn
 
-    import freezeframe as ff
-    from freezeframe.batch import BatchDescriptor
-    from freezeframe.config import CompilationConfig, CUDAGraphMode
-    from freezeframe.context import forward_context, get_forward_context
-    from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
-    from freezeframe.runtime.ubatch.slicing import plan_micro_batches
+    from freezeframe.bench.ubatch_probe import MicroBatchedToy, median_ms, spin_cycles_per_ms
 
     if not torch.cuda.is_available():
         return {"ok": False, "problems": ["needs CUDA: torch.cuda.is_available() is False"]}
     gen = torch.Generator().manual_seed(0)
-
-    def weight() -> torch.Tensor:
-        return (torch.randn(hidden, hidden, generator=gen) / hidden**0.5).cuda().half()
-
-    # calibrate the spin kernel: cycles per ms on this GPU
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
-
-    class Toy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w1, self.w2 = nn.Parameter(weight()), nn.Parameter(weight())
-            self.comm_cycles = 0
-            self.events: dict[tuple[int, str], tuple[Any, Any]] = {}
-
-        def _phase(self, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-            ctx = get_forward_context()
-            index = -1 if ctx is None or ctx.micro_batch_index is None \
-                else ctx.micro_batch_index
-            begin = torch.cuda.Event(enable_timing=True)
-            finish = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            out = fn()
-            finish.record()
-            self.events[(index, name)] = (begin, finish)
-            return out
-
-        def _comm(self, h: torch.Tensor) -> torch.Tensor:
-            torch.cuda._sleep(self.comm_cycles)  # the latency of a simulated all-to-all
-            received = torch.empty_like(h)
-            received.copy_(h)
-            return received
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self._phase("compute1", lambda: torch.relu(x @ self.w1) @ self.w2)
-            ff.ubatch.yield_to_comm()
-            h = self._phase("comm", lambda: self._comm(h))
-            ff.ubatch.yield_to_compute()
-            return self._phase("compute2", lambda: torch.relu(h @ self.w1) @ self.w2)
-
-    model = Toy()
-    wrapper = MicroBatchWrapper(model, timeout_s=120)  # no graph backend: runs the threads
-    cfg = CompilationConfig(micro_batching=True, micro_batch_decode_threshold=2,
-                            micro_batch_prefill_threshold=2)
-    plan = plan_micro_batches(cfg, [1] * tokens, tokens, tokens, uniform_decode=True, sync=False)
-    if plan is None:
+    cycles_per_ms = spin_cycles_per_ms()
+    toy = MicroBatchedToy.build(tokens, hidden, gen)
+    if toy is None:
         return {"ok": False, "problems": [f"plan_micro_batches did not split {tokens} tokens"]}
-    x = torch.randn(tokens, hidden, generator=gen).cuda().half()
-
-    def split() -> torch.Tensor:
-        with torch.inference_mode(), forward_context(
-                BatchDescriptor(num_tokens=tokens), mode=CUDAGraphMode.NONE, micro_batches=plan):
-            return wrapper(x)  # type: ignore[no-any-return]
-
-    def unsplit() -> torch.Tensor:
-        with torch.inference_mode():
-            return model(x)  # type: ignore[no-any-return]
-
-    def median_ms(fn: Callable[[], torch.Tensor], n: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-
-    # the communication takes about as long as half a micro-batch's compute phase
-    compute_ms = median_ms(lambda: torch.relu(x[: tokens // 2] @ model.w1) @ model.w2, 5)
-    model.comm_cycles = max(1, int(cycles_per_ms * compute_ms / 2))
-    problems: list[str] = []
-    expected = unsplit()
-    got = split()
-    torch.cuda.synchronize()
-    # each row goes through the same ops split or not, but a matmul over half the rows may pick
-    # another kernel, so the comparison allows fp16 rounding and no more
-    max_diff = float((got.float() - expected.float()).abs().max())
-    scale = float(expected.float().abs().max())
-    if not bool(torch.isfinite(got).all()) or max_diff > 1e-2 * max(scale, 1.0):
-        problems.append(f"the micro-batched output differs from the unsplit model's: max abs "
-                        f"diff {max_diff:.3g} with outputs up to {scale:.3g}")
-    # overlap measured with the CUDA events of the split step just run
-    origin = torch.cuda.Event(enable_timing=True)
-    origin.record()
-    model.events.clear()
-    split()
-    torch.cuda.synchronize()
-    t = {f"ubatch{k[0]}:{k[1]}": (origin.elapsed_time(s), origin.elapsed_time(e))
-         for k, (s, e) in sorted(model.events.items())}
-
-    def overlap(a: str, b: str) -> bool:
-        return a in t and b in t and t[a][0] < t[b][1] and t[b][0] < t[a][1]
-
-    overlaps = {"ubatch0:comm with ubatch1:compute1": overlap("ubatch0:comm", "ubatch1:compute1"),
-                "ubatch1:comm with ubatch0:compute2": overlap("ubatch1:comm", "ubatch0:compute2")}
-    problems += [f"no overlap of {name} (CUDA event timeline)"
-                 for name, seen in overlaps.items() if not seen]
-    split_ms = median_ms(split, steps)
-    unsplit_ms = median_ms(unsplit, steps)
-
-    from torch.profiler import ProfilerActivity, profile
-
-    model.events.clear()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            split()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(trace_path))
+    comm_ms = toy.match_comm_to_compute(cycles_per_ms)
+    output = toy.compare_with_unsplit()
+    timeline = toy.event_timeline()
+    split_ms = median_ms(toy.split, steps)
+    unsplit_ms = median_ms(toy.unsplit, steps)
+    toy.profile_split(trace_path)
     in_trace = overlapping_kernel_pairs(json.loads(trace_path.read_text()))
-    if in_trace["overlapping_pairs"] == 0:
-        problems.append("the profiler trace shows no kernels on different streams running at "
-                        "the same time")
+    problems = [*output.problems(), *timeline.problems(), *_trace_problems(in_trace)]
     return {
         "ok": not problems,
         "problems": problems,
         "device": torch.cuda.get_device_name(),
         "tokens": tokens,
         "hidden": hidden,
-        "micro_batches": len(plan.slices),
-        "max_abs_diff_vs_unsplit": max_diff,
-        "comm_ms_target": compute_ms / 2,
-        "timeline_ms": t,
-        "overlaps": overlaps,
+        "micro_batches": len(toy.plan.slices),
+        "max_abs_diff_vs_unsplit": output.max_abs_diff,
+        "comm_ms_target": comm_ms,
+        "timeline_ms": timeline.phases_ms,
+        "overlaps": timeline.overlaps(),
         "split_step_ms": split_ms,
         "unsplit_step_ms": unsplit_ms,
         "trace": trace_path.name,
         "trace_overlap": in_trace,
-        "schedule": [list(e) for e in wrapper.last_trace],
+        "schedule": [list(e) for e in toy.wrapper.last_trace],
     }
+
+
+def _trace_problems(in_trace: dict[str, Any]) -> list[str]:
+    if in_trace["overlapping_pairs"] == 0:
+        return ["the profiler trace shows no kernels on different streams running at the same "
+                "time"]
+    return []
 
 
 # -- command line -----------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import logging
 import os
 import platform
 import statistics
@@ -27,16 +26,24 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from freezeframe.bench.progress import Progress
 from freezeframe.errors import ConfigError
+from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaConfig, LlamaModel, build_llama
+from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
+from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from freezeframe.compilation.model import CompiledModel
+    from freezeframe.config import CompilationConfig
+    from freezeframe.runtime.runner import GraphRunner
 
-__all__ = ["ALL_MODES", "BenchOptions", "prepare_out_dir", "resolve_device", "run_bench"]
+__all__ = ["ALL_MODES", "BenchOptions", "CompiledLlama", "StepBuilder", "StepShapes",
+           "compile_with_runner", "graph_config", "prepare_out_dir", "resolve_device",
+           "run_bench"]
 
 TORCH_MODES = ("eager", "compile", "reduce-overhead")
 FF_MODES = ("none", "piecewise", "full", "full_and_piecewise")
@@ -70,8 +77,6 @@ class BenchOptions:
                               f"{self.warmup}")
         if self.compiler not in (None, "eager", "inductor"):
             raise ConfigError(f"--compiler must be 'eager' or 'inductor', got {self.compiler!r}")
-        from freezeframe.models.llama import LlamaConfig
-
         if self.preset not in LlamaConfig.PRESETS:
             raise ConfigError(f"--preset: unknown preset {self.preset!r}; choose one of "
                               f"{sorted(LlamaConfig.PRESETS)}")
@@ -180,21 +185,35 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     ``progress`` reports each phase while it runs (default: silent). The device and the output
     directory are checked before anything is built.
     """
-    import freezeframe as ff
-    from freezeframe.models import (
-        ATTENTION_OP,
-        KVCacheConfig,
-        LlamaConfig,
-        LlamaModel,
-        build_llama,
-    )
-    from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
-    from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
-
     progress = progress if progress is not None else Progress(len(opts.modes), enabled=False)
     device = resolve_device(opts.device)
-    on_cuda = device.type == "cuda"
-    compiler = opts.compiler or ("inductor" if on_cuda else "eager")
+    compiler = opts.compiler or ("inductor" if device.type == "cuda" else "eager")
+    notes = _setup_notes(device.type == "cuda", compiler)
+    batch_sizes = tuple(sorted(set(opts.batch_sizes)))
+    shapes = StepShapes.for_preset(opts.preset, batch_sizes[-1], opts.mixed_chunk,
+                                   context=opts.context, prefill_len=opts.prefill_len)
+    llama_config = LlamaConfig.preset(opts.preset)
+    _check_fits(shapes, opts.preset, llama_config)
+    out = prepare_out_dir(Path(opts.out)) if opts.out else None
+    bench = _Bench.build(opts, _Setup(device, compiler, shapes, batch_sizes), llama_config,
+                         progress)
+    result = bench.header(notes)
+    # each mode's logits of its first decode step at each batch size, compared with eager's
+    firsts: dict[str, list[torch.Tensor]] = {}
+    for mode in opts.modes:
+        entry, first = bench.run_mode(mode)
+        result["modes"][mode] = entry
+        if first is not None:
+            firsts[mode] = first
+    _compare_with_eager(result, firsts, bench.dtype)
+    _add_speedups(result, batch_sizes)
+    if out is not None:
+        write_outputs(result, out)
+    return result
+
+
+def _setup_notes(on_cuda: bool, compiler: str) -> list[str]:
+    """What the reader of the numbers must know about this machine and compiler."""
     notes: list[str] = []
     if not on_cuda:
         notes.append(
@@ -204,183 +223,349 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     if compiler == "eager":
         notes.append("compiler=eager: torch.compile and ff.compile use the eager backend "
                      "(no Inductor kernels); pass --compiler inductor for generated kernels")
+    return notes
 
-    is_tiny = opts.preset == "tiny"
-    context = opts.context or (64 if is_tiny else 1024)
-    prefill_len = opts.prefill_len or (64 if is_tiny else 512)
-    batch_sizes = tuple(sorted(set(opts.batch_sizes)))
-    max_bs = batch_sizes[-1]
-    block_size = 16
-    max_model_len = max(context, prefill_len) + block_size
-    llama_config = LlamaConfig.preset(opts.preset)
-    if max_model_len > llama_config.max_position:
+
+def _check_fits(shapes: StepShapes, preset: str, llama_config: LlamaConfig) -> None:
+    """A :class:`ConfigError` when the longest request does not fit the preset's positions."""
+    if shapes.max_model_len > llama_config.max_position:
         raise ConfigError(
-            f"--context {context} / --prefill-len {prefill_len} leave no room in the "
-            f"{opts.preset} preset's {llama_config.max_position} positions (the longer one plus "
-            f"one block of {block_size} must fit); use at most "
-            f"{llama_config.max_position - block_size}")
-    out = prepare_out_dir(Path(opts.out)) if opts.out else None
-    blocks_per_req = -(-max_model_len // block_size)
-    cache = KVCacheConfig(num_blocks=blocks_per_req * (max_bs + 1), block_size=block_size,
-                          max_model_len=max_model_len)
-    max_tokens = max(prefill_len, max_bs + opts.mixed_chunk)
-    progress.note(f"building the {opts.preset} Llama ({_count(llama_config.num_params())} "
-                  f"parameters, {'bfloat16' if on_cuda else 'float32'}) on "
-                  f"{device}; modes: {', '.join(opts.modes)}; batch sizes: "
-                  f"{', '.join(map(str, batch_sizes))}")
-    if not on_cuda and not is_tiny:
-        progress.note(f"the {opts.preset} preset on a CPU takes minutes per mode (graph modes "
-                      "are emulated); --preset tiny runs in seconds")
-    t0 = time.perf_counter()
-    base = build_llama(opts.preset, cache, device=device, seed=opts.seed)
-    build_s = time.perf_counter() - t0
-    cfg = base.config
-    dtype = base.lm_head.weight.dtype
-    elem = torch.finfo(dtype).bits // 8
-    weight_bytes = cfg.num_params() * elem
-    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * elem
+            f"--context {shapes.context} / --prefill-len {shapes.prefill_len} leave no room in "
+            f"the {preset} preset's {llama_config.max_position} positions (the longer one plus "
+            f"one block of {shapes.block_size} must fit); use at most "
+            f"{llama_config.max_position - shapes.block_size}")
 
-    def blocks(r: int) -> tuple[int, ...]:
-        return tuple(range(r * blocks_per_req, (r + 1) * blocks_per_req))
 
-    def decode_step(bs: int) -> StepInputs:
-        chunks = [RequestChunk((1 + r % 7,), context - 1, blocks(r)) for r in range(bs)]
-        return build_step(chunks, cache, device=device)
-
-    def mixed_step(bs: int) -> StepInputs:
-        chunks = [RequestChunk((1 + r % 7,), context - 1, blocks(r)) for r in range(bs)]
-        chunks.append(RequestChunk(tuple(range(opts.mixed_chunk)), 0, blocks(bs)))
-        return build_step(chunks, cache, device=device)
-
-    prefill = build_step([RequestChunk(tuple(i % 100 for i in range(prefill_len)), 0,
-                                       blocks(0))], cache, device=device)
-    copy_bytes = (1 << 30) if on_cuda else (1 << 27)
-    progress.note(f"built in {build_s:.1f} s; measuring memory bandwidth "
-                  f"({copy_bytes >> 20} MiB copy)")
-    bandwidth = measure_bandwidth(device, copy_bytes)
-    timer = _Timer(device)
-
-    result: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor()
-        or platform.machine(),
-        "torch": torch.__version__,
-        "preset": opts.preset,
-        "dtype": str(dtype).replace("torch.", ""),
-        "compiler": compiler,
-        "context": context,
-        "prefill_len": prefill_len,
-        "mixed_chunk": opts.mixed_chunk,
-        "batch_sizes": list(batch_sizes),
-        "steps": opts.steps,
-        "params": cfg.num_params(),
-        "weight_bytes": weight_bytes,
-        "bandwidth_bytes_per_s": bandwidth,
-        "model_build_s": build_s,
-        "notes": notes,
-        "modes": {},
-    }
-
-    def logits_of(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
-                  model: LlamaModel) -> Callable[[], torch.Tensor]:
-        rows = step.last_token_index()
-
-        def run() -> torch.Tensor:
-            with torch.no_grad():
-                hidden = forward(step)
-                return model.compute_logits(hidden[rows])
-        return run
-
-    # each mode's logits of its first decode step at each batch size, compared with eager's
-    firsts: dict[str, list[torch.Tensor]] = {}
-    for mode in opts.modes:
-        entry: dict[str, Any] = {}
-        result["modes"][mode] = entry
-        progress.start_mode(mode)
-        if mode == "reduce-overhead" and not on_cuda:
-            entry["skipped"] = "needs CUDA graphs (cudagraph trees); no CUDA device"
-            progress.end_mode(f"skipped ({entry['skipped']})")
-            continue
-        base.reset_cache()
-        mem0 = _device_used(device)
-        t0 = time.perf_counter()
-        forward: Callable[[StepInputs], torch.Tensor]
-        runner = None
-        if mode == "eager":
-            forward = EagerForward(base)
-        elif mode in ("compile", "reduce-overhead"):
-            backend = "inductor" if compiler == "inductor" else "eager"
-            kwargs: dict[str, Any] = {"backend": backend}
-            if mode == "reduce-overhead":
-                kwargs = {"mode": "reduce-overhead", "dynamic": False}
-            forward = EagerForward(torch.compile(base, **kwargs))
-        else:
-            graphs = mode != "none"
-            config = ff.CompilationConfig(
-                mode="piecewise", backend=compiler, splitting_ops=[ATTENTION_OP],
-                cudagraph_mode=mode.upper(), graph_backend="cuda" if on_cuda else "emulated",
-                max_num_seqs=max_bs + 1, max_num_tokens=max_tokens,
-            )
-            compiled = ff.compile(base, config, dynamic_arg_dims=dict(
-                LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
-            runner = ff.GraphRunner(compiled, config,
-                                    inputs=llama_runner_inputs(base, max_bs + 1),
-                                    progress=False)
-            forward = RunnerForward(runner, max_bs + 1)
-            # compile first, on a step of several tokens: Dynamo specialises a dynamic dim
-            # that it first sees with size 1
-            progress.phase(f"compiling (trace, split, {compiler} compiler)")
-            logits_of(forward, mixed_step(max_bs), base)()
-            if graphs:
-                _sync(device)
-                entry["compile_s"] = time.perf_counter() - t0
-                progress.phase(f"capturing graphs ({'CUDA' if on_cuda else 'emulated'})")
-                t1 = time.perf_counter()
-                report = runner.capture()
-                _sync(device)
-                entry["capture_s"] = time.perf_counter() - t1
-                entry["graphs_captured"] = report.num_graphs
-        # first call of each step kind: compiles lazily for the torch.compile modes
-        progress.phase("first call at each batch size"
-                       + (" (torch.compile compiles here)" if mode in TORCH_MODES[1:] else ""))
-        firsts[mode] = [logits_of(forward, step, base)().float().cpu()
-                        for step in [decode_step(bs) for bs in batch_sizes]]
-        _sync(device)
-        entry["startup_s"] = time.perf_counter() - t0
-        entry["graph_memory_bytes"] = _device_used(device) - mem0 if on_cuda else None
-        decode: dict[str, Any] = {}
-        mixed: dict[str, Any] = {}
-        for bs in batch_sizes:
-            progress.phase(f"timing decode and mixed steps at batch size {bs}")
-            step = decode_step(bs)
-            ms = statistics.median(timer.measure(logits_of(forward, step, base), opts.steps,
-                                                 opts.warmup))
-            read = weight_bytes + bs * context * kv_bytes_per_token
-            floor_ms = read / bandwidth * 1e3
-            decode[str(bs)] = {"median_ms": ms, "floor_ms": floor_ms,
-                               "floor_share": floor_ms / ms}
-            mstep = mixed_step(bs)
-            mixed[str(bs)] = {"median_ms": statistics.median(timer.measure(
-                logits_of(forward, mstep, base), max(1, opts.steps // 2), 1))}
-        entry["decode"] = decode
-        entry["mixed"] = mixed
-        progress.phase(f"timing a prefill of {prefill_len} tokens")
-        entry["prefill_ms"] = statistics.median(timer.measure(
-            logits_of(forward, prefill, base), max(1, opts.steps // 4), 1))
-        if runner is not None:
-            entry["runner_stats"] = runner.stats.snapshot()
-        progress.end_mode(f"done in {time.perf_counter() - t0:.1f} s")
-
-    _compare_with_eager(result, firsts, dtype)
+def _add_speedups(result: dict[str, Any], batch_sizes: Sequence[int]) -> None:
+    """``speedup_vs_eager`` on every decode row whose batch size eager was timed at."""
     eager_ms = {bs: result["modes"].get("eager", {}).get("decode", {}).get(str(bs), {})
                 .get("median_ms") for bs in batch_sizes}
     for entry in result["modes"].values():
         for bs, row in entry.get("decode", {}).items():
             if eager_ms.get(int(bs)):
                 row["speedup_vs_eager"] = eager_ms[int(bs)] / row["median_ms"]
-    if out is not None:
-        write_outputs(result, out)
-    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The sizes of the bench's steps; the ``capture`` GPU probe builds the same ones."""
+
+    context: int  # tokens per decode request, the new one included
+    prefill_len: int
+    max_bs: int  # the largest decode batch; the mixed step adds one request to it
+    mixed_chunk: int  # prompt tokens of the mixed step's extra request
+    block_size: int = 16
+
+    @classmethod
+    def for_preset(cls, preset: str, max_bs: int, mixed_chunk: int, *,
+                   context: int | None = None, prefill_len: int | None = None) -> StepShapes:
+        """Context and prefill length default by preset: 64 and 64 tiny, 1024 and 512 else."""
+        tiny = preset == "tiny"
+        return cls(context=context or (64 if tiny else 1024),
+                   prefill_len=prefill_len or (64 if tiny else 512),
+                   max_bs=max_bs, mixed_chunk=mixed_chunk)
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.context, self.prefill_len) + self.block_size
+
+    @property
+    def blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Request rows of the largest step: the mixed step at the largest batch size."""
+        return self.max_bs + 1
+
+    @property
+    def max_num_tokens(self) -> int:
+        return max(self.prefill_len, self.max_bs + self.mixed_chunk)
+
+    def cache_config(self) -> KVCacheConfig:
+        """A KV cache with a row of blocks for each request the largest step has."""
+        return KVCacheConfig(num_blocks=self.blocks_per_req * self.max_num_seqs,
+                             block_size=self.block_size, max_model_len=self.max_model_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuilder:
+    """Builds the bench's steps on ``device``; request ``r`` owns the ``r``-th row of blocks."""
+
+    shapes: StepShapes
+    cache: KVCacheConfig
+    device: torch.device
+
+    def decode(self, bs: int) -> StepInputs:
+        """``bs`` requests, each one new token after ``context - 1`` cached ones."""
+        return build_step(self._decodes(bs), self.cache, device=self.device)
+
+    def mixed(self, bs: int) -> StepInputs:
+        """The decode step of ``bs`` requests plus the first prompt chunk of one more."""
+        chunks = self._decodes(bs)
+        chunks.append(RequestChunk(tuple(range(self.shapes.mixed_chunk)), 0, self._blocks(bs)))
+        return build_step(chunks, self.cache, device=self.device)
+
+    def prefill(self) -> StepInputs:
+        """One request's whole prompt of ``prefill_len`` tokens."""
+        prompt = tuple(i % 100 for i in range(self.shapes.prefill_len))
+        return build_step([RequestChunk(prompt, 0, self._blocks(0))], self.cache,
+                          device=self.device)
+
+    def _decodes(self, bs: int) -> list[RequestChunk]:
+        return [RequestChunk((1 + r % 7,), self.shapes.context - 1, self._blocks(r))
+                for r in range(bs)]
+
+    def _blocks(self, r: int) -> tuple[int, ...]:
+        per_req = self.shapes.blocks_per_req
+        return tuple(range(r * per_req, (r + 1) * per_req))
+
+
+def graph_config(shapes: StepShapes, cudagraph_mode: str, compiler: str,
+                 on_cuda: bool) -> CompilationConfig:
+    """The freezeframe configuration of a graph mode sized for the steps of ``shapes``."""
+    import freezeframe as ff
+
+    return ff.CompilationConfig(
+        mode="piecewise", backend=compiler, splitting_ops=[ATTENTION_OP],
+        cudagraph_mode=cudagraph_mode, graph_backend="cuda" if on_cuda else "emulated",
+        max_num_seqs=shapes.max_num_seqs, max_num_tokens=shapes.max_num_tokens,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledLlama:
+    """``ff.compile`` of the Llama, the GraphRunner around it, and a step through the runner."""
+
+    compiled: CompiledModel
+    runner: GraphRunner
+    forward: RunnerForward
+
+
+def compile_with_runner(base: LlamaModel, config: CompilationConfig,
+                        shapes: StepShapes) -> CompiledLlama:
+    """Wrap ``base`` for ``config``; it compiles on its first step, captures on ``capture()``."""
+    import freezeframe as ff
+
+    compiled = ff.compile(base, config, dynamic_arg_dims=dict(
+        LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
+    runner = ff.GraphRunner(compiled, config,
+                            inputs=llama_runner_inputs(base, shapes.max_num_seqs),
+                            progress=False)
+    return CompiledLlama(compiled, runner, RunnerForward(runner, shapes.max_num_seqs))
+
+
+def _logits_of(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
+               model: LlamaModel) -> Callable[[], torch.Tensor]:
+    """A call of one step: hidden states through ``forward``, then each request's logits."""
+    rows = step.last_token_index()
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            hidden = forward(step)
+            return model.compute_logits(hidden[rows])
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """The choices made before the model is built."""
+
+    device: torch.device
+    compiler: str  # "eager" | "inductor"
+    shapes: StepShapes
+    batch_sizes: tuple[int, ...]  # sorted, without repeats
+
+
+@dataclasses.dataclass(frozen=True)
+class _CaptureTimes:
+    """Startup of a graph mode (the JSON keys of a mode entry, in this order)."""
+
+    compile_s: float
+    capture_s: float
+    graphs_captured: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+    """A mode ready to time: its forward, the runner of the freezeframe modes and, for those
+    that capture graphs, how long compiling and capturing took."""
+
+    forward: Callable[[StepInputs], torch.Tensor]
+    runner: GraphRunner | None = None
+    capture: _CaptureTimes | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bench:
+    """What every mode is measured with: the built model, its steps and the device bandwidth."""
+
+    opts: BenchOptions
+    setup: _Setup
+    steps: StepBuilder
+    base: LlamaModel
+    build_s: float
+    prefill: StepInputs
+    bandwidth: float  # bytes/s
+    progress: Progress
+
+    @classmethod
+    def build(cls, opts: BenchOptions, setup: _Setup, llama_config: LlamaConfig,
+              progress: Progress) -> _Bench:
+        """Build the model and the prefill step, then measure the memory bandwidth."""
+        on_cuda = setup.device.type == "cuda"
+        cache = setup.shapes.cache_config()
+        progress.note(f"building the {opts.preset} Llama ({_count(llama_config.num_params())} "
+                      f"parameters, {'bfloat16' if on_cuda else 'float32'}) on "
+                      f"{setup.device}; modes: {', '.join(opts.modes)}; batch sizes: "
+                      f"{', '.join(map(str, setup.batch_sizes))}")
+        if not on_cuda and opts.preset != "tiny":
+            progress.note(f"the {opts.preset} preset on a CPU takes minutes per mode (graph "
+                          "modes are emulated); --preset tiny runs in seconds")
+        t0 = time.perf_counter()
+        base = build_llama(opts.preset, cache, device=setup.device, seed=opts.seed)
+        build_s = time.perf_counter() - t0
+        steps = StepBuilder(setup.shapes, cache, setup.device)
+        prefill = steps.prefill()
+        copy_bytes = (1 << 30) if on_cuda else (1 << 27)
+        progress.note(f"built in {build_s:.1f} s; measuring memory bandwidth "
+                      f"({copy_bytes >> 20} MiB copy)")
+        bandwidth = measure_bandwidth(setup.device, copy_bytes)
+        return cls(opts, setup, steps, base, build_s, prefill, bandwidth, progress)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.setup.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.lm_head.weight.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.base.config.num_params() * (torch.finfo(self.dtype).bits // 8)
+
+    def decode_read_bytes(self, bs: int) -> int:
+        """Bytes a decode step of ``bs`` requests must read: the weights and every KV entry."""
+        cfg = self.base.config
+        elem = torch.finfo(self.dtype).bits // 8
+        kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * elem
+        return self.weight_bytes + bs * self.setup.shapes.context * kv_bytes_per_token
+
+    def header(self, notes: list[str]) -> dict[str, Any]:
+        """The result without its per-mode entries."""
+        device = self.setup.device
+        return {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(device) if self.on_cuda
+            else platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "preset": self.opts.preset,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "compiler": self.setup.compiler,
+            "context": self.setup.shapes.context,
+            "prefill_len": self.setup.shapes.prefill_len,
+            "mixed_chunk": self.opts.mixed_chunk,
+            "batch_sizes": list(self.setup.batch_sizes),
+            "steps": self.opts.steps,
+            "params": self.base.config.num_params(),
+            "weight_bytes": self.weight_bytes,
+            "bandwidth_bytes_per_s": self.bandwidth,
+            "model_build_s": self.build_s,
+            "notes": notes,
+            "modes": {},
+        }
+
+    def run_mode(self, mode: str) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
+        """The mode's result entry, and its logits of the first decode step at each batch size
+        (None when the mode is skipped)."""
+        self.progress.start_mode(mode)
+        if mode == "reduce-overhead" and not self.on_cuda:
+            reason = "needs CUDA graphs (cudagraph trees); no CUDA device"
+            self.progress.end_mode(f"skipped ({reason})")
+            return {"skipped": reason}, None
+        device = self.setup.device
+        self.base.reset_cache()
+        mem0 = _device_used(device)
+        t0 = time.perf_counter()
+        started = self._start(mode, t0)
+        entry = dataclasses.asdict(started.capture) if started.capture is not None else {}
+        first = self._first_logits(mode, started.forward)
+        _sync(device)
+        entry["startup_s"] = time.perf_counter() - t0
+        entry["graph_memory_bytes"] = _device_used(device) - mem0 if self.on_cuda else None
+        entry.update(self._time_steps(started.forward))
+        if started.runner is not None:
+            entry["runner_stats"] = started.runner.stats.snapshot()
+        self.progress.end_mode(f"done in {time.perf_counter() - t0:.1f} s")
+        return entry, first
+
+    def _start(self, mode: str, t0: float) -> _Started:
+        if mode == "eager":
+            return _Started(EagerForward(self.base))
+        if mode == "compile":
+            return _Started(EagerForward(torch.compile(self.base, backend=self.setup.compiler)))
+        if mode == "reduce-overhead":
+            return _Started(EagerForward(torch.compile(self.base, mode="reduce-overhead",
+                                                       dynamic=False)))
+        return self._start_freezeframe(mode, t0)
+
+    def _start_freezeframe(self, mode: str, t0: float) -> _Started:
+        """Compile ``base`` with freezeframe and, unless ``mode`` is ``none``, capture its
+        graphs; ``t0`` is when the mode's startup began."""
+        shapes = self.setup.shapes
+        llama = compile_with_runner(
+            self.base, graph_config(shapes, mode.upper(), self.setup.compiler, self.on_cuda),
+            shapes)
+        self.progress.phase(f"compiling (trace, split, {self.setup.compiler} compiler)")
+        # compile first, on a step of several tokens: Dynamo specialises a dynamic dim that it
+        # first sees with size 1
+        _logits_of(llama.forward, self.steps.mixed(shapes.max_bs), self.base)()
+        if mode == "none":
+            return _Started(llama.forward, llama.runner)
+        _sync(self.setup.device)
+        compile_s = time.perf_counter() - t0
+        self.progress.phase(f"capturing graphs ({'CUDA' if self.on_cuda else 'emulated'})")
+        t1 = time.perf_counter()
+        report = llama.runner.capture()
+        _sync(self.setup.device)
+        capture = _CaptureTimes(compile_s, time.perf_counter() - t1, report.num_graphs)
+        return _Started(llama.forward, llama.runner, capture)
+
+    def _first_logits(self, mode: str, forward: Callable[[StepInputs], torch.Tensor],
+                      ) -> list[torch.Tensor]:
+        """The first call of each decode step; the torch.compile modes compile lazily here."""
+        self.progress.phase("first call at each batch size"
+                            + (" (torch.compile compiles here)" if mode in TORCH_MODES[1:]
+                               else ""))
+        decodes = [self.steps.decode(bs) for bs in self.setup.batch_sizes]
+        return [_logits_of(forward, step, self.base)().float().cpu() for step in decodes]
+
+    def _time_steps(self, forward: Callable[[StepInputs], torch.Tensor]) -> dict[str, Any]:
+        """The ``decode``, ``mixed`` and ``prefill_ms`` entries of a mode."""
+        decode: dict[str, Any] = {}
+        mixed: dict[str, Any] = {}
+        for bs in self.setup.batch_sizes:
+            self.progress.phase(f"timing decode and mixed steps at batch size {bs}")
+            decode[str(bs)] = self._time_decode(forward, bs)
+            mixed[str(bs)] = {"median_ms": self._median_ms(
+                forward, self.steps.mixed(bs), max(1, self.opts.steps // 2), 1)}
+        self.progress.phase(f"timing a prefill of {self.setup.shapes.prefill_len} tokens")
+        prefill_ms = self._median_ms(forward, self.prefill, max(1, self.opts.steps // 4), 1)
+        return {"decode": decode, "mixed": mixed, "prefill_ms": prefill_ms}
+
+    def _time_decode(self, forward: Callable[[StepInputs], torch.Tensor],
+                     bs: int) -> dict[str, float]:
+        """Median latency of a decode step and its share of the bandwidth floor."""
+        ms = self._median_ms(forward, self.steps.decode(bs), self.opts.steps, self.opts.warmup)
+        floor_ms = self.decode_read_bytes(bs) / self.bandwidth * 1e3
+        return {"median_ms": ms, "floor_ms": floor_ms, "floor_share": floor_ms / ms}
+
+    def _median_ms(self, forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
+                   steps: int, warmup: int) -> float:
+        timer = _Timer(self.setup.device)
+        return statistics.median(timer.measure(_logits_of(forward, step, self.base), steps,
+                                               warmup))
 
 
 # Largest |logits - eager logits| over the largest |eager logit| a mode may show: float32 runs
