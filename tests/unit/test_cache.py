@@ -19,6 +19,7 @@ import torch
 import freezeframe as ff
 from freezeframe.cache import store as ff_cache
 from freezeframe.cache.store import CompileCache, CorruptArtifactError
+from freezeframe.compilation.compilers import config_passes, pass_sources
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import CacheError
 from freezeframe.sizes import Range
@@ -51,9 +52,11 @@ def _config(tmp_path: Path, **kw: object) -> CompilationConfig:
 def _open(tmp_path: Path, *, module: torch.nn.Module | None = None, stats: Stats | None = None,
           model_key: str | None = None, **kw: object) -> CompileCache:
     module = module if module is not None else Tiny()
-    cache = CompileCache.open(_config(tmp_path, **kw), stats=stats, module=module,
+    config = _config(tmp_path, **kw)
+    cache = CompileCache.open(config, stats=stats, module=module,
                               args=(torch.zeros(3, module.lin.in_features),),
-                              dynamic_arg_dims={"x": 0}, model_key=model_key)
+                              dynamic_arg_dims={"x": 0}, model_key=model_key,
+                              inductor_passes=pass_sources(config_passes(config)))
     assert cache is not None
     return cache
 
@@ -476,7 +479,7 @@ def test_editing_an_inductor_pass_changes_the_key(tmp_path: Path,
     assert _open(tmp_path, inductor_passes=passes).key == first
     src.write_text("def my_pass(graph):\n    graph.lint()\n")
     assert _open(tmp_path, inductor_passes=passes).key != first
-    assert ff_cache.pass_sources({"q": "no_such_module.fn"}) == {"q": [None, None]}
+    assert pass_sources({"q": "no_such_module.fn"}) == {"q": [None, None]}
 
 
 def _add_ten(mod: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:

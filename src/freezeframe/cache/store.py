@@ -111,7 +111,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from freezeframe.errors import CacheError, ConfigError
+from freezeframe.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -137,7 +137,6 @@ __all__ = [
     "list_entries",
     "module_signature",
     "pack_artifact",
-    "pass_sources",
     "resolve_cache_root",
     "torch_factors",
     "traced_files_from_graph",
@@ -483,46 +482,6 @@ def hash_sources(paths: Iterable[str]) -> dict[str, str]:
                 out[p] = hashlib.sha256(fh.read()).hexdigest()
         except OSError:
             logger.debug("traced file %s is not readable; left out of the cache key", p)
-    return out
-
-
-def config_passes(config: CompilationConfig) -> dict[str, Any]:
-    """Every Inductor pass the config installs: ``inductor_passes`` and the custom-pass
-    settings of ``inductor_compile_config``."""
-    from freezeframe.compilation.compilers import CUSTOM_PASS_SETTINGS
-
-    passes = dict(config.inductor_passes)
-    for setting in CUSTOM_PASS_SETTINGS:
-        value = config.inductor_compile_config.get(setting)
-        if value is not None:
-            passes[f"inductor_compile_config.{setting}"] = value
-    return passes
-
-
-def pass_sources(passes: Mapping[str, Any]) -> dict[str, list[str | None]]:
-    """``{pass name: [sha256 of the file defining it, identity of its code]}``.
-
-    The config's own key names a string pass by its name and a callable by its qualified name,
-    and Inductor keys a custom pass by its ``uuid()``; none of them changes when the pass body
-    or a helper it calls is edited, so the defining file's contents and the code's digest
-    (:func:`~freezeframe.compilation.compilers.pass_identity`) join the key here. The file hash is
-    None when the pass or its file cannot be found (a lambda typed at a prompt).
-    """
-    # Imported here: the compilers pull in torch, which `freezeframe cache list` never needs.
-    from freezeframe.compilation.compilers import pass_identity, resolve_pass
-
-    out: dict[str, list[str | None]] = {}
-    for name, value in sorted(passes.items()):
-        try:
-            fn = resolve_pass(name, value)
-        except ConfigError:
-            out[name] = [None, None]
-            continue
-        try:
-            path = inspect.getsourcefile(fn) or inspect.getsourcefile(type(fn))
-        except TypeError:
-            path = None
-        out[name] = [hash_sources([path]).get(path) if path else None, pass_identity(fn)]
     return out
 
 
@@ -1213,8 +1172,14 @@ class CompileCache:
         dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None = None,
         model_key: str | None = None,
         extra_factors: Mapping[str, Any] | None = None,
+        inductor_passes: Mapping[str, Any] | None = None,
     ) -> CompileCache | None:
         """The cache for one model, or None when the cache is switched off.
+
+        ``inductor_passes`` identifies the config's Inductor passes for the key
+        (:func:`~freezeframe.compilation.compilers.pass_sources` of
+        :func:`~freezeframe.compilation.compilers.config_passes`): resolving a pass is the
+        compile path's business, so the compile path passes it in.
 
         Raises :class:`CacheError` when the cache directory is not private.
         """
@@ -1229,7 +1194,7 @@ class CompileCache:
             **torch_factors(),
             "model_key": model_key,
         }
-        passes = pass_sources(config_passes(config))
+        passes = dict(inductor_passes or {})
         if passes:
             factors["inductor_passes"] = passes
         if module is not None:
@@ -1967,9 +1932,14 @@ class ModelCache:
         if trace is None:
             raise CacheError("ModelCache.trace was not set; the compile path must assign the "
                              "trace-once callable before the first call")
+        from freezeframe.compilation.compilers import config_passes, pass_sources
+
+        # the passes are resolved only for a cache that is on, as CompileCache.open did itself
+        passes = (pass_sources(config_passes(model.config)) if cache_enabled(model.config)
+                  else None)
         self.cache = CompileCache.open(model.config, stats=model.stats, module=model.module,
                                        args=args, kwargs=kwargs, dynamic_arg_dims=self._dims,
-                                       model_key=self._user_key)
+                                       model_key=self._user_key, inductor_passes=passes)
         if self.cache is None:
             self._run = trace
             return trace(*args, **kwargs)
