@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import fx
 
-from freezeframe.cache.store import hash_sources
+from freezeframe.cache.key import hash_sources
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.graphs.emulated import opaque
 from freezeframe.sizes import Range
@@ -78,7 +78,8 @@ class Compiler(Protocol):
 
 
 class ArtifactCache(Protocol):
-    """What :class:`CompilerManager` expects of an on-disk cache (:mod:`freezeframe.cache.store`).
+    """What :class:`CompilerManager` expects of an on-disk cache
+    (:class:`freezeframe.cache.artifacts.PieceCache`).
 
     ``load`` returns a ready callable or ``None`` on a miss; ``save`` is called after a miss
     was compiled. ``compiler`` is the compiler that would compile (its ``name`` and, for
