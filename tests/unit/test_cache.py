@@ -17,8 +17,11 @@ import pytest
 import torch
 
 import freezeframe as ff
+from freezeframe.cache import key as ff_key
 from freezeframe.cache import store as ff_cache
 from freezeframe.cache.store import CompileCache, CorruptArtifactError
+from freezeframe.compilation.compilers import config_passes, pass_sources
+from freezeframe.compilation.saved_trace import ValueCheck
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import CacheError
 from freezeframe.sizes import Range
@@ -51,9 +54,11 @@ def _config(tmp_path: Path, **kw: object) -> CompilationConfig:
 def _open(tmp_path: Path, *, module: torch.nn.Module | None = None, stats: Stats | None = None,
           model_key: str | None = None, **kw: object) -> CompileCache:
     module = module if module is not None else Tiny()
-    cache = CompileCache.open(_config(tmp_path, **kw), stats=stats, module=module,
+    config = _config(tmp_path, **kw)
+    cache = CompileCache.open(config, stats=stats, module=module,
                               args=(torch.zeros(3, module.lin.in_features),),
-                              dynamic_arg_dims={"x": 0}, model_key=model_key)
+                              dynamic_arg_dims={"x": 0}, model_key=model_key,
+                              inductor_passes=pass_sources(config_passes(config)))
     assert cache is not None
     return cache
 
@@ -194,7 +199,8 @@ def test_key_is_stable_and_changes_with_each_factor(tmp_path: Path,
     odd.scale = 3.0
     assert _open(tmp_path, module=odd).key != base
     # torch / Inductor factors
-    real = ff_cache.torch_factors()
+    real = ff_key.torch_factors()
+    # patched where CompileCache.open looks it up
     monkeypatch.setattr(ff_cache, "torch_factors", lambda: {**real, "torch": "9.9.9"})
     assert _open(tmp_path).key != base
     monkeypatch.setattr(ff_cache, "torch_factors",
@@ -224,7 +230,7 @@ def test_traced_files_come_from_dynamo(tmp_path: Path) -> None:
     seen: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        seen.extend(ff_cache.traced_files_from_graph(gm))
+        seen.extend(ff_key.traced_files_from_graph(gm))
         return gm.forward
 
     torch._dynamo.reset()
@@ -277,12 +283,11 @@ def test_saved_trace_needs_unchanged_sources(tmp_path: Path) -> None:
 
 def test_saved_traces_are_kept_per_checked_values(tmp_path: Path) -> None:
     """One entry keeps a saved trace per set of checked values; ``accept`` picks one."""
-    check = ff_cache.ValueCheck
-
     def saving(payload: bytes, value: float) -> None:
         cache = _open(tmp_path)
-        cache.save_trace(payload, checks=[check("value", "L['self']._k", ["float", repr(value)],
-                                                guard="CONSTANT_MATCH")])
+        check = ValueCheck("value", "L['self']._k", ["float", repr(value)],
+                           guard="CONSTANT_MATCH")
+        cache.save_trace(payload, checks=[check.as_tuple()])
 
     saving(b"TWO", 2.0)
     saving(b"FIVE", 5.0)
@@ -290,7 +295,8 @@ def test_saved_traces_are_kept_per_checked_values(tmp_path: Path) -> None:
 
     def wanting(value: float) -> object:
         def accept(saved: ff_cache.SavedTrace) -> str | None:
-            (c,) = saved.checks
+            (row,) = saved.checks
+            c = ValueCheck(*row)
             return None if c.expected == ["float", repr(value)] else "another value"
         return accept
 
@@ -312,17 +318,17 @@ def test_traced_code_without_a_file_is_in_the_key(tmp_path: Path) -> None:
     one = compiled("def f(x):\n    return x + 1\n")
     same = compiled("\n\ndef f(x):\n    return x + 1\n")  # moved, not changed
     two = compiled("def f(x):\n    return x + 2\n")
-    assert ff_cache.code_digests([one]) == ff_cache.code_digests([same])
-    assert ff_cache.code_digests([one]) != ff_cache.code_digests([two])
-    assert ff_cache.code_digests([Tiny.forward.__code__]) == {}  # a real file: hashed instead
+    assert ff_key.code_digests([one]) == ff_key.code_digests([same])
+    assert ff_key.code_digests([one]) != ff_key.code_digests([two])
+    assert ff_key.code_digests([Tiny.forward.__code__]) == {}  # a real file: hashed instead
     a, b, c = _open(tmp_path), _open(tmp_path), _open(tmp_path)
-    a.add_traced_code(ff_cache.code_digests([one]))
-    b.add_traced_code(ff_cache.code_digests([same]))
-    c.add_traced_code(ff_cache.code_digests([two]))
+    a.add_traced_code(ff_key.code_digests([one]))
+    b.add_traced_code(ff_key.code_digests([same]))
+    c.add_traced_code(ff_key.code_digests([two]))
     assert a.key == b.key != c.key
     assert a.key != _open(tmp_path).key
     with pytest.raises(CacheError, match="after the cache key was fixed"):
-        a.add_traced_code(ff_cache.code_digests([two]))
+        a.add_traced_code(ff_key.code_digests([two]))
 
 
 # -- lock across processes -----------------------------------------------------------------
@@ -388,7 +394,7 @@ def test_saved_trace_fit_check() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from freezeframe.cache.store import _first_mismatch
+    from freezeframe.compilation.saved_trace import _first_mismatch
 
     shape_env = ShapeEnv()
     with FakeTensorMode(shape_env=shape_env) as mode:
@@ -408,12 +414,12 @@ def test_plain_tensor_attributes_and_dataclasses_are_in_the_key(tmp_path: Path) 
     a, b = Tiny(), Tiny()
     a.kv = torch.zeros(16, 2)
     b.kv = torch.zeros(32, 2)
-    assert ff_cache.module_signature(a) != ff_cache.module_signature(b)
+    assert ff_key.module_signature(a) != ff_key.module_signature(b)
     b.kv = torch.ones(16, 2)  # values do not matter, shapes do
-    assert ff_cache.module_signature(a) == ff_cache.module_signature(b)
+    assert ff_key.module_signature(a) == ff_key.module_signature(b)
     a.cfg = CompilationConfig(max_num_seqs=8)
     b.cfg = CompilationConfig(max_num_seqs=16)
-    assert ff_cache.module_signature(a) != ff_cache.module_signature(b)
+    assert ff_key.module_signature(a) != ff_key.module_signature(b)
 
 
 def test_stale_temp_files_are_removed_fresh_ones_kept(tmp_path: Path) -> None:
@@ -476,7 +482,7 @@ def test_editing_an_inductor_pass_changes_the_key(tmp_path: Path,
     assert _open(tmp_path, inductor_passes=passes).key == first
     src.write_text("def my_pass(graph):\n    graph.lint()\n")
     assert _open(tmp_path, inductor_passes=passes).key != first
-    assert ff_cache.pass_sources({"q": "no_such_module.fn"}) == {"q": [None, None]}
+    assert pass_sources({"q": "no_such_module.fn"}) == {"q": [None, None]}
 
 
 def _add_ten(mod: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,13 @@ import torch
 from torch import fx, nn
 
 import freezeframe as ff
-from freezeframe.cache import store as ff_cache
 from freezeframe.compilation.compilers import (
     CUSTOM_PASS_SETTINGS,
     InductorCompiler,
+    config_passes,
     current_compile_range,
     pass_identity,
+    pass_sources,
 )
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
@@ -88,7 +89,7 @@ def test_the_cache_key_covers_passes_given_through_inductor_compile_config() -> 
     def factors(pass_fn: object) -> object:
         cfg = ff.CompilationConfig(backend="inductor",
                                    inductor_compile_config={"post_grad_custom_post_pass": pass_fn})
-        return ff_cache.pass_sources(ff_cache.config_passes(cfg))
+        return pass_sources(config_passes(cfg))
 
     assert factors(first) == {
         "inductor_compile_config.post_grad_custom_post_pass": [None, pass_identity(first)]}

@@ -14,20 +14,25 @@ import contextlib
 import contextvars
 import hashlib
 import importlib
+import inspect
 import logging
 import marshal
 import time
 import uuid as uuid_module
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import fx
 
+from freezeframe.cache.key import hash_sources
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.graphs.emulated import opaque
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from freezeframe.config import CompilationConfig
 
 __all__ = [
     "ArtifactCache",
@@ -35,8 +40,10 @@ __all__ = [
     "CompilerManager",
     "EagerCompiler",
     "InductorCompiler",
+    "config_passes",
     "current_compile_range",
     "make_compiler",
+    "pass_sources",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,7 +78,8 @@ class Compiler(Protocol):
 
 
 class ArtifactCache(Protocol):
-    """What :class:`CompilerManager` expects of an on-disk cache (:mod:`freezeframe.cache.store`).
+    """What :class:`CompilerManager` expects of an on-disk cache
+    (:class:`freezeframe.cache.artifacts.PieceCache`).
 
     ``load`` returns a ready callable or ``None`` on a miss; ``save`` is called after a miss
     was compiled. ``compiler`` is the compiler that would compile (its ``name`` and, for
@@ -153,6 +161,42 @@ def pass_identity(fn: Callable[..., Any]) -> str:
 
 
 _PROCESS_TOKEN = uuid_module.uuid4().hex
+
+
+def config_passes(config: CompilationConfig) -> dict[str, Any]:
+    """Every Inductor pass the config installs: ``inductor_passes`` and the custom-pass
+    settings of ``inductor_compile_config``."""
+    passes = dict(config.inductor_passes)
+    for setting in CUSTOM_PASS_SETTINGS:
+        value = config.inductor_compile_config.get(setting)
+        if value is not None:
+            passes[f"inductor_compile_config.{setting}"] = value
+    return passes
+
+
+def pass_sources(passes: Mapping[str, Any]) -> dict[str, list[str | None]]:
+    """``{pass name: [sha256 of the file defining it, identity of its code]}``.
+
+    The config's own key names a string pass by its name and a callable by its qualified name,
+    and Inductor keys a custom pass by its ``uuid()``; none of them changes when the pass body
+    or a helper it calls is edited, so the defining file's contents and the code's digest
+    (:func:`pass_identity`) join the cache key (:meth:`~freezeframe.cache.store.CompileCache.open`
+    takes them as ``inductor_passes``). The file hash is None when the pass or its file cannot be
+    found (a lambda typed at a prompt).
+    """
+    out: dict[str, list[str | None]] = {}
+    for name, value in sorted(passes.items()):
+        try:
+            fn = resolve_pass(name, value)
+        except ConfigError:
+            out[name] = [None, None]
+            continue
+        try:
+            path = inspect.getsourcefile(fn) or inspect.getsourcefile(type(fn))
+        except TypeError:
+            path = None
+        out[name] = [hash_sources([path]).get(path) if path else None, pass_identity(fn)]
+    return out
 
 
 def _make_pass_chain(passes: Sequence[tuple[str, Callable[..., Any]]],

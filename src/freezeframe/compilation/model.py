@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from freezeframe.cache.store import ModelCache
 from freezeframe.compilation.backend import CompileBackend
+from freezeframe.compilation.cached_trace import ModelCache
 from freezeframe.compilation.compilers import CompilerManager, make_compiler
 from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
 from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards, incompatibility

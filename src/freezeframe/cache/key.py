@@ -1,0 +1,377 @@
+"""The cache key: what a compiled model's cache entry depends on.
+
+Holds the factors known before tracing (torch and toolchain, the module's structure and the
+example inputs' signature), the hashes of the source files a trace read, the digests of traced
+code that has no source file (and finding that code again in a live model), and the hash of one
+compiled piece's graph. It does not hold the identity of the config's Inductor passes (resolving
+a pass is the compile path's: :func:`freezeframe.compilation.compilers.pass_sources`), where
+entries are stored (:mod:`freezeframe.cache.store`), or the values a trace specialised on
+(:mod:`freezeframe.compilation.saved_trace`).
+
+What decides whether something saved is reused:
+
+* The *base key* hashes what is known before tracing: the freezeframe version, the config's
+  ``cache_key()``, the source files of the config's Inductor passes, torch's version and
+  Inductor's system factors, the module's class, structure and public attributes, every
+  parameter's and buffer's shape/dtype/device, the example-input signature (plain argument
+  values included), and the user's optional ``model_key``.
+* The entry *key* adds what the trace read, known only after a trace (or, on a warm start, from
+  the ``models/`` pointer, re-verified before it is trusted): the contents of every source file
+  Dynamo traced or inlined, and a digest of every traced code object that has no source file
+  to hash (``python -c``, ``exec``, ``<stdin>``, a notebook cell): bytecode, constants (nested
+  code included), names and flags (:func:`code_digest`). Such code is found again on a warm
+  start from the module's classes, the forward's globals and the values the trace specialised
+  on; code that cannot be found, or that changed, means no reuse.
+* Every value the trace specialised on selects a saved trace inside the entry
+  (:mod:`freezeframe.compilation.saved_trace`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "graph_hash",
+    "hash_sources",
+    "input_signature",
+    "module_signature",
+    "torch_factors",
+    "traced_files_from_graph",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# key factors
+# ---------------------------------------------------------------------------------------------
+def _sha(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, default=repr).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def torch_factors() -> dict[str, Any]:
+    """torch's version and Inductor's system factors (device, CUDA/HIP and Triton versions).
+
+    ``torch_key()`` (a hash of torch's own sources) is left out on purpose: it costs seconds,
+    the version plus git revision identify a build, and Inductor's artifact loader checks
+    ``torch_key`` itself (a mismatch fails the load, which the cache treats as a miss).
+    """
+    import torch
+
+    factors: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_git": getattr(getattr(torch, "version", None), "git_version", None),
+        "python": ".".join(str(v) for v in sys.version_info[:3]),
+        "machine": platform.machine(),
+    }
+    try:  # torch 2.11-2.13 keep this in codecache; guard against it moving
+        from torch._inductor.codecache import CacheBase
+
+        system = CacheBase.get_system()
+        factors["inductor_system"] = system.get("hash") if isinstance(system, dict) else system
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        logger.debug("Inductor system factors unavailable: %s", exc)
+        factors["inductor_system"] = None
+    try:
+        from torch._inductor import config as inductor_config
+
+        portable = inductor_config.save_config_portable()
+        # Only plain values: reprs of callables carry addresses and would change every process.
+        factors["inductor_config"] = _sha(
+            {k: v for k, v in sorted(portable.items())
+             if isinstance(v, (bool, int, float, str, type(None)))}
+        )[:16]
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        logger.debug("Inductor config factors unavailable: %s", exc)
+    return factors
+
+
+def _primitive(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return True
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return all(_primitive(v) for v in value)
+    return False
+
+
+def _describe(value: Any) -> Any:
+    """A stable description of a module attribute for the key: plain values as themselves,
+    tensors by shape/dtype (a KV cache kept as a plain attribute), dataclasses by their fields,
+    anything else by type only (its repr may hold an address)."""
+    import torch
+
+    if _primitive(value):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype), value.device.type]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [type(value).__qualname__,
+                {f.name: _describe(getattr(value, f.name)) for f in dataclasses.fields(value)}]
+    return ["object", type(value).__qualname__]
+
+
+def module_signature(module: torch.nn.Module) -> str:
+    """A hash of what shapes the trace besides the source: each submodule's class and public
+    attributes (``eps``, ``num_heads``, config dataclasses, plain tensor attributes...), and
+    every parameter's and buffer's name, shape, dtype and device. Two instances of one class
+    with different sizes get different keys."""
+    items: list[Any] = []
+    for name, sub in module.named_modules():
+        attrs = {k: _describe(v) for k, v in sorted(vars(sub).items())
+                 if not k.startswith("_")}
+        items.append([name, type(sub).__module__, type(sub).__qualname__, attrs])
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        items.append([name, list(tensor.shape), str(tensor.dtype), tensor.device.type,
+                      bool(tensor.requires_grad)])
+    return _sha(items)[:16]
+
+
+def input_signature(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None,
+) -> list[Any]:
+    """The example inputs as the trace sees them: dtype, device and shape of every tensor, the
+    dynamic dims shown as ``"*"``, plain values as themselves, other objects by type."""
+    import torch
+
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
+    dyn = dict(dynamic_arg_dims or {})
+    out: list[Any] = []
+    for name, value in bound.items():
+        dims = dyn.get(name, ())
+        dims_set = {dims} if isinstance(dims, int) else set(dims)
+        if isinstance(value, torch.Tensor):
+            rank = value.dim()
+            dims_set = {d % rank for d in dims_set} if rank else set()
+            shape = ["*" if i in dims_set else s for i, s in enumerate(value.shape)]
+            out.append([name, "tensor", str(value.dtype), value.device.type, shape])
+        elif _primitive(value):
+            out.append([name, "value", value])
+        else:
+            out.append([name, "object", type(value).__qualname__])
+    return out
+
+
+def hash_sources(paths: Iterable[str]) -> dict[str, str]:
+    """``{path: sha256 of its contents}`` for every real file among ``paths`` (``<string>``,
+    ``<eval_with_key>`` and other pseudo files are skipped)."""
+    out: dict[str, str] = {}
+    for p in sorted(set(paths)):
+        if not p or p.startswith("<"):
+            continue
+        try:
+            with open(p, "rb") as fh:
+                out[p] = hashlib.sha256(fh.read()).hexdigest()
+        except OSError:
+            logger.debug("traced file %s is not readable; left out of the cache key", p)
+    return out
+
+
+
+_STACK_FILE_RE = re.compile(r'File "([^"]+)", line \d+')
+
+
+def traced_files_from_graph(gm: torch.fx.GraphModule | None = None) -> list[str]:
+    """The source files a Dynamo trace read, for the cache key.
+
+    Call it from inside the Dynamo backend: the active tracing context lists every code object
+    Dynamo traced or inlined (``traced_code``, including helpers that left no node behind). The
+    nodes' ``stack_trace`` metadata adds the user frames that produced nodes, which also covers
+    torch builds whose context lacks ``traced_code``.
+    """
+    files: set[str] = set()
+    try:
+        from torch._guards import TracingContext
+
+        ctx = TracingContext.try_get()
+        for code in getattr(ctx, "traced_code", None) or ():
+            files.add(code.co_filename)
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        logger.debug("tracing context unavailable: %s", exc)
+    if gm is not None:
+        for node in gm.graph.nodes:
+            trace = node.meta.get("stack_trace") or ""
+            files.update(_STACK_FILE_RE.findall(trace))
+    return sorted(f for f in files if f and not f.startswith("<"))
+
+
+def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+               extra: Any = None) -> str:
+    """A hash of one piece: its generated code plus the dtypes, shapes and strides of its example
+    inputs. It is stored with the artifact and compared on load, so an artifact is never used for
+    a graph it was not compiled from (e.g. the same class built with other sizes)."""
+    import torch
+
+    inputs: list[Any] = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            inputs.append([str(x.dtype), x.device.type, [str(s) for s in x.shape],
+                           [str(s) for s in x.stride()]])
+        else:
+            inputs.append([type(x).__name__, str(x)])
+    return _sha([gm.code, inputs, extra])[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# what a saved trace depends on besides its source files
+# ---------------------------------------------------------------------------------------------
+def _needs_code_digest(filename: str) -> bool:
+    """True for code whose file cannot vouch for it: ``<stdin>``, ``<string>`` (``python -c``,
+    ``exec``), FX's ``<eval_with_key>``, a notebook cell's file that is not on disk. Frozen
+    standard-library modules (``<frozen ...>``) come with the Python build, which is a key
+    factor of its own."""
+    if filename.startswith("<frozen "):
+        return False
+    if not filename or filename.startswith("<"):
+        return True
+    return not (os.path.isfile(filename) and os.access(filename, os.R_OK))
+
+
+def _const_text(value: Any) -> Any:
+    if isinstance(value, types.CodeType):
+        return ["code", code_digest(value)]
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [_const_text(v) for v in value]]
+    if isinstance(value, frozenset):  # iteration order follows string hashing: sort
+        return ["frozenset", sorted(json.dumps(_const_text(v)) for v in value)]
+    if isinstance(value, bytes):
+        return ["bytes", value.hex()]
+    return [type(value).__name__, repr(value)]
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of what a code object does, the same in every process for the same source: its
+    bytecode, constants (nested functions and classes by their own digest), names, arguments,
+    flags and exception table. File name and line numbers are left out, so moving code without
+    changing it keeps the digest."""
+    parts = [
+        getattr(code, "co_qualname", code.co_name), code.co_code.hex(),
+        [_const_text(c) for c in code.co_consts], code.co_names, code.co_varnames,
+        code.co_freevars, code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
+        code.co_kwonlyargcount, code.co_flags,
+        getattr(code, "co_exceptiontable", b"").hex(),
+    ]
+    return _sha(parts)[:32]
+
+
+def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _nested_code(const)
+
+
+def code_digests(codes: Iterable[types.CodeType]) -> dict[str, list[str]]:
+    """``{qualified name: sorted digests}`` of the code objects among ``codes`` (and the code
+    nested in them) that have no source file to hash (:func:`_needs_code_digest`)."""
+    found: dict[str, set[str]] = {}
+    for outer in codes:
+        if not _needs_code_digest(outer.co_filename):
+            continue
+        for code in _nested_code(outer):
+            name = getattr(code, "co_qualname", code.co_name)
+            found.setdefault(name, set()).add(code_digest(code))
+    return {name: sorted(d) for name, d in sorted(found.items())}
+
+
+def _traced_code() -> list[types.CodeType]:
+    """Every code object the active Dynamo trace traced or inlined, the traced frame first
+    (empty outside a backend, or on a torch without ``traced_code``)."""
+    try:
+        from torch._guards import TracingContext
+
+        ctx = TracingContext.try_get()
+        return list(getattr(ctx, "traced_code", None) or ())
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        logger.debug("tracing context unavailable: %s", exc)
+        return []
+
+
+def _live_code_digests(roots: Iterable[Any]) -> dict[str, set[str]]:
+    """``{qualified name: digests}`` of the code without a source file that ``roots`` reach: a
+    root's class and its bases (methods, properties, static and class methods), a function's
+    code, nested code, closure cells and, for a function without a source file, the functions
+    and classes of its globals (a helper defined beside a ``python -c`` model)."""
+    found: dict[str, set[str]] = {}
+    seen: set[int] = set()
+    unsourced: dict[str, bool] = {}  # file name -> _needs_code_digest, asked once per file
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.MethodType | staticmethod | classmethod):
+            stack.append(obj.__func__)
+        elif isinstance(obj, property):
+            stack.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
+        elif isinstance(obj, types.FunctionType):
+            code = obj.__code__
+            if code.co_filename not in unsourced:
+                unsourced[code.co_filename] = _needs_code_digest(code.co_filename)
+            if not unsourced[code.co_filename]:
+                continue
+            for inner in _nested_code(code):
+                name = getattr(inner, "co_qualname", inner.co_name)
+                found.setdefault(name, set()).add(code_digest(inner))
+            stack.extend(c.cell_contents for c in obj.__closure__ or ()
+                         if _has_contents(c))
+            if id(obj.__globals__) not in seen:
+                seen.add(id(obj.__globals__))
+                stack.extend(v for v in list(obj.__globals__.values())
+                             if isinstance(v, type | types.FunctionType))
+        elif isinstance(obj, type):
+            for klass in obj.__mro__:
+                if klass.__module__ != "builtins" and klass is not obj:
+                    stack.append(klass)
+            stack.extend(v for v in list(vars(obj).values())
+                         if isinstance(v, type | types.FunctionType | staticmethod
+                                       | classmethod | property))
+        elif not isinstance(obj, types.ModuleType):
+            stack.append(type(obj))
+    return found
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _code_mismatch(recorded: Mapping[str, Sequence[str]], roots: Iterable[Any]) -> str | None:
+    """Why the live code does not match the digests recorded with a trace, or None. Each
+    recorded name must be found, and every live code object of that name must have a recorded
+    digest (two definitions of one name that differ cannot be told apart, so they do not match).
+    """
+    if not recorded:
+        return None
+    live = _live_code_digests(roots)
+    for name, digests in recorded.items():
+        now = live.get(name)
+        if not now:
+            return f"the code of {name} (no source file) cannot be found to compare"
+        if now != set(digests):
+            return f"the code of {name} (no source file) changed"
+    return None

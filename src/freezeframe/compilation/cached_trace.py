@@ -1,0 +1,368 @@
+"""The first call of a compiled model with the cache on: load a saved trace, else trace with
+Dynamo and save the trace.
+
+Holds :class:`ModelCache`, through which :mod:`freezeframe.compilation.model` routes calls: on
+the first call it opens the model's :class:`~freezeframe.cache.store.CompileCache`, takes the
+model lock, and either compiles a saved trace that fits (checked with
+:mod:`freezeframe.compilation.saved_trace`) so Dynamo never runs, or runs trace-once and saves
+what the trace produced. It does not hold the trace itself (:mod:`freezeframe.compilation.trace`),
+what a saved trace is made of (:mod:`freezeframe.compilation.saved_trace`) or the files
+(:mod:`freezeframe.cache`).
+
+Counters (``model.stats``): ``cache_hits`` / ``cache_misses`` count Inductor piece x range
+lookups (a hit produced a runnable without Inductor; a miss, including a corrupt or unloadable
+artifact, was compiled); ``artifacts_saved`` / ``artifacts_loaded`` count files written / read
+and verified (pieces and the trace); ``traces_loaded`` is 1 when Dynamo did not run;
+``saved_trace_rejected`` is 1 when a saved trace existed for the model but none fit (the
+reasons are logged at INFO); ``traces_not_saved`` is 1 when the first call's trace could not be
+saved (the reason is logged at INFO). ``backend_compilations`` counts a hit too, as vLLM does,
+so it never depends on the cache state.
+
+When no saved trace is used (Dynamo traces as usual): no pointer for this base key, a recorded
+source file or code object changed or cannot be found, a value the trace specialised on
+differs or cannot be evaluated, the trace file is damaged, or this call's inputs do not fit
+the traced placeholders (dtype, rank, static sizes). A trace is not saved when a graph input
+cannot be named from the traced frame, the forward returns something other than graph outputs
+and constants, or a guard cannot be re-checked in another process. Like trace-once itself it
+assumes a forward without Python side effects outside the graph (the values are re-checked
+once, on the first call) and one trace for every batch size (symbolic-size guards are not
+re-checked). A value the trace never read through a guard (Dynamo folds ``a is b`` on two
+plain objects without guarding either identity) is not seen; ``model_key`` is the escape hatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from freezeframe.cache.artifacts import PieceCache
+from freezeframe.cache.key import (
+    _code_mismatch,
+    _primitive,
+    _traced_code,
+    code_digests,
+    traced_files_from_graph,
+)
+from freezeframe.cache.store import CompileCache, CorruptArtifactError, SavedTrace, cache_enabled
+from freezeframe.compilation.compilers import config_passes, pass_sources
+from freezeframe.compilation.saved_trace import (
+    _KEEP_META,
+    ValueCheck,
+    _CannotCheck,
+    _first_mismatch,
+    _Frame,
+    _load_graph,
+    _LoadedTrace,
+    _OutputRecorder,
+    _SavedSizes,
+    _source_name,
+    _unviewed,
+    _wrapped_frame_code,
+    failed_check,
+    value_checks,
+)
+from freezeframe.errors import CacheError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from freezeframe.compilation.trace import TraceOnce
+
+__all__ = ["ModelCache"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Chosen:
+    """The saved trace a warm start takes, ready to compile."""
+
+    gm: Any
+    example_inputs: list[Any]
+    loaded: _LoadedTrace
+    sizes: _SavedSizes
+
+
+class ModelCache:
+    """Drives the cache for one :class:`~freezeframe.compilation.model.CompiledModel`.
+
+    The compile path calls :meth:`wrap_backend` around its Dynamo backend when it builds the
+    trace, and routes calls through :meth:`__call__` (in place of the trace-once callable).
+    The first call opens the cache (the input signature is part of the key), takes the model
+    lock and then either
+
+    * loads a saved trace (sources unchanged, every value and piece of code the trace
+      specialised on unchanged) and feeds the stored graph to the backend, so Dynamo never
+      runs and every Inductor piece comes from an artifact; or
+    * traces with Dynamo as usual, records the traced files and code, and saves the trace
+      afterwards (with checks built from the trace's guards) when the forward's inputs and
+      outputs can be expressed without Dynamo's bytecode and every guard can be re-checked in
+      another process.
+
+    The saved trace assumes what trace-once already assumes: forward has no Python side effects
+    outside the graph. It is loaded only for a call whose sizes meet the conditions its Python
+    branches put on them (saved with it), and whose placeholders' dtypes, ranks and static
+    sizes fit.
+    """
+
+    def __init__(self, model: Any, dynamic_arg_dims: Mapping[str, Any] | None = None, *,
+                 model_key: str | None = None) -> None:
+        self._model = model
+        self._dims = dict(dynamic_arg_dims or {})
+        self._user_key = model_key
+        self.trace: TraceOnce | None = None  # the trace-once callable, set by the model
+        self._backend: Callable[..., Any] | None = None
+        self._recorder: _OutputRecorder | None = None
+        self._graph_blob: bytes | None = None
+        self._sources: list[str] | None = None
+        self._frame_kind: str | None = None
+        self._not_saved: str | None = None  # why this trace cannot be saved, once known
+        self._run: Callable[..., Any] | None = None
+        self.cache: CompileCache | None = None
+        self.trace_loaded = False
+
+    # -- hooks for the compile path -------------------------------------------------------
+    def wrap_backend(self, backend: Callable[..., Any]) -> Callable[..., Any]:
+        """The Dynamo backend to trace with: records traced files and code for the key and
+        keeps what the saved trace needs, then calls ``backend``."""
+        self._backend = backend
+
+        def cached_backend(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+            if self.cache is not None:
+                codes = _traced_code()
+                self.cache.add_traced_files(traced_files_from_graph(gm))
+                self.cache.add_traced_code(code_digests(codes))
+                self._frame_kind = self._traced_frame_kind(codes)
+                self._keep_graph(gm)
+            fn = backend(gm, example_inputs)
+            if self.cache is not None and self._graph_blob is not None:
+                self._recorder = _OutputRecorder(fn)
+                return self._recorder
+            return fn
+
+        return cached_backend
+
+    def _traced_frame_kind(self, codes: Sequence[types.CodeType]) -> str | None:
+        """Which frame Dynamo traced (see :class:`_Frame`), from the first traced code."""
+        func = getattr(getattr(self._model.module, "forward", None), "__func__", None)
+        if not codes or func is None:
+            return None
+        if codes[0] is func.__code__:
+            return "forward"
+        if codes[0] is _wrapped_frame_code():
+            return "wrapped"
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._run is not None:
+            return self._run(*args, **kwargs)
+        return self._first_call(args, kwargs)
+
+    # -- first call -----------------------------------------------------------------------
+    def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        model, trace = self._model, self.trace
+        if trace is None:
+            raise CacheError("ModelCache.trace was not set; the compile path must assign the "
+                             "trace-once callable before the first call")
+        # the passes are resolved only for a cache that is on, as CompileCache.open did itself
+        passes = (pass_sources(config_passes(model.config)) if cache_enabled(model.config)
+                  else None)
+        self.cache = CompileCache.open(model.config, stats=model.stats, module=model.module,
+                                       args=args, kwargs=kwargs, dynamic_arg_dims=self._dims,
+                                       model_key=self._user_key, inductor_passes=passes)
+        if self.cache is None:
+            self._run = trace
+            return trace(*args, **kwargs)
+        manager = getattr(model, "manager", None)
+        if manager is not None:
+            manager.cache = PieceCache(self.cache)
+        with self.cache.lock(), self.cache.inductor_dir(model.config.backend == "inductor"):
+            loaded = self._try_saved_trace(args, kwargs)
+            if loaded is not None:
+                self._run = loaded
+                return loaded(*args, **kwargs)
+            out = trace(*args, **kwargs)
+            self._save_trace(out, args, kwargs)
+        self._run = trace
+        return out
+
+    def _keep_graph(self, gm: Any) -> None:
+        try:
+            from torch.fx._graph_pickler import GraphPickler, Options
+        except ImportError:  # pragma: no cover - torch without a graph pickler
+            self._not_saved = "this torch has no graph pickler"
+            return
+        sources = []
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            name = _source_name(node)
+            if name is None or not (name.startswith("L[") or name.startswith("G[")):
+                self._not_saved = f"graph input {node.name} has no plain source"
+                return
+            sources.append(name)
+        # Only the placeholders' fake values are stored (some intermediate fake tensors hold
+        # unpicklable state); the loader re-derives the others by fake propagation.
+        # A placeholder that is a view (say a reshaped block table) is stored as a plain tensor
+        # of the same sizes and strides: what the graph sees, without the view's base.
+        stripped: dict[tuple[Any, str], Any] = {}
+        for node in gm.graph.nodes:
+            for key in ("example_value", "val"):
+                if key not in node.meta:
+                    continue
+                if node.op != "placeholder":
+                    stripped[(node, key)] = node.meta.pop(key)
+                else:
+                    value = node.meta[key]
+                    plain = _unviewed(value)
+                    if plain is not value:
+                        stripped[(node, key)] = value
+                        node.meta[key] = plain
+        try:
+            # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold
+            # real tensors and weak references).
+            self._graph_blob = GraphPickler.dumps(
+                gm, Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__))
+        except Exception as exc:
+            self._not_saved = f"the traced graph cannot be serialised ({type(exc).__name__}: {exc})"
+            logger.debug("graph pickling failed", exc_info=True)
+            return
+        finally:
+            for (node, key), value in stripped.items():
+                node.meta[key] = value
+        self._sources = sources
+
+    def _not_saving(self, why: str) -> None:
+        logger.info("the trace of %s is not saved, so warm starts will trace with Dynamo: %s",
+                    type(self._model.module).__name__, why)
+        self._model.stats.inc("traces_not_saved")
+
+    def _save_trace(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        import torch
+        import torch.utils._pytree as pytree
+
+        cache, rec = self.cache, self._recorder
+        if cache is None:
+            return
+        if self._not_saved is not None:
+            self._not_saving(self._not_saved)
+            return
+        if rec is None or rec.outputs is None or self._sources is None:
+            self._not_saving("the compiled graph was not called by the first call")
+            return
+        if self._frame_kind is None:
+            self._not_saving("Dynamo traced a frame other than the forward")
+            return
+        entries = getattr(self.trace, "guard_entries", None)
+        if entries is None:
+            self._not_saving("the trace does not record its guards")
+            return
+        leaves, spec = pytree.tree_flatten(out)
+        described: list[tuple[str, Any]] = []
+        for leaf in leaves:
+            index = next((i for i, o in enumerate(rec.outputs) if o is leaf), None)
+            if index is not None:
+                described.append(("out", index))
+            elif not isinstance(leaf, torch.Tensor) and _primitive(leaf):
+                described.append(("const", leaf))
+            else:
+                self._not_saving("forward returns a value that is not a graph output")
+                return
+        try:
+            spec_text = pytree.treespec_dumps(spec)
+        except Exception as exc:
+            self._not_saving(f"forward's return structure cannot be saved ({exc})")
+            return
+        try:
+            frame = _Frame(self._model.module, self._frame_kind)
+            checks = value_checks(entries, frame)
+            # Each check must hold right now, as the trace saw it: this proves the sources
+            # evaluate the same way without Dynamo, and catches a forward that changed what it
+            # read.
+            why = failed_check(checks, frame, frame.locals_at_entry(args, kwargs))
+        except _CannotCheck as exc:
+            self._not_saving(f"the trace specialised on {exc}, which another process cannot "
+                             "re-check")
+            return
+        except Exception as exc:
+            self._not_saving(f"its checks cannot be built ({type(exc).__name__}: {exc})")
+            return
+        if why is not None:
+            self._not_saving(f"a value the trace specialised on cannot be re-checked: {why}")
+            return
+        sizes = _SavedSizes.of(self.trace, self._model, args, kwargs)
+        payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
+                                "out_spec": spec_text, "out_leaves": described,
+                                "frame": self._frame_kind, "sizes": sizes.to_data()})
+        try:
+            cache.save_trace(payload, {"inputs": len(self._sources)},
+                             [c.as_tuple() for c in checks])
+        except CacheError:
+            raise
+        except Exception as exc:
+            logger.warning("could not save the trace (%s: %s)", type(exc).__name__, exc)
+
+    def _try_saved_trace(self, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+        cache = self.cache
+        module = self._model.module
+        if cache is None or self._backend is None:
+            return None
+        if getattr(getattr(module, "forward", None), "__func__", None) is None:
+            return None
+        chosen: list[_Chosen] = []
+
+        def accept(saved: SavedTrace) -> str | None:
+            # rows of another layout raise TypeError: load_trace removes the file
+            checks = tuple(ValueCheck(*row) for row in saved.checks)
+            try:
+                data = pickle.loads(saved.payload)
+                frame = _Frame(module, data["frame"])
+            except Exception as exc:
+                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+            try:
+                locals_ = frame.locals_at_entry(args, kwargs)
+                seen: list[Any] = [module, module.forward, *module.modules(),
+                                   *locals_.values()]
+                why = failed_check(checks, frame, locals_, seen)
+                if why is None:
+                    why = _code_mismatch(saved.code, seen)
+            except Exception as exc:  # a call that does not bind, an odd object to walk
+                why = f"it cannot be checked against this call ({type(exc).__name__}: {exc})"
+            if why is not None:
+                return why
+            try:
+                sizes = _SavedSizes.from_data(data["sizes"])
+            except Exception as exc:
+                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+            why = sizes.refuses(self._model, args, kwargs)
+            if why is not None:
+                return why
+            try:
+                gm, example_inputs = _load_graph(data["graph"])
+                loaded = _LoadedTrace(frame, data["sources"], data["out_spec"],
+                                      data["out_leaves"])
+            except Exception as exc:
+                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+            try:
+                mismatch = _first_mismatch(loaded.bind(*args, **kwargs), example_inputs)
+            except Exception as exc:
+                mismatch = f"the graph inputs cannot be bound ({type(exc).__name__}: {exc})"
+            if mismatch is not None:
+                return f"the call does not fit the trace ({mismatch})"
+            chosen.append(_Chosen(gm, example_inputs, loaded, sizes))
+            return None
+
+        if cache.load_trace(accept) is None:
+            return None
+        pick = chosen[-1]
+        pick.loaded.fn = self._backend(pick.gm, pick.example_inputs)  # errors here are real
+        # the branches the saved trace took on sizes, for the per-call size checks
+        if self.trace is not None:
+            self.trace.adopt_size_conditions(pick.sizes.conditions, pick.sizes.symbols)
+        self.trace_loaded = True
+        self._model.stats.inc("traces_loaded")
+        logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
+        return pick.loaded
