@@ -4,8 +4,9 @@ A :class:`Compiler` turns one FX piece plus example inputs into a callable for o
 range (symbolic shapes) or one concrete size (static shapes). :class:`CompilerManager` is the
 single door every compilation goes through: it counts ``backend_compilations`` (also for a
 future cache hit, so counts do not depend on the cache state), times and logs each compile,
-marks Inductor-compiled callables as opaque for emulated graphs, and is where the on-disk
-cache hooks in (``cache=``: an object with ``load`` and ``save``, see :class:`ArtifactCache`).
+hands callables that launch their own kernels to the graph backend's ``prepare``, and is where
+the on-disk cache hooks in (``cache=``: an object with ``load`` and ``save``, see
+:class:`ArtifactCache`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from torch import fx
 
 from freezeframe.cache.key import hash_sources
 from freezeframe.errors import CompileError, ConfigError
-from freezeframe.graphs.emulated import opaque
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
 
@@ -69,9 +69,12 @@ def _compiling(compile_range: Range) -> Iterator[None]:
 
 
 class Compiler(Protocol):
-    """Compiles one piece for one range or size. ``name`` keys cache entries."""
+    """Compiles one piece for one range or size. ``name`` keys cache entries;
+    ``launches_kernels`` says whether the result runs generated kernels of its own (rather
+    than the piece's torch ops), which a graph backend may need to know."""
 
     name: str
+    launches_kernels: bool
 
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
                 compile_range: Range, piece_index: int) -> Callable[..., Any]: ...
@@ -102,6 +105,7 @@ class EagerCompiler:
     and CPU users can exercise split, ranges and graphs without waiting for Inductor."""
 
     name = "eager"
+    launches_kernels = False
 
     def __init__(self, stats: Stats) -> None:
         self._stats = stats
@@ -234,6 +238,7 @@ class InductorCompiler:
     """
 
     name = "inductor"
+    launches_kernels = True
 
     def __init__(self, stats: Stats, compile_config: Mapping[str, Any] | None = None,
                  passes: Mapping[str, str | Callable[..., Any]] | None = None) -> None:
@@ -293,9 +298,14 @@ class CompilerManager:
     """Compile-or-load for one compiled model; every piece x range/size goes through here."""
 
     def __init__(self, compiler: Compiler, stats: Stats, *, cache: ArtifactCache | None = None,
-                 model_key: str = "") -> None:
+                 model_key: str = "",
+                 prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+                 ) -> None:
         self.compiler = compiler
         self.cache = cache
+        # the graph backend's prepare (GraphBackend.prepare), for callables that launch their
+        # own kernels; None when graphs are off
+        self._prepare = prepare
         self.model_key = model_key
         self._stats = stats
         self.compile_seconds = 0.0
@@ -339,8 +349,8 @@ class CompilerManager:
             if self.cache is not None:
                 self.cache.save(self.compiler, graph, example_inputs, compile_range,
                                 piece_index, runnable)
-        if self.compiler.name == "inductor":
-            runnable = opaque(runnable)
+        if self._prepare is not None and self.compiler.launches_kernels:
+            runnable = self._prepare(runnable)
         elapsed = time.perf_counter() - start
         self.compile_seconds += elapsed
         logger.debug("%s piece %d for sizes %s in %.3f s%s", "loaded" if loaded else "compiled",

@@ -146,7 +146,9 @@ class CompiledModel(nn.Module):
             self._dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
             compiler = make_compiler(config.backend, self.stats, config.inductor_compile_config,
                                      config.inductor_passes)
-            self.manager = CompilerManager(compiler, self.stats, model_key=self.model_key)
+            prepare = self._graph_backend.prepare if self._graph_backend is not None else None
+            self.manager = CompilerManager(compiler, self.stats, model_key=self.model_key,
+                                           prepare=prepare)
             self._signer = Signer(module.forward, self._dims, grad_matters=not inference_mode)
             if not inference_mode and self._graph_backend is not None \
                     and self._graph_mode is not CUDAGraphMode.NONE:

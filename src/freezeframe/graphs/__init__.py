@@ -3,8 +3,9 @@
 The compile path obtains every graph wrapper through this package:
 ``resolve_backend(config)`` picks the backend (or ``None`` when graphs are off) and
 ``GraphWrapper(runnable, mode, backend, GraphOptions(...), stats=..., window=...)`` wraps a piece
-or the whole forward. ``freezeframe.graphs.emulated.opaque`` marks compiled kernels that an
-emulated capture must record as one unit.
+or the whole forward. ``backend.prepare(runnable)`` readies a compiled callable that launches
+its own kernels (the emulated backend records it as one unit). ``Capturable`` is what a runner
+needs of a model that holds graphs.
 """
 
 from __future__ import annotations

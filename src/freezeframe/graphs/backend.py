@@ -49,6 +49,10 @@ class GraphBackend(Protocol):
     ``capture_computes`` says whether ``capture`` also runs the work (``emulated``: yes; ``cuda``:
     no, kernels are only recorded). Where it does not, the caller replays the graph once right
     after capturing, so the capturing call's outputs and in-place writes are real, exactly once.
+
+    ``prepare(runnable)`` readies a compiled runnable that launches its own kernels (an Inductor
+    piece) for capture by this backend: ``cuda`` captures those kernels as they are and returns
+    it unchanged; ``emulated`` cannot see inside it and marks it to be recorded as one step.
     """
 
     name: str
@@ -58,6 +62,8 @@ class GraphBackend(Protocol):
                 ) -> tuple[CapturedGraph, Any]: ...
 
     def weak_ref(self, output: Any) -> Any: ...
+
+    def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]: ...
 
 
 def resolve_backend(config: CompilationConfig | str) -> GraphBackend | None:

@@ -370,5 +370,8 @@ class EmulatedBackend:
         # nothing, so the output is returned as it is.
         return output
 
+    def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]:
+        return opaque(runnable)
+
     def __repr__(self) -> str:
         return "EmulatedBackend()"
