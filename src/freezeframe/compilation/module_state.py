@@ -83,8 +83,9 @@ def _user_attrs(module: nn.Module) -> dict[str, Any]:
 _MISSING = object()
 
 
-def _global_hook_counts() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The handle ids of the global module hooks: one removed and another added differs."""
+def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The handle ids of the global module hooks. Ids are never reused, so one hook removed
+    and another added differs."""
     return (tuple(_torch_module._global_forward_hooks),
             tuple(_torch_module._global_forward_pre_hooks))
 
@@ -92,11 +93,6 @@ def _global_hook_counts() -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _hook_ids(module: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (tuple(module._forward_pre_hooks), tuple(module._forward_hooks))
 
-
-def _global_hooks() -> tuple[Same, ...]:
-    return tuple(Same(h) for hooks in (_torch_module._global_forward_hooks,
-                                        _torch_module._global_forward_pre_hooks)
-                 for h in hooks.values())
 
 
 class _SubmoduleState:
@@ -136,8 +132,7 @@ class ModuleState:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.training = module.training
-        self.global_counts = _global_hook_counts()
-        self._global_hooks = _global_hooks()
+        self._global_ids = _global_hook_ids()
         self._modules = tuple(module.named_modules(remove_duplicate=False))
         self._subs = tuple(_SubmoduleState(m) for _, m in self._modules)
         self.refresh()
@@ -161,7 +156,7 @@ class ModuleState:
         module = self.module
         attrs = module.__dict__
         return (module.training is not self.training
-                or _global_hook_counts() != self.global_counts
+                or _global_hook_ids() != self._global_ids
                 or len(attrs) != self._root_size
                 or _hook_ids(module) != self._root_hooks
                 # tuples compare items by identity first (nn.Module has no __eq__)
@@ -173,7 +168,7 @@ class ModuleState:
         """The full tier: what differs from the snapshot, in words, or None.
         ``tensor_stores``: an attribute that now holds a tensor is not a difference (the check
         after the first call: a forward that stores a tensor has the store replayed)."""
-        if _global_hooks() != self._global_hooks:
+        if _global_hook_ids() != self._global_ids:
             return ("the global module hooks (torch.nn.modules.module."
                     "register_module_forward_hook / _pre_hook) changed after the trace")
         modules = tuple(self.module.named_modules(remove_duplicate=False))

@@ -162,23 +162,25 @@ class Signer:
         """
         positional = self._positional
         pieces: list[Any] = []
-        storages: list[int] = []  # every tensor's, nested ones included, in call order
+        tensors: list[torch.Tensor] = []  # every tensor, nested ones included, in call order
 
         def nested(t: torch.Tensor) -> tuple[Any, ...]:
-            storages.append(t.untyped_storage().data_ptr())
+            tensors.append(t)
             return _nested_tensor_key(t)
 
         for i, value in enumerate(args):
             name = positional[i] if i < len(positional) else i
             if isinstance(value, torch.Tensor):
-                storages.append(value.untyped_storage().data_ptr())
+                tensors.append(value)
             pieces.append(self._leaf_key(name, value, nested))
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor):
-                storages.append(value.untyped_storage().data_ptr())
+                tensors.append(value)
             pieces.append((name, self._leaf_key(name, value, nested)))
-        if len(storages) > 1 and len(set(storages)) != len(storages):
-            pieces.append(("aliases", tuple(storages.index(s) for s in storages)))
+        if len(tensors) > 1:  # storages are read only where two tensors could share one
+            storages = [t.untyped_storage().data_ptr() for t in tensors]
+            if len(set(storages)) != len(storages):
+                pieces.append(("aliases", tuple(storages.index(s) for s in storages)))
         if self._grad_matters:
             pieces.append(torch.is_grad_enabled())
         return tuple(pieces)

@@ -42,7 +42,7 @@ _PLAIN = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.
           enum.Enum)
 _FAST_LIST = 32  # lists at least this long try the int-only / str-only copy first
 # Code objects a trace inlines: the same code with other closure values is other code.
-_CODE = (types.FunctionType, types.BuiltinFunctionType, types.LambdaType, type)
+_CODE = (types.FunctionType, types.BuiltinFunctionType, type)
 
 
 class Same:

@@ -369,10 +369,11 @@ class GraphRunner:
         except BaseException:
             # What the model wrote before it raised reaches the caller, as in eager.
             with contextlib.suppress(Exception):
-                self._copy_back_written(values, versions, writes, num_tokens, reqs)
+                self._copy_back(values, self._written(versions, writes), num_tokens, reqs)
             raise
-        out = self._detach_from_written(out, values, versions, writes)
-        written = self._copy_back_written(values, versions, writes, num_tokens, reqs)
+        slots = self._written(versions, writes)
+        out = self._detach_from_written(out, values, slots)
+        written = self._copy_back(values, slots, num_tokens, reqs)
         if aliased and written:
             self._refuse_written_alias(values, aliased, written)
         out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs,
@@ -571,35 +572,35 @@ class GraphRunner:
 
     def _written(self, versions: list[int], graph_writes: frozenset[str] | None
                  ) -> list[tuple[str, str, torch.Tensor]]:
+        """The input slots ``(name, kind, buffer)`` the step wrote into.
+
+        A write shows as a moved version counter: every in-place op that goes through the
+        dispatcher bumps it (eager code, an emulated replay, Inductor's compiled code). A CUDA
+        graph replay writes without the dispatcher, so for a replayed graph the inputs its
+        capture wrote into (``graph_writes``) count too."""
         return [(name, kind, buf) for (name, kind, buf), before
                 in zip(self._slots, versions, strict=True)
                 if buf._version != before or (graph_writes is not None and name in graph_writes)]
 
     def _detach_from_written(self, out: Any, values: Mapping[str, torch.Tensor],
-                             versions: list[int], graph_writes: frozenset[str] | None) -> Any:
+                             slots: list[tuple[str, str, torch.Tensor]]) -> Any:
         """An output leaf that shares memory with an input about to be written back (the
         previous step's output passed in again, to a model that writes its input) is cloned
         first: the copy-back would otherwise overwrite the answer."""
-        targets = [values[name] for name, _, _ in self._written(versions, graph_writes)]
+        targets = [values[name] for name, _, _ in slots]
         if not targets:
             return out
         return _map_tensors(out, lambda t: t.clone() if any(
             _share_elements(t, target) for target in targets) else t)
 
-    def _copy_back_written(self, values: Mapping[str, torch.Tensor], versions: list[int],
-                           graph_writes: frozenset[str] | None, num_tokens: int,
-                           reqs: int | None) -> list[str]:
-        """Write every input the model wrote into back into the caller's tensor, as running the
-        model eagerly on that tensor would have: the real rows of a token or request input
-        (never the padding), all of a static one.
-
-        A write shows as a moved version counter: every in-place op that goes through the
-        dispatcher bumps it (eager code, an emulated replay, Inductor's compiled code). A CUDA
-        graph replay writes without the dispatcher, so for a replayed graph the inputs its
-        capture wrote into (``graph_writes``) are copied back too. Returns the names copied.
-        """
+    def _copy_back(self, values: Mapping[str, torch.Tensor],
+                   slots: list[tuple[str, str, torch.Tensor]], num_tokens: int,
+                   reqs: int | None) -> list[str]:
+        """Write each written input slot (see :meth:`_written`) back into the caller's tensor,
+        as running the model eagerly on that tensor would have: the real rows of a token or
+        request input (never the padding), all of a static one. Returns the names copied."""
         copied: list[str] = []
-        for name, kind, buf in self._written(versions, graph_writes):
+        for name, kind, buf in slots:
             target = values[name]
             # An inference tensor (an earlier output passed back in) is written the way it
             # was made; any other tensor outside autograd, as eager's in-place op would be.
