@@ -385,8 +385,7 @@ class GraphRunner:
     def _aliased(self, values: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
         """Groups of inputs whose byte ranges overlap (the same tensor passed twice, views of
         one storage); :meth:`_refuse_written_alias` confirms that they share an element before
-        it refuses (``t[:, :2]`` and ``t[:, 2:]`` interleave but share none). About 0.3 us
-        per input."""
+        it refuses (``t[:, :2]`` and ``t[:, 2:]`` interleave but share none)."""
         spans = sorted((*span, name) for name in self.specs
                        if (span := _byte_span(values[name])) is not None)
         groups: list[list[str]] = []
