@@ -250,8 +250,8 @@ def test_full_graph_captured_across_micro_batches_then_replayed(model: CommModel
     static_x = _inputs(8, seed=1)  # the static input buffer the graph is captured on
 
     with stats.expect(graphs_captured=1, replays=0, micro_batched_steps=1):
-        _step(wrapper, static_x, plan, CUDAGraphMode.FULL)
-    assert list(wrapper.graphs) == [8]  # keyed by total padded tokens
+        captured = _step(wrapper, static_x, plan, CUDAGraphMode.FULL)
+    assert wrapper.captured_descriptors == [ff.BatchDescriptor(num_tokens=8)]
     calls = model.calls
 
     # new data written into the static buffer, then a replay: no threads, no Python
@@ -265,7 +265,55 @@ def test_full_graph_captured_across_micro_batches_then_replayed(model: CommModel
         assert threading.active_count() == threads_before
         assert model.calls == calls  # the model's Python did not run again
         assert torch.equal(out, expected)
-        assert out is wrapper.graphs[8].outputs  # replay writes into the captured output
+        assert out is captured  # replay writes into the captured output
+
+
+def test_split_graph_replay_copies_a_new_input_tensor_in(model: CommModel) -> None:
+    """The split graph goes through GraphWrapper, so a replay given a new tensor (not the
+    captured buffer) copies it in and answers for it, instead of replaying stale data."""
+    stats = ff.Stats()
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), stats=stats, timeout_s=30)
+    plan = _plan([4, 4], 8)
+    _step(wrapper, _inputs(8, seed=1), plan, CUDAGraphMode.FULL)
+    x = _inputs(8, seed=7)
+    with torch.inference_mode():
+        expected = CommModel()(x)
+    with stats.expect(replays=1, graphs_captured=0, replay_input_copies=1):
+        out = _step(wrapper, x, plan, CUDAGraphMode.FULL)
+    assert torch.equal(out, expected)
+
+
+def test_split_graph_records_launches_in_schedule_order(model: CommModel) -> None:
+    """On the emulated backend every thread records into the one capture, so the graph holds
+    micro-batch 0's first matmul, then 1's, then 0's communication... as the baton ran them."""
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), timeout_s=30)
+    _step(wrapper, _inputs(8), _plan([4, 4], 8), CUDAGraphMode.FULL)
+    assert wrapper._graphs is not None
+    graph = wrapper._graphs.graph_for(BatchDescriptor(num_tokens=8))
+    assert graph is not None
+    ops = [op.removeprefix("aten.") for op in graph.ops]  # type: ignore[attr-defined]
+    # per micro-batch: matmul, (mul, add), matmul, relu; 0 and 1 interleave at each yield
+    # point; the main thread's cat comes last
+    assert ops == ["matmul.default", "matmul.default", "mul.Tensor", "add.Tensor",
+                   "mul.Tensor", "add.Tensor", "matmul.default", "relu.default",
+                   "matmul.default", "relu.default", "cat.default"]
+
+
+def test_split_step_cut_elsewhere_runs_without_the_graph(model: CommModel) -> None:
+    stats = ff.Stats()
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), stats=stats, timeout_s=30)
+    static_x = _inputs(8, seed=1)
+    _step(wrapper, static_x, _plan([4, 4], 8), CUDAGraphMode.FULL)
+    static_x.copy_(_inputs(8, seed=3))
+    with torch.inference_mode():
+        expected = CommModel()(static_x)
+    with stats.expect(micro_batch_fallbacks=1, replays=0, graphs_captured=0,
+                      micro_batched_steps=1):
+        out = _step(wrapper, static_x, _plan([3, 5], 8), CUDAGraphMode.FULL)
+    assert torch.equal(out, expected)
+    with stats.expect(micro_batch_fallbacks=0, replays=1):
+        out = _step(wrapper, static_x, _plan([4, 4], 8), CUDAGraphMode.FULL)
+    assert torch.equal(out, expected)
 
 
 def test_unsplit_step_at_a_split_captured_size_falls_back_eagerly(model: CommModel) -> None:
@@ -312,7 +360,7 @@ def test_capture_outside_window_is_refused(model: CommModel) -> None:
     wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), window=Closed(), timeout_s=30)
     with pytest.raises(ff.CaptureError, match="capture window is closed"):
         _step(wrapper, _inputs(8), _plan([4, 4], 8), CUDAGraphMode.FULL)
-    assert wrapper.graphs == {}
+    assert wrapper.captured_descriptors == []
 
 
 # -- end to end: ff.compile + GraphRunner with micro_batching on ---------------------------------
@@ -365,7 +413,10 @@ def test_runner_captures_split_full_graph_and_replays_it() -> None:
     runner._ubatch.timeout_s = 60
     with model.stats.expect(graphs_captured=1):
         runner.capture()
-    assert runner._ubatch is not None and list(runner._ubatch.graphs) == [8]
+    assert runner._ubatch is not None
+    assert [d.num_tokens for d in runner._ubatch.captured_descriptors] == [8]
+    # split and unsplit graphs share the model's backend, so its one memory pool
+    assert runner._ubatch.backend is model.graph_backend
     # the first (tracing) call ran unsplit, outside any micro-batch thread
     assert model.stats.micro_batch_unsplit_first_calls == 1
 

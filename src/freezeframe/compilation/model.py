@@ -31,7 +31,13 @@ from freezeframe.errors import (
     FreezeframeError,
     InputMismatchError,
 )
-from freezeframe.graphs import CaptureWindow, GraphOptions, GraphWrapper, resolve_backend
+from freezeframe.graphs import (
+    CaptureWindow,
+    GraphBackend,
+    GraphOptions,
+    GraphWrapper,
+    resolve_backend,
+)
 from freezeframe.stats import Stats
 
 __all__ = ["CompiledModel", "compile"]
@@ -123,7 +129,7 @@ class CompiledModel(nn.Module):
         self._user_key = model_key
         self.capture_window = CaptureWindow()
         # None when graphs are off (cudagraph_mode NONE, or "auto" without CUDA).
-        self._graph_backend: Any = resolve_backend(config)
+        self._graph_backend: GraphBackend | None = resolve_backend(config)
         self._graph_mode = cast(CUDAGraphMode, config.cudagraph_mode)
 
         self.manager: CompilerManager | None = None
@@ -165,6 +171,7 @@ class CompiledModel(nn.Module):
             self._full_wrapper = self._make_full_wrapper(run)
 
     def _make_full_wrapper(self, run: Callable[..., Any]) -> GraphWrapper:
+        assert self._graph_backend is not None
         return GraphWrapper(run, CUDAGraphMode.FULL, self._graph_backend,
                             options=GraphOptions(), stats=self.stats,
                             window=self.capture_window, debug=self.config.debug)
@@ -492,6 +499,11 @@ class CompiledModel(nn.Module):
         """Why a call now runs the module eagerly without tracing or graphs (Dynamo disabled,
         the ``force_eager`` stance), or None when it compiles."""
         return self._dynamo_off()
+
+    @property
+    def graph_backend(self) -> GraphBackend | None:
+        """The graph backend this model captures with (``None`` when it captures nothing)."""
+        return self._graph_backend
 
     @property
     def traced(self) -> bool:

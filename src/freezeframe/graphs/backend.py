@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -53,6 +54,14 @@ class GraphBackend(Protocol):
     ``prepare(runnable)`` readies a compiled runnable that launches its own kernels (an Inductor
     piece) for capture by this backend: ``cuda`` captures those kernels as they are and returns
     it unchanged; ``emulated`` cannot see inside it and marks it to be recorded as one step.
+
+    ``share_capture()``, called on the capturing thread inside ``capture``, returns a factory of
+    context managers: another thread that runs its work inside one has that work recorded into
+    the capture in progress (micro-batch threads do, one at a time, in the order the schedule
+    gives them). ``cuda`` needs nothing (kernels launched onto the capturing stream from any
+    thread are captured) and returns ``contextlib.nullcontext``; ``emulated`` records through a
+    dispatch mode, which is per thread, so the factory makes a recorder that appends to the
+    capturing thread's one.
     """
 
     name: str
@@ -64,6 +73,8 @@ class GraphBackend(Protocol):
     def weak_ref(self, output: Any) -> Any: ...
 
     def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]: ...
+
+    def share_capture(self) -> Callable[[], AbstractContextManager[Any]]: ...
 
 
 def resolve_backend(config: CompilationConfig | str) -> GraphBackend | None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from freezeframe.config import CompilationConfig
+    from freezeframe.graphs.backend import GraphBackend
     from freezeframe.graphs.wrapper import CaptureWindow, GraphWrapper
     from freezeframe.stats import Stats
 
@@ -26,6 +27,14 @@ class Capturable(Protocol):
     config: CompilationConfig
     stats: Stats
     capture_window: CaptureWindow
+
+    @property
+    def graph_backend(self) -> GraphBackend | None:
+        """The backend the model's graphs are captured with (and whose pool they share)."""
+
+    @property
+    def traced(self) -> bool:
+        """Whether the first call (which traces, holding a lock across the whole call) is done."""
 
     @property
     def compile_off_reason(self) -> str | None:

@@ -11,6 +11,7 @@ backends never share memory behind each other's back.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Callable
@@ -177,6 +178,10 @@ class CudaBackend:
 
     def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]:
         return runnable  # its kernels are captured as launched
+
+    def share_capture(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        # a kernel launched onto the capturing stream is captured, whichever thread launches it
+        return contextlib.nullcontext
 
     def __repr__(self) -> str:
         return f"CudaBackend(pools={sorted(self._pools)})"

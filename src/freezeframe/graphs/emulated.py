@@ -41,6 +41,7 @@ captured outputs on replay; outside a capture it simply calls through.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -211,12 +212,22 @@ def _aliases_an_input(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -
 
 
 class _Recorder(TorchDispatchMode):
-    """Runs every ATen op for real and records it with the exact tensors it touched."""
+    """Runs every ATen op for real and records it with the exact tensors it touched.
 
-    def __init__(self) -> None:
+    A dispatch mode is active on one thread only. ``joining`` makes a recorder for another
+    thread that appends to ``joining``'s steps (and reports inference mode to it), so work
+    handed between threads one at a time is recorded in the order it ran."""
+
+    def __init__(self, joining: _Recorder | None = None) -> None:
         super().__init__()
-        self.steps: list[_Step] = []
-        self.saw_inference = False  # whether any op ran under inference_mode
+        self._root: _Recorder = joining._root if joining is not None else self
+        self.steps: list[_Step] = self._root.steps if joining is not None else []
+        self.saw_inference = False  # whether any op ran under inference_mode (root only)
+        self._recorded = 0  # steps this recorder appended (another thread appends to steps too)
+
+    def _append(self, step: _Step) -> None:
+        self.steps.append(step)
+        self._recorded += 1
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
                            args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
@@ -231,7 +242,7 @@ class _Recorder(TorchDispatchMode):
                 "region (compute it before the forward, or make the op a splitting op so it "
                 "runs between graphs)")
         if torch.is_inference_mode_enabled():
-            self.saw_inference = True
+            self._root.saw_inference = True
         if func.namespace not in ("aten", "prims", "prim"):
             return self._run_custom_op(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -251,7 +262,7 @@ class _Recorder(TorchDispatchMode):
             targets = _fresh_outputs(func, out)
         if not targets and not _mutates_an_argument(func):
             return  # a query with no effect on any tensor (e.g. a size or a flag)
-        self.steps.append(_OpStep(func, args, kwargs, targets))
+        self._append(_OpStep(func, args, kwargs, targets))
 
     def _run_custom_op(self, func: torch._ops.OpOverload, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
@@ -264,14 +275,14 @@ class _Recorder(TorchDispatchMode):
                                     tensors[1:], torch._C._dispatch_keys(tensors[0]))
         # Only the kernels below the Python key: the mode has already had its turn.
         keys = keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
-        before = len(self.steps)
+        before = self._recorded
         with self:
             out = func.redispatch(keys, *args, **kwargs)
-        if len(self.steps) == before:
+        if self._recorded == before:
             logger.debug("custom op %s showed no ATen work; recording it as one step", func)
             targets = _fresh_outputs(func, out)
             if targets or _mutates_an_argument(func):
-                self.steps.append(_OpStep(func, args, kwargs, targets))
+                self._append(_OpStep(func, args, kwargs, targets))
         return out
 
     def record_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -280,8 +291,8 @@ class _Recorder(TorchDispatchMode):
         with torch.utils._python_dispatch._disable_current_modes():
             out = fn(*_clone_containers(args), **_clone_containers(kwargs))
         targets = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
-        self.steps.append(_OpaqueStep(fn, _clone_containers(args), _clone_containers(kwargs),
-                                      targets))
+        self._append(_OpaqueStep(fn, _clone_containers(args), _clone_containers(kwargs),
+                                 targets))
         return out
 
 
@@ -372,6 +383,12 @@ class EmulatedBackend:
 
     def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]:
         return opaque(runnable)
+
+    def share_capture(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        recorder = _active_recorder()
+        if recorder is None:  # not inside a capture: nothing to join
+            return contextlib.nullcontext
+        return lambda: _Recorder(joining=recorder)
 
     def __repr__(self) -> str:
         return "EmulatedBackend()"

@@ -39,18 +39,19 @@ thread that never yields again (a deadlock in user code) becomes a :class:`Micro
 naming the micro-batch, never a hang. Once the threads are done, torch's process-wide compile
 stance is what it was before the step (see :func:`_compile_stance_kept`).
 
-Graphs. With ``runtime_mode`` FULL and a graph backend, the first split step of a padded size is
-captured: the threads run inside one capture and the graph is stored under the *total* token
-count; later steps of that size replay it without starting any thread. On the ``cuda`` backend
-the worker threads launch onto the capturing stream (and the comm stream, which joins the
-capture through the events above). The ``emulated`` backend records with a thread-local
-dispatch mode that worker threads cannot see, so there each micro-batch records its own
-emulated graph inside its thread and the stored graph replays them in micro-batch order followed
-by the main thread's concatenation (micro-batches touch disjoint tokens, so that order computes
-the same result as the interleaved one). A step that arrives unsplit at a size whose graph was
-captured split runs eagerly and counts ``micro_batch_fallbacks``: replaying the split graph
-would compute a different request layout, and capturing a second graph for the same key would
-replace the first.
+Graphs. In a FULL step with a graph backend, the first split step of a descriptor is captured
+whole by a FULL :class:`~freezeframe.graphs.GraphWrapper` (the same policy, input checks and
+counters as every other graph) into the backend's pool, which the runner makes the model's own
+pool; later steps of that descriptor replay it without starting any thread. The threads start
+before the capture begins and only run inside it. On the ``cuda`` backend they launch onto the
+capturing stream (and the comm stream, which joins the capture through the events above). The
+``emulated`` backend records through a dispatch mode, which is per thread, so each thread
+enters :meth:`~freezeframe.graphs.GraphBackend.share_capture`'s recorder and the one graph holds
+every launch in the order the schedule ran it. Two fallbacks, both counted in
+``micro_batch_fallbacks`` and logged: a step that arrives unsplit at a descriptor whose graph was
+captured split runs eagerly (replaying the split graph would compute another layout, and a
+second graph of the same size beside it would double its memory); a split step cut at other
+token positions than the capture's runs its micro-batches without the graph.
 
 SM partitioning. ``sm_partition`` is an optional callable ``(micro_batch_index) ->
 context manager``, entered when a micro-batch switches to communication and exited when it
@@ -69,16 +70,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
-from freezeframe.config import CUDAGraphMode
+from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import ForwardContext, entered, get_forward_context
-from freezeframe.errors import CaptureError, FreezeframeError
+from freezeframe.errors import FreezeframeError
+from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
+from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, MicroBatchSlice
 from freezeframe.stats import Stats
 
@@ -354,24 +357,6 @@ def _compile_stance_kept() -> Iterator[None]:
 # -- the wrapper --------------------------------------------------------------------------------
 
 
-class _SplitGraph:
-    """A split capture: the main graph plus (emulated backend only) one graph per micro-batch
-    thread, replayed in micro-batch order before the main graph's concatenation."""
-
-    __slots__ = ("main", "outputs", "plan", "threads")
-
-    def __init__(self, main: Any, threads: list[Any], outputs: Any, plan: MicroBatchPlan):
-        self.main = main
-        self.threads = threads
-        self.outputs = outputs
-        self.plan = plan
-
-    def replay(self) -> None:
-        for graph in self.threads:
-            graph.replay()
-        self.main.replay()
-
-
 def _slice_arg(value: Any, sl: MicroBatchSlice, num_tokens_padded: int,
                kind: str | None = None) -> Any:
     """Slice one model argument for micro-batch ``sl``.
@@ -409,28 +394,32 @@ def _concat(outputs: Sequence[Any]) -> Any:
 class MicroBatchWrapper:
     """Runs ``runnable`` as micro-batches when the forward context carries a plan.
 
-    Used by the runner in place of the FULL :class:`~freezeframe.graphs.GraphWrapper` when
-    ``config.micro_batching`` is on. The step's plan (:class:`MicroBatchPlan`, from
-    :func:`~freezeframe.runtime.ubatch.slicing.plan_micro_batches`) is read from the forward
-    context's ``micro_batches`` field; without one the step runs unsplit (through
-    ``unsplit`` — typically a FULL GraphWrapper — or ``runnable``).
+    Used by the runner above the model when ``config.micro_batching`` is on. The step's plan
+    (:class:`MicroBatchPlan`, from :func:`~freezeframe.runtime.ubatch.slicing.plan_micro_batches`)
+    is read from the forward context's ``micro_batches`` field; without one the step runs
+    unsplit (through ``unsplit`` — typically the model with its own FULL GraphWrapper — or
+    ``runnable``).
 
     Inputs: every tensor argument whose dim 0 equals the padded token count is sliced per
     micro-batch; other arguments are shared. Outputs are concatenated along dim 0 in micro-batch
     order. ``slice_extras(index, slice, parent_extras) -> dict`` may add per-micro-batch extras
     (attention metadata from :func:`~freezeframe.runtime.ubatch.slicing.slice_attention_metadata`,
     ...) to each thread's forward context.
+
+    With a graph ``backend``, a split step in FULL mode is captured by a FULL
+    :class:`~freezeframe.graphs.GraphWrapper` around the whole threaded step (keyed by the
+    step's descriptor, with that wrapper's input checks), into ``backend``'s memory pool: give
+    it the model's own backend and split and unsplit graphs share one pool.
     """
 
     def __init__(
         self,
         runnable: Callable[..., Any],
         *,
-        runtime_mode: CUDAGraphMode = CUDAGraphMode.FULL,
-        backend: Any = None,
+        backend: GraphBackend | None = None,
         unsplit: Callable[..., Any] | None = None,
         stats: Stats | None = None,
-        window: Any = None,
+        window: CaptureWindow | None = None,
         device: torch.device | int | None = None,
         timeout_s: float = 300.0,
         sm_partition: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
@@ -441,11 +430,9 @@ class MicroBatchWrapper:
         if timeout_s <= 0:
             raise ValueError(f"MicroBatchWrapper: timeout_s must be > 0, got {timeout_s}")
         self.runnable = runnable
-        self.runtime_mode = runtime_mode
         self.backend = backend
         self.unsplit = unsplit if unsplit is not None else runnable
         self.stats = stats if stats is not None else Stats()
-        self.window = window
         self.timeout_s = float(timeout_s)
         self.sm_partition = sm_partition
         self.slice_extras = slice_extras
@@ -453,11 +440,17 @@ class MicroBatchWrapper:
         self.input_kinds: Mapping[str | int, str] = dict(input_kinds or {})
         self._device = device
         self._comm_stream: Any = None  # created on first CUDA use
-        self.graphs: dict[int, _SplitGraph] = {}  # total padded tokens -> split capture
         self.last_trace: list[tuple[int, str]] = []
+        # The split graphs: the threaded step itself, captured whole in FULL mode.
+        self._graphs: GraphWrapper | None = None if backend is None else GraphWrapper(
+            self._split_step, CUDAGraphMode.FULL, backend, GraphOptions(log=True),
+            stats=self.stats, window=window if window is not None else CaptureWindow())
+        # descriptor -> the slices its split graph was captured with
+        self._layouts: dict[BatchDescriptor, tuple[MicroBatchSlice, ...]] = {}
+        self._pending: _Run | None = None  # threads started for the capture in progress
 
     @classmethod
-    def for_runner(cls, model: Callable[..., Any], config: Any, *,
+    def for_runner(cls, model: Callable[..., Any], config: CompilationConfig, *,
                    input_kinds: Mapping[str | int, str] | None = None,
                    stats: Stats | None = None) -> MicroBatchWrapper:
         """The wrapper a :class:`~freezeframe.runtime.GraphRunner` puts around ``model`` when
@@ -465,100 +458,101 @@ class MicroBatchWrapper:
 
         It sits *above* the model, so the model's own FULL wrapper handles unsplit steps, and
         inside a micro-batch (mode NONE) every wrapper of the model calls through. Split FULL
-        graphs are captured here with a backend resolved from the config (on CUDA its own pool,
-        separate from the model's) and the model's capture window.
+        graphs are captured with the model's own graph backend (so into the same memory pool
+        as its unsplit graphs) and its capture window; a model without graphs of its own gets
+        a backend resolved from the config.
         """
-        backend = None
-        if config.cudagraph_mode.has_full_cudagraphs():
-            from freezeframe.graphs import resolve_backend
-
-            backend = resolve_backend(config)
         held = model if isinstance(model, Capturable) else None
+        backend = None
+        if cast(CUDAGraphMode, config.cudagraph_mode).has_full_cudagraphs():  # resolved
+            backend = held.graph_backend if held is not None else resolve_backend(config)
         return cls(model, backend=backend, unsplit=model,
                    stats=held.stats if held is not None else stats,
                    window=held.capture_window if held is not None else None,
                    input_kinds=input_kinds)
 
+    @property
+    def captured_descriptors(self) -> list[BatchDescriptor]:
+        """The descriptors that have a split FULL graph, in capture order."""
+        return self._graphs.captured_descriptors if self._graphs is not None else []
+
     def clear(self) -> None:
         """Drop every split graph (the next split step of each size captures again)."""
-        self.graphs.clear()
+        if self._graphs is not None:
+            self._graphs.clear()
+        self._layouts.clear()
 
     # -- entry --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fctx = get_forward_context()
-        plan: MicroBatchPlan | None = fctx.micro_batches if fctx is not None else None
-        mode = fctx.mode if fctx is not None else CUDAGraphMode.NONE
-        if plan is None:
-            return self._run_unsplit(fctx, mode, args, kwargs)
-        if getattr(self.runnable, "traced", True) is False:
+        plan = fctx.micro_batches if fctx is not None else None
+        if fctx is None or plan is None:
+            return self._run_unsplit(fctx, args, kwargs)
+        if isinstance(self.runnable, Capturable) and not self.runnable.traced:
             # A compiled model traces on its first call and holds its trace lock across that
             # whole call; a micro-batch yielding inside it would stall its siblings on the
             # lock. So the first call runs unsplit (and eagerly: nothing is captured).
-            assert fctx is not None
             self.stats.inc("micro_batch_unsplit_first_calls")
             with entered(dataclasses.replace(fctx, mode=CUDAGraphMode.NONE,
                                              micro_batches=None)):
                 return self.runnable(*args, **kwargs)
         self.stats.inc("micro_batched_steps")
-        key = plan.num_tokens_padded
-        if mode is CUDAGraphMode.FULL and self.backend is not None:
-            graph = self.graphs.get(key)
-            if graph is not None:
-                graph.replay()
-                self.stats.inc("replays")
-                return graph.outputs
-            with _compile_stance_kept():
-                return self._capture(fctx, plan, args, kwargs)
+        desc = fctx.batch_descriptor
         with _compile_stance_kept():
-            return self._run_threads(fctx, plan, args, kwargs, per_thread_capture=False)[0]
+            if fctx.mode is CUDAGraphMode.FULL and self._graphs is not None and desc is not None:
+                return self._graphed(desc, fctx, plan, args, kwargs)
+            return self._launch(fctx, plan, args, kwargs).finish()
 
-    def _run_unsplit(self, fctx: ForwardContext | None, mode: CUDAGraphMode,
-                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_unsplit(self, fctx: ForwardContext | None, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
         desc = fctx.batch_descriptor if fctx is not None else None
-        if mode is CUDAGraphMode.FULL and desc is not None and desc.num_tokens in self.graphs:
+        if fctx is not None and fctx.mode is CUDAGraphMode.FULL and desc in self._layouts:
             # the graph for this size was captured split; an unsplit step must not replay it
-            # (different layout) nor capture over it, so it runs eagerly
+            # (different layout) nor have the model capture a second graph of the same size
+            # beside it, so it runs eagerly
             self.stats.inc("micro_batch_fallbacks")
-            logger.debug("unsplit step at %d tokens, whose FULL graph was captured split: "
-                         "running eagerly", desc.num_tokens)
-            assert fctx is not None
+            logger.debug("unsplit step at %s, whose FULL graph was captured split: running "
+                         "eagerly", desc)
             with entered(dataclasses.replace(fctx, mode=CUDAGraphMode.NONE)):
                 return self.runnable(*args, **kwargs)
         return self.unsplit(*args, **kwargs)
 
-    # -- capture ------------------------------------------------------------------------------
-    def _capture(self, fctx: ForwardContext | None, plan: MicroBatchPlan,
+    # -- graphs -------------------------------------------------------------------------------
+    def _graphed(self, desc: BatchDescriptor, fctx: ForwardContext, plan: MicroBatchPlan,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = plan.num_tokens_padded
-        if self.window is not None and not self.window.is_open:
-            raise CaptureError(
-                f"micro-batched FULL graph for {key} tokens ({plan.num_micro_batches} "
-                "micro-batches) would be captured while the capture window is closed; capture "
-                "every size in GraphRunner.capture() first, or open the window")
-        per_thread = getattr(self.backend, "name", None) != "cuda"
-        thread_graphs: list[Any] = []
-
-        # threads start (and initialise) before the capture begins; inside it they only run
-        run = self._launch(fctx, plan, args, kwargs, per_thread_capture=per_thread)
-
-        def run_all() -> Any:
-            out, graphs = run.finish()
-            thread_graphs.extend(graphs)
-            return out
-
+        """A split FULL step: replay its graph, or capture it."""
+        assert self._graphs is not None
+        layout = self._layouts.get(desc)
+        if layout is not None and layout != plan.padded_slices:
+            # captured with the tokens cut elsewhere: the graph would compute that layout
+            self.stats.inc("micro_batch_fallbacks")
+            logger.debug("split step at %s cut as %s, but its graph was captured cut as %s: "
+                         "running the micro-batches eagerly", desc, plan.padded_slices, layout)
+            return self._launch(fctx, plan, args, kwargs).finish()
+        if layout is not None:
+            return self._graphs(*args, **kwargs)
+        # Threads start, and create their CUDA events and handles, before the capture begins
+        # (creating them inside one is not allowed); inside it they only run.
+        self._pending = self._launch(fctx, plan, args, kwargs)
         try:
-            main_graph, output = self.backend.capture(run_all)
-        except BaseException:
-            run.abort()
-            raise
-        split = _SplitGraph(main_graph, thread_graphs, output, plan)
-        if not self.backend.capture_computes:
-            split.replay()  # recorded, not run: run once so this step's output is real
-        self.graphs[key] = split
-        self.stats.inc("graphs_captured")
-        logger.debug("captured micro-batched FULL graph for %d tokens (%d micro-batches)", key,
-                     plan.num_micro_batches)
-        return output
+            out = self._graphs(*args, **kwargs)
+        finally:
+            pending, self._pending = self._pending, None
+            if pending is not None:  # the capture was refused before it ran the step
+                pending.abort()
+        self._layouts[desc] = plan.padded_slices
+        return out
+
+    def _split_step(self, *args: Any, **kwargs: Any) -> Any:
+        """What the split graph captures: the threads started by :meth:`_graphed`, run to the
+        end with their work recorded into this capture."""
+        run, self._pending = self._pending, None
+        if run is None:
+            raise MicroBatchError("a split graph was entered without its micro-batch threads; "
+                                  "call the MicroBatchWrapper, not its graph wrapper")
+        assert self.backend is not None
+        run.join_capture = self.backend.share_capture()
+        return run.finish()
 
     # -- threads ------------------------------------------------------------------------------
     def _comm(self) -> Any:
@@ -589,114 +583,122 @@ class MicroBatchWrapper:
             extras=MappingProxyType(extras), micro_batches=None, micro_batch=sl,
             micro_batch_index=index, dp_metadata=plan.dp[index] if plan.dp is not None else None)
 
-    def _run_threads(self, fctx: ForwardContext | None, plan: MicroBatchPlan,
-                     args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                     per_thread_capture: bool) -> tuple[Any, list[Any]]:
-        run = self._launch(fctx, plan, args, kwargs, per_thread_capture=per_thread_capture)
-        return run.finish()
-
     def _launch(self, fctx: ForwardContext | None, plan: MicroBatchPlan,
-                args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                per_thread_capture: bool) -> _Run:
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Run:
         """Start one thread per micro-batch and wait until all are initialised (CUDA handles and
         events created, so none of that happens inside a capture); nobody runs the model until
         :meth:`_Run.finish` hands micro-batch 0 the baton."""
         use_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda
                        for t in pytree.tree_leaves((args, kwargs)))
-        run = _Run(self, plan, use_cuda)
-        comm = self._comm() if use_cuda else None
-        inference = torch.is_inference_mode_enabled()
-        grad = torch.is_grad_enabled()
-        device = torch.cuda.current_device() if use_cuda else None
-        backend = self.backend if per_thread_capture else None
-        sched, barrier, n = run.sched, run.barrier, plan.num_micro_batches
-
-        def body(index: int) -> None:
+        n = plan.num_micro_batches
+        work = []
+        for index in range(n):
             sl = plan.padded_slices[index]
-            ctx = MicroBatchContext(index=index, num_micro_batches=n, slice=sl,
-                                    _schedule=sched, comm_stream=comm,
-                                    sm_partition=self.sm_partition)
-            kinds = self.input_kinds
-            sub_args = tuple(_slice_arg(a, sl, plan.num_tokens_padded, kinds.get(i))
+            sub_args = tuple(_slice_arg(a, sl, plan.num_tokens_padded, self.input_kinds.get(i))
                              for i, a in enumerate(args))
-            sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded, kinds.get(k))
+            sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded, self.input_kinds.get(k))
                           for k, v in kwargs.items()}
-            thread_ctx = self._thread_context(fctx, plan, index)
-            try:
-                if use_cuda:
-                    torch.cuda.set_device(device)
-                    # create events and cuBLAS handles now: creating them during a capture
-                    # is not allowed
-                    ctx._compute_done, ctx._comm_done = torch.cuda.Event(), torch.cuda.Event()
-                    with torch.cuda.stream(comm):
-                        ctx._compute_done.record()
-                        ctx._comm_done.record()
-                        torch.cuda.current_blas_handle()
-                    torch.cuda.current_blas_handle()
-                barrier.wait()
-                sched.wait_turn(index, "start")
-                if use_cuda:
-                    torch.cuda.set_stream(sched.compute_stream)
-                sched.note(index, "start")
-                grad_mode = (torch.inference_mode() if inference
-                             else torch.set_grad_enabled(grad))
-                token = _CURRENT.set(ctx)
-                try:
-                    with grad_mode, entered(thread_ctx):
-                        if backend is not None:
-                            run.graphs[index], run.results[index] = backend.capture(
-                                lambda: self.runnable(*sub_args, **sub_kwargs), gc_disable=True)
-                        else:
-                            run.results[index] = self.runnable(*sub_args, **sub_kwargs)
-                    ctx._rejoin_compute()
-                finally:
-                    ctx._leave_sm_partition()
-                    _CURRENT.reset(token)
-                sched.note(index, "end")
-                sched.finish(index)
-            except (_Aborted, threading.BrokenBarrierError):
-                sched.finish(index)
-            except BaseException as exc:  # handed to the main thread, re-raised there
-                sched.fail(index, exc)
-                barrier.abort()
-
-        run.threads = [
-            threading.Thread(target=contextvars.copy_context().run, args=(body, i),
-                             name=f"freezeframe-ubatch-{i}", daemon=True)
-            for i in range(n)
-        ]
-        try:
-            for t in run.threads:
-                t.start()
-            barrier.wait()
-        except threading.BrokenBarrierError:
-            sched.abort()  # a thread failed (or stalled) before starting; reported by finish()
-        except BaseException:
-            run.abort()  # interrupted (a signal, KeyboardInterrupt): no thread may outlive us
-            raise
+            work.append(_Work(self._thread_context(fctx, plan, index), sub_args, sub_kwargs))
+        run = _Run(self, plan, work, self._comm() if use_cuda else None)
+        run.start()
         return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """What one micro-batch thread runs: its forward context and its slices of the arguments."""
+
+    context: ForwardContext
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 class _Run:
     """One micro-batched step in flight: its threads, schedule and per-thread results."""
 
-    def __init__(self, wrapper: MicroBatchWrapper, plan: MicroBatchPlan, use_cuda: bool) -> None:
+    def __init__(self, wrapper: MicroBatchWrapper, plan: MicroBatchPlan, work: list[_Work],
+                 comm: Any) -> None:
         n = plan.num_micro_batches
         self.wrapper = wrapper
         self.plan = plan
-        self.use_cuda = use_cuda
+        self.work = work
+        self.comm = comm  # the comm stream, on CUDA
+        self.device = torch.cuda.current_device() if comm is not None else None
+        self.inference = torch.is_inference_mode_enabled()
+        self.grad = torch.is_grad_enabled()
         self.sched = _Schedule(n, wrapper.timeout_s)
         self.barrier = threading.Barrier(n + 1, timeout=wrapper.timeout_s)
         self.results: list[Any] = [None] * n
-        self.graphs: list[Any] = [None] * n
         self.threads: list[threading.Thread] = []
+        # entered by each thread around its work (set by a capture the threads run inside)
+        self.join_capture: Callable[[], contextlib.AbstractContextManager[Any]] = \
+            contextlib.nullcontext
 
-    def finish(self) -> tuple[Any, list[Any]]:
+    def start(self) -> None:
+        """Start the threads and wait at the barrier until each has initialised."""
+        self.threads = [
+            threading.Thread(target=contextvars.copy_context().run, args=(self._body, i),
+                             name=f"freezeframe-ubatch-{i}", daemon=True)
+            for i in range(self.plan.num_micro_batches)
+        ]
+        try:
+            for t in self.threads:
+                t.start()
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            self.sched.abort()  # a thread failed (or stalled) before starting; finish() says
+        except BaseException:
+            self.abort()  # interrupted (a signal, KeyboardInterrupt): no thread may outlive us
+            raise
+
+    def _init_cuda(self, ctx: MicroBatchContext) -> None:
+        """Create this thread's events and cuBLAS handles now: creating them during a capture
+        is not allowed."""
+        torch.cuda.set_device(self.device)
+        ctx._compute_done, ctx._comm_done = torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(self.comm):
+            ctx._compute_done.record()
+            ctx._comm_done.record()
+            torch.cuda.current_blas_handle()
+        torch.cuda.current_blas_handle()
+
+    def _body(self, index: int) -> None:
+        sched, work = self.sched, self.work[index]
+        ctx = MicroBatchContext(index=index, num_micro_batches=self.plan.num_micro_batches,
+                                slice=self.plan.padded_slices[index], _schedule=sched,
+                                comm_stream=self.comm, sm_partition=self.wrapper.sm_partition)
+        try:
+            if self.comm is not None:
+                self._init_cuda(ctx)
+            self.barrier.wait()
+            sched.wait_turn(index, "start")
+            if self.comm is not None:
+                torch.cuda.set_stream(sched.compute_stream)
+            sched.note(index, "start")
+            grad_mode = (torch.inference_mode() if self.inference
+                         else torch.set_grad_enabled(self.grad))
+            token = _CURRENT.set(ctx)
+            try:
+                with grad_mode, entered(work.context), self.join_capture():
+                    self.results[index] = self.wrapper.runnable(*work.args, **work.kwargs)
+                ctx._rejoin_compute()
+            finally:
+                ctx._leave_sm_partition()
+                _CURRENT.reset(token)
+            sched.note(index, "end")
+            sched.finish(index)
+        except (_Aborted, threading.BrokenBarrierError):
+            sched.finish(index)
+        except BaseException as exc:  # handed to the main thread, re-raised there
+            sched.fail(index, exc)
+            self.barrier.abort()
+
+    def finish(self) -> Any:
         """Hand micro-batch 0 the baton on the caller's current stream, join every thread,
         re-raise the first failure, and concatenate the outputs (in the caller's thread, so in
         a capture the concatenation is part of the graph)."""
         sched, n, timeout_s = self.sched, self.plan.num_micro_batches, self.wrapper.timeout_s
-        sched.compute_stream = torch.cuda.current_stream() if self.use_cuda else None
+        sched.compute_stream = torch.cuda.current_stream() if self.comm is not None else None
         deadline = time.monotonic() + timeout_s * (n + 1)
         try:
             if not sched.aborted:
@@ -732,7 +734,7 @@ class _Run:
                 f"micro-batched step of {self.plan.num_tokens_padded} tokens was aborted before "
                 f"it started: not all {n} micro-batch threads reached the start barrier within "
                 f"{timeout_s:.1f}s")
-        return _concat(self.results), [g for g in self.graphs if g is not None]
+        return _concat(self.results)
 
     def abort(self) -> None:
         """Unwind the threads: the capture around them failed, or the caller was interrupted.
