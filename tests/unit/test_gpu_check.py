@@ -88,8 +88,8 @@ def test_a_failing_step_makes_the_exit_status_non_zero(tmp_path: Path, outcome: 
         assert "Result: **FAILED**: tests." in (out / "README.md").read_text()
         assert "gpu_check: FAILED: tests in " in proc.stdout
     log = (out / "tests_emulated.log").read_text().splitlines()
-    assert log[0] == (f"$ {sys.executable} -m pytest -q -p no:cacheprovider -m 'not inductor' "
-                      f"{suite}")
+    assert log[0] == (f"$ {sys.executable} -m pytest -q -p no:cacheprovider "
+                      f"-m 'not cuda and not inductor' {suite}")
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -136,10 +136,14 @@ def test_overlapping_kernel_pairs_counts_pairs_on_different_streams() -> None:
     assert overlapping_kernel_pairs(serial)["overlapping_pairs"] == 0
 
 
-def test_every_cuda_marked_test_lives_in_tests_cuda() -> None:
-    """gpu_check collects the cuda tier from tests/cuda only (so that a missing test extra such
+def test_every_cuda_marked_test_lives_where_gpu_check_collects_them() -> None:
+    """gpu_check collects the cuda tier from CUDA_TESTS only (so that a missing test extra such
     as hypothesis cannot stop it); a cuda-marked test elsewhere would never run there."""
+    from freezeframe.bench.gpu_check import CUDA_TESTS
+
+    homes = [REPO / path for path in CUDA_TESTS]
     elsewhere = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").rglob("*.py"))
-                 if "mark.cuda" in p.read_text() and p.parent.name != "cuda"
-                 and p.name != "test_gpu_check.py"]
+                 if "mark.cuda" in p.read_text() and p.name != "test_gpu_check.py"
+                 and not any(home in p.parents for home in homes)]
     assert elsewhere == []
+    assert CUDA_TESTS == ("tests/cuda", "tests/scenarios")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
 from torch import nn
@@ -14,7 +12,6 @@ from freezeframe.compilation.compilers import CompilerManager, EagerCompiler, cu
 from freezeframe.errors import CompileError
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
-from tests.helpers import silly
 from tests.helpers.toy_models import AttnSandwich, SillyModel
 
 
@@ -255,49 +252,5 @@ def test_copy_inputs_uses_static_buffers():
 
 
 # -- real Inductor ---------------------------------------------------------------------------
-@pytest.mark.inductor
-def test_inductor_simple_model_allclose_to_eager():
-    model = ff.compile(SillyModel(), config(backend="inductor", max_num_tokens=64))
-    silly.reset_counter()
-    for n in (16, 1, 5, 64):
-        x = torch.randn(n)
-        assert torch.allclose(model(x), SillyModel()(x))
-    assert silly.get_counter() == 4 * 2 * 2           # compiled and reference each run 2
-    assert model.stats.snapshot() == dict(graphs_traced=1, pieces=5, capturable_pieces=3,
-                                          backend_compilations=3, inductor_compiles=3)
 
 
-@pytest.mark.inductor
-def test_inductor_compile_ranges_with_a_pass():
-    from torch._inductor import config as inductor_config
-
-    seen = []
-
-    class Record:
-        """Records each compile's range and whether its inputs are symbolic. A fresh uuid
-        per test run: the pass is part of Inductor's cache key, so a new uuid makes Inductor
-        really compile (and run the pass) instead of reusing an earlier run's code."""
-
-        def __init__(self):
-            self._uuid = uuid.uuid4().hex
-
-        def uuid(self):
-            return self._uuid
-
-        def __call__(self, graph):
-            symbolic = any(isinstance(s, torch.SymInt) for n in graph.nodes
-                           if n.op == "placeholder"
-                           and isinstance(n.meta.get("val"), torch.Tensor)
-                           for s in n.meta["val"].shape)
-            seen.append((current_compile_range(), symbolic))
-
-    record = Record()
-    cfg = config(backend="inductor", splitting_ops=None, compile_ranges_endpoints=[8],
-                 compile_sizes=[16], max_num_tokens=64, inductor_passes={"record": record})
-    model = ff.compile(AttnSandwich(), cfg)
-    for n in (20, 1, 8, 9, 16, 64):
-        x = torch.randn(n, 4)
-        assert torch.allclose(model(x), AttnSandwich()(x))
-    assert sorted(seen) == [(Range(1, 8), True), (Range(9, 64), True), (Range(16, 16), False)]
-    assert model.stats.inductor_compiles == 3
-    assert inductor_config.post_grad_custom_post_pass is None   # scoped, not global

@@ -4,8 +4,9 @@ Steps, in order (each timed; each passed, failed or skipped with a reason):
 
 1. ``environment`` - Python, torch, triton, GPU name/memory/driver/CUDA, freezeframe; fails
    when something the project needs is missing (optional extras only degrade).
-2. ``tests`` - the ``cuda`` test tier (``pytest -m cuda tests/cuda``, CUDA only) and the
-   emulated scenario suite (``tests/emulated``), each a pytest subprocess.
+2. ``tests`` - the ``cuda`` test tier (``pytest -m cuda tests/cuda tests/scenarios``, CUDA
+   only) and the emulated tier (``tests/emulated tests/scenarios``, the scenarios on the
+   emulated backend), each a pytest subprocess.
 3. ``bench`` - ``freezeframe bench``: ``--preset 1b`` on CUDA, the tiny preset on CPU.
 4. ``capture`` - the capture report of the default ladder on the 1B preset (CUDA only): time
    and memory per graph and in total, replays checked against the uncompiled model.
@@ -60,6 +61,7 @@ TIMEOUTS: Mapping[str, tuple[float, float]] = {
     "capture": (150, 300), "cache": (180, 300), "ubatch": (90, 90),
 }
 CUDA_BUDGET_S = 480.0
+CUDA_TESTS = ("tests/cuda", "tests/scenarios")  # where every cuda-marked test lives
 MIN_STEP_S = 10.0  # a step is not started with less time than this left in the budget
 
 
@@ -70,7 +72,7 @@ class CheckOptions:
     out: Path | None = None
     quick: bool = False
     skip: frozenset[str] = frozenset()
-    emulated_tests: tuple[str, ...] = ("tests/emulated",)
+    emulated_tests: tuple[str, ...] = ("tests/emulated", "tests/scenarios")
     budget_s: float | None = None  # None: CUDA_BUDGET_S on CUDA, no budget on CPU; 0: none
     timeouts: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
@@ -227,12 +229,13 @@ def _step_tests(run: _Run, result: StepResult, timeout: float) -> None:
     tiers: list[tuple[str, list[str]]] = []
     pytest = [run.python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if run.cuda:
-        # every cuda-marked test lives in tests/cuda (a unit test checks this); collecting only
+        # every cuda-marked test lives in CUDA_TESTS (a unit test checks this); collecting only
         # there keeps the tier independent of test-only extras such as hypothesis
-        tiers.append(("cuda", [*pytest, "-m", "cuda", "tests/cuda"]))
+        tiers.append(("cuda", [*pytest, "-m", "cuda", *CUDA_TESTS]))
     else:
         result.details["cuda"] = {"status": "skipped", "reason": NEEDS_CUDA}
-    marks = ["-m", "not inductor"] if run.opts.quick else []
+    # the scenarios' cuda half ran in the cuda tier
+    marks = ["-m", "not cuda and not inductor" if run.opts.quick else "not cuda"]
     tiers.append(("emulated", [*pytest, *marks, *run.opts.emulated_tests]))
     end = time.perf_counter() + timeout
     lines = []
@@ -606,9 +609,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="reduced mode: fewer bench modes and sizes, no inductor-marked tests")
     p.add_argument("--skip", action="append", default=[], metavar="STEP",
                    help=f"skip a step (repeat or comma-separate): {', '.join(STEPS[1:])}")
-    p.add_argument("--emulated-tests", default="tests/emulated", metavar="PATHS",
-                   help="comma-separated pytest paths of the emulated suite "
-                        "(default tests/emulated)")
+    p.add_argument("--emulated-tests", default="tests/emulated,tests/scenarios",
+                   metavar="PATHS", help="comma-separated pytest paths of the emulated suite "
+                                         "(default tests/emulated,tests/scenarios)")
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"wall-time budget in seconds (default {CUDA_BUDGET_S:.0f} on CUDA, "
                         "none on CPU; 0: none)")

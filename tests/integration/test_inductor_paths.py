@@ -1,0 +1,158 @@
+"""freezeframe's own paths with the real Inductor compiler in place of the eager one: each
+test here has eager-compiler siblings in tests/unit or tests/emulated (whose helpers it
+borrows), and checks what only Inductor's generated code can show."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import freezeframe as ff
+from freezeframe.batch import BatchDescriptor
+from freezeframe.compilation.compilers import current_compile_range
+from freezeframe.config import CUDAGraphMode
+from freezeframe.context import forward_context
+from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
+from freezeframe.sizes import Range
+from tests.emulated.test_runner import InPlaceWriter, _writer_inputs
+from tests.emulated.test_runner import config as runner_config
+from tests.helpers import silly
+from tests.helpers.configs import silly_config
+from tests.helpers.toy_models import AttnSandwich, SillyModel
+from tests.unit.test_cache_faults import _run as run_cached_process
+from tests.unit.test_call_checks import RowNorm
+from tests.unit.test_call_checks import config as call_config
+from tests.unit.test_piecewise import config as piecewise_config
+
+pytestmark = pytest.mark.inductor
+
+
+def test_inductor_trace_made_at_batch_size_one_serves_only_size_one() -> None:
+    torch.manual_seed(0)
+    eager = RowNorm()
+    model = ff.compile(eager, call_config("dynamo_trace_once", backend="inductor"))
+    for n in (1, 3, 1, 5):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(model(x), eager(x))
+    # size 1 got its own trace; 3 and 5 share the second, symbolic one
+    assert (model.num_traces, model.stats.retraces) == (2, 1)
+
+
+def test_inductor_simple_model_allclose_to_eager() -> None:
+    model = ff.compile(SillyModel(), piecewise_config(backend="inductor", max_num_tokens=64))
+    silly.reset_counter()
+    for n in (16, 1, 5, 64):
+        x = torch.randn(n)
+        assert torch.allclose(model(x), SillyModel()(x))
+    assert silly.get_counter() == 4 * 2 * 2  # compiled and reference each run 2
+    assert model.stats.snapshot() == dict(graphs_traced=1, pieces=5, capturable_pieces=3,
+                                          backend_compilations=3, inductor_compiles=3)
+
+
+def test_inductor_compile_ranges_with_a_pass() -> None:
+    from torch._inductor import config as inductor_config
+
+    seen: list[tuple[Range | None, bool]] = []
+
+    class Record:
+        """Records each compile's range and whether its inputs are symbolic. A fresh uuid
+        per test run: the pass is part of Inductor's cache key, so a new uuid makes Inductor
+        really compile (and run the pass) instead of reusing an earlier run's code."""
+
+        def __init__(self) -> None:
+            self._uuid = uuid.uuid4().hex
+
+        def uuid(self) -> str:
+            return self._uuid
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            symbolic = any(isinstance(s, torch.SymInt) for n in graph.nodes
+                           if n.op == "placeholder"
+                           and isinstance(n.meta.get("val"), torch.Tensor)
+                           for s in n.meta["val"].shape)
+            seen.append((current_compile_range(), symbolic))
+
+    cfg = piecewise_config(backend="inductor", splitting_ops=None, compile_ranges_endpoints=[8],
+                           compile_sizes=[16], max_num_tokens=64,
+                           inductor_passes={"record": Record()})
+    model = ff.compile(AttnSandwich(), cfg)
+    for n in (20, 1, 8, 9, 16, 64):
+        x = torch.randn(n, 4)
+        assert torch.allclose(model(x), AttnSandwich()(x))
+    assert sorted(seen) == [(Range(1, 8), True), (Range(9, 64), True), (Range(16, 16), False)]
+    assert model.stats.inductor_compiles == 3
+    assert inductor_config.post_grad_custom_post_pass is None  # scoped, not global
+
+
+def test_inductor_in_a_root_with_spaces_and_a_damaged_kernel_cache(tmp_path: Path) -> None:
+    """Inductor builds C++ kernels with a command line that does not quote paths, so its
+    cache for such a root lives elsewhere; and a damaged file in Inductor's cache (a truncated
+    generated module) empties that cache once instead of failing every later start."""
+    from freezeframe.cache.store import inductor_cache_path
+
+    root = tmp_path / "with space é"
+    cold = run_cached_process(root, "inductor")
+    assert cold["diff"] < 1e-5
+    # one artifact per Inductor-compiled piece, and the saved trace
+    assert cold["stats"]["artifacts_saved"] == cold["stats"]["backend_compilations"] + 1 == 3
+    kernels = inductor_cache_path(root)
+    assert " " not in str(kernels) and kernels.is_dir()
+    generated = list(kernels.rglob("*.py"))
+    assert generated
+    for path in generated:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    warm = run_cached_process(root, "inductor")
+    assert warm["diff"] < 1e-5, warm["log"]
+    assert warm["stats"]["inductor_cache_resets"] == 1
+    again = run_cached_process(root, "inductor")
+    assert again["diff"] < 1e-5 and again["stats"].get("cache_hits") == again["stats"].get(
+        "backend_compilations")
+
+
+def test_inputs_written_by_inductor_compiled_pieces_reach_the_caller() -> None:
+    """Inductor's compiled code writes into its inputs and bumps their version counters, in
+    eager steps and in emulated replays (which call the compiled piece again) alike."""
+    cfg = runner_config("piecewise", backend="inductor", use_cache=False)
+    model = ff.compile(InPlaceWriter(), cfg)
+    runner = GraphRunner(model, cfg, progress=False, inputs={
+        "x": Tokens(2), "slots": Tokens(dtype=torch.long, fill=-1),
+        "seen": Requests(dtype=torch.int32), "cache": Static(6, 2)})
+    runner.capture()
+    eager = InPlaceWriter()
+    for step_no, (n, reqs) in enumerate([(3, 2), (11, 3)]):  # a replay, an eager step
+        mine = _writer_inputs(n, reqs, seed=step_no)
+        theirs = tuple(t.clone() for t in mine)
+        assert torch.equal(runner(*mine), eager(*theirs)), n
+        for name, a, b in zip(("x", "slots", "seen", "cache"), mine, theirs, strict=True):
+            assert torch.equal(a, b), (n, name)
+    assert runner.stats.steps_piecewise == 1 and runner.stats.steps_eager == 1
+    assert model.stats.inductor_compiles == 3
+    assert runner.stats.inputs_copied_back == 2 * 3
+
+
+@pytest.mark.parametrize("cudagraph_mode", ["piecewise", "full"])
+def test_inductor_pieces_replay_as_opaque_units(cudagraph_mode: str) -> None:
+    """Inductor's fused CPU kernels are invisible to a dispatch mode; the compile path marks
+    them opaque, so an emulated capture records each as one step and replay calls it again."""
+    model = ff.compile(SillyModel(), silly_config("emulated", cudagraph_mode,
+                                                  backend="inductor"))
+    mode = CUDAGraphMode.parse(cudagraph_mode)
+    buf = torch.zeros(8)
+    with forward_context(None, mode=CUDAGraphMode.NONE):
+        model(buf)
+    buf[:2].copy_(torch.randn(2))
+    with forward_context(2, mode=mode):
+        model(buf[:2])
+    silly.reset_counter()
+    buf[:2].zero_()
+    with forward_context(2, mode=mode):
+        out = model(buf[:2])
+    assert torch.equal(out, torch.tensor([19.0, 19.0]))
+    assert silly.get_counter() == (2 if mode is CUDAGraphMode.PIECEWISE else 0)
+    graphs = [w.graph_for(BatchDescriptor(2)) for w in model.graph_wrappers()]
+    ops = [op for g in graphs if g is not None for op in g.ops]  # type: ignore[attr-defined]
+    assert sum(op.startswith("opaque:") for op in ops) == 3  # one per capturable piece
