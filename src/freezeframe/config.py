@@ -210,7 +210,10 @@ class CompilationConfig:
     # -- compilation ---------------------------------------------------------------------
     mode: CompilationMode | int | str = CompilationMode.PIECEWISE
     backend: str = "inductor"
-    """The compiler for each piece: "eager" (no code generation) or "inductor"."""
+    """The compiler for each piece: "eager" (no code generation) or "inductor". The field keeps
+    vLLM's name so a vLLM compilation JSON reads unchanged; freezeframe's own code and docs call
+    it the *compiler* (a "graph backend" is ``graph_backend``; Dynamo's backend is only the
+    function ``ff.compile`` hands to ``torch.compile``)."""
     splitting_ops: Sequence[str] | None = None
     """Ops the graph is split at. ``None``: no split (one piece). ``[]`` explicitly asks for
     no split and turns PIECEWISE graphs off (see the splitting-op rules)."""
