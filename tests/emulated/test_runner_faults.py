@@ -170,14 +170,14 @@ def test_a_failed_micro_batched_capture_leaves_no_trace(phase: str) -> None:
     assert FAULTS.fired == [phase]
     _assert_clean(frozen_before)
     assert runner.report is None and runner._ubatch is not None
-    assert runner._ubatch.graphs == {}
+    assert runner._ubatch.captured_descriptors == []
     assert not model.capture_window.is_open
 
     # the priming warm-up runs split once the model has traced (the failed attempt's did)
     split_warmups = 0 if phase == "trace" else 1
     with model.stats.expect(graphs_captured=1, micro_batched_steps=1 + split_warmups):
         assert runner.capture().num_graphs == 1
-    assert list(runner._ubatch.graphs) == [8]
+    assert [d.num_tokens for d in runner._ubatch.captured_descriptors] == [8]
     _check_ubatch_steps(runner, model, seed=500)
     fresh = _ubatch_runner(ff.compile(FaultyModel(), cfg), cfg)
     fresh.capture()

@@ -217,16 +217,7 @@ class GraphRunner:
 
         specs = _input_specs(inputs)
         self.specs: Mapping[str, InputSpec] = specs
-        # One buffer per input, allocated once; every step writes into these same tensors.
-        # Always normal tensors (not inference tensors, even when the runner is built under
-        # inference_mode): the runner writes into them outside inference mode, and their
-        # version counters tell which inputs the model wrote into.
-        with torch.inference_mode(False):
-            self._buffers: dict[str, torch.Tensor] = {
-                name: torch.full(spec.buffer_shape(config.max_num_tokens, config.max_num_seqs),
-                                 spec.fill, dtype=spec.dtype, device=self.device)
-                for name, spec in specs.items()
-            }
+        self._buffers = _allocate_buffers(specs, config, self.device)
         self._buffer_list = list(self._buffers.values())  # in the order of self.specs
         self._slots = [(name, spec.kind, self._buffers[name]) for name, spec in specs.items()]
         # (runtime mode, descriptor) -> the inputs its graph writes into, seen at capture: a
@@ -438,44 +429,21 @@ class GraphRunner:
 
     def _validate(self, values: Mapping[str, Any], num_reqs: int | None,
                   uniform_decode: bool) -> tuple[int, int | None]:
+        """Check every input against its spec; the step's token and request counts."""
         tokens: tuple[str, int] | None = None
         reqs: tuple[str, int] | None = None
         for name, spec in self.specs.items():
-            t = values[name]
-            if not isinstance(t, torch.Tensor):
-                raise InputMismatchError(
-                    f"input {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != spec.dtype:
-                raise InputMismatchError(
-                    f"input {name!r}: expected dtype {spec.dtype}, got {t.dtype}; convert it "
-                    f"(tensor.to({spec.dtype})) or declare the input with dtype={t.dtype}")
-            if t.device != self.device:
-                raise InputMismatchError(
-                    f"input {name!r}: expected device {self.device}, got {t.device}; move it "
-                    f"first (tensor.to({str(self.device)!r}))")
-            if spec.kind == "static":
-                if tuple(t.shape) != spec.shape:
-                    raise InputMismatchError(
-                        f"input {name!r}: static input expected shape {list(spec.shape)}, got "
-                        f"{list(t.shape)}")
+            n = self._check_input(name, spec, values[name])
+            if n is None:
                 continue
-            if t.dim() != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape:
+            seen, what = (tokens, "tokens") if spec.kind == "tokens" else (reqs, "requests")
+            if seen is not None and seen[1] != n:
                 raise InputMismatchError(
-                    f"input {name!r}: expected shape [{spec.kind}, "
-                    f"{', '.join(map(str, spec.shape))}]".replace(", ]", "]")
-                    + f", got {list(t.shape)}; the trailing shape must be {list(spec.shape)}")
-            n = int(t.shape[0])
+                    f"inputs {seen[0]!r} and {name!r} disagree on the number of {what}: "
+                    f"{seen[1]} vs {n}")
             if spec.kind == "tokens":
-                if tokens is not None and tokens[1] != n:
-                    raise InputMismatchError(
-                        f"inputs {tokens[0]!r} and {name!r} disagree on the number of tokens: "
-                        f"{tokens[1]} vs {n}")
                 tokens = tokens or (name, n)
             else:
-                if reqs is not None and reqs[1] != n:
-                    raise InputMismatchError(
-                        f"inputs {reqs[0]!r} and {name!r} disagree on the number of requests: "
-                        f"{reqs[1]} vs {n}")
                 reqs = reqs or (name, n)
         assert tokens is not None  # construction requires a Tokens input
         num_tokens = tokens[1]
@@ -489,20 +457,49 @@ class GraphRunner:
                 f"num_reqs={num_reqs} disagrees with input {reqs[0]!r}, which has {reqs[1]} rows")
         count = reqs[1] if reqs is not None else num_reqs
         if count is not None:
-            if not 0 <= count <= self.config.max_num_seqs:
-                raise ShapeOutOfRangeError(
-                    f"step has {count} requests; at most max_num_seqs="
-                    f"{self.config.max_num_seqs} fit the request buffers")
-            if count > num_tokens:
-                raise InputMismatchError(
-                    f"step has {count} requests but only {num_tokens} tokens; every request "
-                    "needs at least one token")
-            q = self.dispatcher.uniform_decode_query_len
-            if uniform_decode and count * q != num_tokens:
-                raise InputMismatchError(
-                    f"uniform_decode=True needs num_tokens == num_reqs * {q}, got {num_tokens} "
-                    f"tokens for {count} requests")
+            self._check_requests(count, num_tokens, uniform_decode)
         return num_tokens, count
+
+    def _check_input(self, name: str, spec: InputSpec, t: Any) -> int | None:
+        """Refuse a value that does not fit its spec; its row count (None for a static one)."""
+        if not isinstance(t, torch.Tensor):
+            raise InputMismatchError(
+                f"input {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != spec.dtype:
+            raise InputMismatchError(
+                f"input {name!r}: expected dtype {spec.dtype}, got {t.dtype}; convert it "
+                f"(tensor.to({spec.dtype})) or declare the input with dtype={t.dtype}")
+        if t.device != self.device:
+            raise InputMismatchError(
+                f"input {name!r}: expected device {self.device}, got {t.device}; move it "
+                f"first (tensor.to({str(self.device)!r}))")
+        if spec.kind == "static":
+            if tuple(t.shape) != spec.shape:
+                raise InputMismatchError(
+                    f"input {name!r}: static input expected shape {list(spec.shape)}, got "
+                    f"{list(t.shape)}")
+            return None
+        if t.dim() != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape:
+            raise InputMismatchError(
+                f"input {name!r}: expected shape [{spec.kind}, "
+                f"{', '.join(map(str, spec.shape))}]".replace(", ]", "]")
+                + f", got {list(t.shape)}; the trailing shape must be {list(spec.shape)}")
+        return int(t.shape[0])
+
+    def _check_requests(self, count: int, num_tokens: int, uniform_decode: bool) -> None:
+        if not 0 <= count <= self.config.max_num_seqs:
+            raise ShapeOutOfRangeError(
+                f"step has {count} requests; at most max_num_seqs="
+                f"{self.config.max_num_seqs} fit the request buffers")
+        if count > num_tokens:
+            raise InputMismatchError(
+                f"step has {count} requests but only {num_tokens} tokens; every request "
+                "needs at least one token")
+        q = self.dispatcher.uniform_decode_query_len
+        if uniform_decode and count * q != num_tokens:
+            raise InputMismatchError(
+                f"uniform_decode=True needs num_tokens == num_reqs * {q}, got {num_tokens} "
+                f"tokens for {count} requests")
 
     # -- dispatch and fallback accounting ------------------------------------------------
     def _dispatch(self, num_tokens: int, uniform: bool, has_lora: bool, num_active_loras: int,
@@ -734,13 +731,7 @@ class GraphRunner:
             logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
             self.report = CaptureReport(device=device_name)
             return self.report
-        off = self._held.compile_off_reason if self._held is not None else None
-        if off is not None:
-            raise CaptureError(
-                f"GraphRunner.capture: {off}, so the model runs eagerly and would capture no "
-                "graph. Call capture() where compiling is on (outside torch.compiler."
-                "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
-                "run eagerly meanwhile")
+        self._refuse_if_compiling_is_off()
         self._drop_foreign_graphs()
         window = self._held.capture_window if self._held is not None else None
         total = sum(len(descs) for _, descs in groups)
@@ -789,6 +780,15 @@ class GraphRunner:
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
         return report
+
+    def _refuse_if_compiling_is_off(self) -> None:
+        off = self._held.compile_off_reason if self._held is not None else None
+        if off is not None:
+            raise CaptureError(
+                f"GraphRunner.capture: {off}, so the model runs eagerly and would capture no "
+                "graph. Call capture() where compiling is on (outside torch.compiler."
+                "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
+                "run eagerly meanwhile")
 
     def _forget_failed_capture(self, primed: set[int], stream: Any) -> None:
         """Undo a capture attempt that raised, so that a retry starts as the first attempt
@@ -882,6 +882,19 @@ class GraphRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def _allocate_buffers(specs: Mapping[str, InputSpec], config: CompilationConfig,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """One buffer per input, allocated once; every step writes into these same tensors.
+
+    Always normal tensors (not inference tensors, even when the runner is built under
+    inference_mode): the runner writes into them outside inference mode, and their version
+    counters tell which inputs the model wrote into."""
+    with torch.inference_mode(False):
+        return {name: torch.full(spec.buffer_shape(config.max_num_tokens, config.max_num_seqs),
+                                 spec.fill, dtype=spec.dtype, device=device)
+                for name, spec in specs.items()}
+
+
 def _runner_config(config: CompilationConfig | None, held: Capturable | None,
                    strict: bool) -> CompilationConfig:
     """The runner's config: the one given, else the model's; it must agree with the model's
