@@ -429,7 +429,7 @@ class CompileCache:
         """
         if not cache_enabled(config):
             return None
-        from freezeframe import __version__
+        from freezeframe._version import __version__
 
         factors: dict[str, Any] = {
             "cache_format": CACHE_FORMAT,
