@@ -438,6 +438,40 @@ def test_runner_captures_split_full_graph_and_replays_it() -> None:
     assert torch.equal(out, expected)
 
 
+def test_runner_cuts_between_the_requests_it_is_given() -> None:
+    """``num_scheduled_tokens`` tells the runner where requests end; a step laid out other
+    than the captured one (captured without request counts: one request) runs its
+    micro-batches without the split graph, counted, and still gives eager's answer."""
+    from freezeframe.runtime import GraphRunner, Tokens
+
+    cfg = _e2e_config()
+    eager = CompiledCommModel()
+    model = ff.compile(CompiledCommModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
+    assert runner._ubatch is not None
+    runner._ubatch.timeout_s = 60
+    runner.capture()
+    seen: list[tuple[int, int, int, int]] = []
+    body = model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        assert ctx is not None and ctx.micro_batch is not None
+        sl = ctx.micro_batch
+        seen.append((sl.token_start, sl.token_stop, sl.req_start, sl.req_stop))
+        return body(x)
+
+    model.forward = spy  # type: ignore[method-assign]
+    x = _inputs(8, seed=31)
+    with torch.inference_mode():
+        expected = eager(x)
+    with model.stats.expect(micro_batch_fallbacks=1, replays=0, micro_batched_steps=1):
+        out = runner(x, num_scheduled_tokens=[3, 5], num_reqs=2)
+    assert torch.equal(out, expected)
+    # request 1 (tokens 3..7) straddles the cut at 4: both micro-batches hold it
+    assert sorted(seen) == [(0, 4, 0, 2), (4, 8, 1, 8)]
+
+
 class WritingCommModel(CompiledCommModel):
     """Writes into its input before the communicating layer: ``x += 1``."""
 

@@ -267,6 +267,7 @@ class GraphRunner:
         num_reqs: int | None = None,
         invalid_modes: Collection[CUDAGraphMode] = frozenset(),
         extras: Mapping[str, Any] | None = None,
+        num_scheduled_tokens: Sequence[int] | None = None,
         **kwargs: torch.Tensor,
     ) -> Any:
         """Run one step. Inputs are given positionally (in the order of ``inputs``) or by name.
@@ -274,8 +275,11 @@ class GraphRunner:
         ``uniform_decode``: every request has exactly ``1 + num_speculative_tokens`` tokens.
         ``num_reqs``: the request count when no ``Requests`` input carries it.
         ``extras``: extra values for the forward context (read by ops as
-        ``ff.get_forward_context().extras[...]``); the runner sets the context's own
-        ``num_tokens_unpadded`` and ``num_reqs_unpadded`` fields.
+        ``ff.get_forward_context().extras[...]``); they are the caller's alone: the runner sets
+        the context's own ``num_tokens_unpadded`` and ``num_reqs_unpadded`` fields.
+        ``num_scheduled_tokens``: the tokens of each request, in order, when micro-batching is
+        on (where a step is cut between requests); without it a step that is not a uniform
+        decode is cut as one request.
 
         Steps (and :meth:`capture`) hold the runner's lock, so concurrent calls run one after
         the other; see the class docstring for what that means for the returned tensors.
@@ -287,7 +291,7 @@ class GraphRunner:
         self._lock_owner = _get_ident()
         try:
             return self._step(args, kwargs, uniform_decode, has_lora, num_active_loras,
-                              num_reqs, invalid_modes, extras)
+                              num_reqs, invalid_modes, extras, num_scheduled_tokens)
         finally:
             self._lock_owner = None
             self._lock.release()
@@ -319,7 +323,8 @@ class GraphRunner:
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any], uniform_decode: bool,
               has_lora: bool, num_active_loras: int, num_reqs: int | None,
               invalid_modes: Collection[CUDAGraphMode],
-              extras: Mapping[str, Any] | None) -> Any:
+              extras: Mapping[str, Any] | None,
+              num_scheduled_tokens: Sequence[int] | None) -> Any:
         values = self._bind(args, kwargs)
         num_tokens, reqs = self._validate(values, num_reqs, uniform_decode)
         aliased = self._aliased(values) if len(self._slots) > 1 else ()
@@ -348,7 +353,7 @@ class GraphRunner:
         self.stats.inc(f"steps_{mode.name.lower() if mode is not _NONE else 'eager'}")
         self.stats.inc("padded_tokens", padded_tokens - num_tokens)
         step_extras = dict(extras or {})
-        plan = self._plan_micro_batches(step_extras, num_tokens, reqs, padded_tokens,
+        plan = self._plan_micro_batches(num_scheduled_tokens, num_tokens, reqs, padded_tokens,
                                         padded_reqs, step_uniform)
         versions = [buf._version for buf in self._buffer_list]
         writes = self._graph_writes.get((mode, desc))
@@ -636,17 +641,16 @@ class GraphRunner:
                 return model(*views.values())
             return model(**views)
 
-    def _plan_micro_batches(self, extras: Mapping[str, Any], num_tokens: int,
+    def _plan_micro_batches(self, num_scheduled_tokens: Sequence[int] | None, num_tokens: int,
                             reqs: int | None, padded_tokens: int, padded_reqs: int | None,
                             uniform: bool) -> MicroBatchPlan | None:
-        """This step's micro-batch plan, or None: run unsplit. Per-request token counts may be
-        given as ``extras["num_scheduled_tokens"]``."""
+        """This step's micro-batch plan, or None: run unsplit."""
         if self._ubatch is None:
             return None
         return plan_for_step(
             self.config, num_tokens, reqs, padded_tokens, padded_reqs, uniform_decode=uniform,
             query_len=self.dispatcher.uniform_decode_query_len,
-            num_scheduled_tokens=extras.get("num_scheduled_tokens"),
+            num_scheduled_tokens=num_scheduled_tokens,
             dp_group=self.dp_group, sync=self.dp_sync)
 
     # -- outputs -------------------------------------------------------------------------
@@ -851,7 +855,7 @@ class GraphRunner:
                     rows = tokens if spec.kind == "tokens" else reqs
                     self._buffers[name][:rows].fill_(spec.fill)
         # FULL graphs of split sizes are captured split (warm-ups split too)
-        plan = self._plan_micro_batches({}, tokens, reqs, tokens, reqs, desc.uniform) \
+        plan = self._plan_micro_batches(None, tokens, reqs, tokens, reqs, desc.uniform) \
             if mode is _FULL else None
         on_cuda = self.device.type == "cuda"
         free_before = _free_memory(self.device)

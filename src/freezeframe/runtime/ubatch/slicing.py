@@ -350,7 +350,7 @@ def plan_for_step(
     rank has the same config) or the step runs unsplit.
 
     Per-request token counts come from ``num_scheduled_tokens`` when the caller knows them
-    (the runner takes them from ``extras["num_scheduled_tokens"]``); a uniform-decode step has
+    (the runner's ``num_scheduled_tokens`` step argument); a uniform-decode step has
     ``query_len`` tokens per request; otherwise the layout is unknown and the step is treated as
     one request (token slicing is unaffected; only request slices need the real layout).
     """
