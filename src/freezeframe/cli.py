@@ -34,9 +34,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from freezeframe.errors import ConfigError, FreezeframeError
+
+if TYPE_CHECKING:  # the CLI imports torch and the compile stage only for the commands that run
+    from freezeframe.compilation import CompiledModel
 
 __all__ = ["DEBUG_ENV", "SUBCOMMANDS", "build_parser", "int_at_least", "int_list", "main"]
 
@@ -346,18 +349,15 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_pieces(model: Any) -> None:
-    pieces = list(getattr(model, "pieces", None) or [])
-    capturable = sum(1 for p in pieces if getattr(p, "capturable", False))
+def _print_pieces(model: CompiledModel) -> None:
+    pieces = model.pieces
+    capturable = sum(1 for p in pieces if p.capturable)
     print(f"pieces: {len(pieces)} ({capturable} capturable)")
     for p in pieces:
-        kind = "splitting op (eager)" if getattr(p, "is_splitting_op", False) else "compiled"
-        graph = getattr(p, "graph", None)
-        ops = (sum(1 for node in graph.graph.nodes
-                   if node.op in ("call_function", "call_method", "call_module"))
-               if graph is not None and hasattr(graph, "graph") else None)
-        detail = f", {ops} ops" if ops is not None else ""
-        print(f"  piece {getattr(p, 'index', '?')}: {getattr(p, 'name', '')} {kind}{detail}")
+        kind = "splitting op (eager)" if p.is_splitting_op else "compiled"
+        ops = sum(1 for node in p.graph.graph.nodes
+                  if node.op in ("call_function", "call_method", "call_module"))
+        print(f"  piece {p.index}: {p.name} {kind}, {ops} ops")
 
 
 if __name__ == "__main__":  # pragma: no cover
