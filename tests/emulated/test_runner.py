@@ -498,3 +498,52 @@ def test_graphs_the_runner_captured_in_steps_before_capture_are_kept() -> None:
     assert runner.stats.foreign_graphs_dropped == 0
     assert model.stats.graphs_captured == 3 * len(SIZES)
     assert torch.equal(runner(x), 9 * x + 19)
+
+
+# -- the plan of a FULL step: made once per shape, then stage and replay ----------------------
+def _full_runner() -> tuple[ff.compilation.CompiledModel, GraphRunner]:
+    cfg = config("full", use_cache=False)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    runner.capture()
+    return model, runner
+
+
+def test_full_steps_of_a_captured_shape_replay_without_routing_the_call() -> None:
+    model, runner = _full_runner()
+    runner(torch.zeros(3, 3))  # the first step of size 4 makes the plan
+    signer = model._signer
+    assert signer is not None
+
+    def no_routing(*args: Any) -> Any:
+        raise AssertionError("a planned FULL step routed its call through the model")
+
+    signer.key = no_routing  # type: ignore[method-assign]
+    for n, seed in ((3, 1), (4, 2), (3, 3)):
+        x = torch.randn(n, 3, generator=torch.Generator().manual_seed(seed))
+        with model.stats.expect(replays=1, graphs_captured=0):
+            out = runner(x)
+        with torch.no_grad():
+            assert torch.equal(out, SillyModel()(x))
+
+
+def test_a_planned_full_step_still_refuses_a_changed_module() -> None:
+    model, runner = _full_runner()
+    runner(torch.zeros(3, 3))
+    model.module.scale = 2.0  # an attribute forward could read: the trace baked the old state
+    with pytest.raises(ff.CompileError, match="the module changed after its first call"):
+        runner(torch.zeros(3, 3))
+
+
+def test_a_planned_full_step_whose_graph_was_dropped_goes_back_through_the_model() -> None:
+    model, runner = _full_runner()
+    x = torch.ones(3, 3)
+    assert torch.equal(runner(x), torch.full((3, 3), 28.0))
+    for wrapper in model.graph_wrappers():
+        wrapper.clear()
+    with pytest.raises(ff.CaptureError, match="capture window is closed"):
+        runner(x)  # the plan's graph is gone; the model may not capture during serving
+    with model.capture_window.opened(), model.stats.expect(graphs_captured=1, replays=0):
+        assert torch.equal(runner(x), torch.full((3, 3), 28.0))
+    with model.stats.expect(graphs_captured=0, replays=1):
+        assert torch.equal(runner(2 * x), torch.full((3, 3), 37.0))

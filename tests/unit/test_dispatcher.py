@@ -223,3 +223,16 @@ def test_padding_property(sizes: list[int], mode: CUDAGraphMode, max_num_seqs: i
         if mode is not FDO:
             assert got_mode is (PW if mode in (PW, FAP) and not (uniform and got.uniform)
                                 else FULL)
+
+
+def test_a_remembered_answer_is_the_same_and_bad_arguments_still_raise() -> None:
+    d = make(CUDAGraphMode.FULL_AND_PIECEWISE)
+    first = d.dispatch(3, invalid_modes=frozenset({CUDAGraphMode.FULL}))
+    again = d.dispatch(3, invalid_modes=frozenset({CUDAGraphMode.FULL}))
+    assert again is first  # looked up, not worked out again
+    assert first == (CUDAGraphMode.PIECEWISE, desc(8))  # capture sizes [1, 8]
+    d.dispatch(1)
+    with pytest.raises(TypeError, match="num_tokens must be an int, got True"):
+        d.dispatch(True)  # True == 1, but it is no token count
+    with pytest.raises(ValueError, match="invalid_modes may hold PIECEWISE and FULL only"):
+        d.dispatch(3, invalid_modes=[CUDAGraphMode.NONE])  # an unhashable list: not remembered

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation.backend import CompileBackend
 from freezeframe.compilation.cached_trace import ModelCache
 from freezeframe.compilation.compilers import CompilerManager, make_compiler
@@ -465,12 +466,54 @@ class CompiledModel(nn.Module):
         if state is not None and (self._check_state_every_call or state.changed_cheaply()):
             self._check_state(state)
         key = signer.key(args, kwargs)
+        variant = self._route_of(key, args, kwargs)
+        if variant is not None:
+            return variant(args, kwargs)
+        return self._route(key, args, kwargs)
+
+    def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+        """A zero-argument function that replays this model's FULL graph for ``descriptor``,
+        captured on exactly these arguments (a runner's static buffers), for callers that
+        pass them again and again: the call-structure routing and the replay's input checks
+        are done once, here; each call keeps the module-state check of every call (the cheap
+        tier, or the full one with ``debug``). ``None`` when there is no such graph.
+
+        Call it under no autograd recording (the runner calls under ``torch.no_grad()``); it
+        raises :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped."""
+        if self._signer is None:
+            wrapper = self._full_wrapper
+        else:
+            variant = self._routed(args, kwargs)
+            wrapper = variant.full_wrapper if variant is not None else None
+        replay = wrapper.replayer(descriptor, args, kwargs) if wrapper is not None else None
+        state = self._state
+        if replay is None or state is None:
+            return replay
+        every_call, check = self._check_state_every_call, self._check_state
+
+        def checked() -> Any:
+            if every_call or state.changed_cheaply():
+                check(state)
+            return replay()
+
+        return checked
+
+    def _routed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Variant | None:
+        assert self._signer is not None
+        return self._route_of(self._signer.key(args, kwargs), args, kwargs)
+
+    def _route_of(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> _Variant | None:
+        """The trace an earlier call of this structure (``key``) was routed to and whose size
+        conditions this call meets, or None (a route miss: see :meth:`_route`)."""
+        assert self._signer is not None
         for variant in self._routes.get(key, ()):
             guards = variant.guards
             if guards is not None and (guards.trivial or guards.accepts(
-                    signer.dynamic_sizes(args, kwargs))):
-                return variant(args, kwargs)
-        return self._route(key, args, kwargs)
+                    self._signer.dynamic_sizes(args, kwargs))):
+                return variant
+        return None
 
     # -- stock torch.compile ---------------------------------------------------------------
     def _stock_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
-from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
+from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper, StaleReplay
 
 __all__ = [
     "Capturable",
@@ -21,5 +21,6 @@ __all__ = [
     "GraphBackend",
     "GraphOptions",
     "GraphWrapper",
+    "StaleReplay",
     "resolve_backend",
 ]

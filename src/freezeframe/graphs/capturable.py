@@ -9,9 +9,11 @@ members; the runner then checks its config against the model's, opens its captur
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from freezeframe.batch import BatchDescriptor
     from freezeframe.config import CompilationConfig
     from freezeframe.graphs.backend import GraphBackend
     from freezeframe.graphs.wrapper import CaptureWindow, GraphWrapper
@@ -42,3 +44,8 @@ class Capturable(Protocol):
 
     def graph_wrappers(self) -> list[GraphWrapper]:
         """Every graph wrapper the model owns."""
+
+    def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+        """A zero-argument replay of the model's FULL graph for ``descriptor`` on exactly these
+        arguments, or None (see :meth:`~freezeframe.compilation.CompiledModel.replayer`)."""

@@ -21,9 +21,11 @@ keep ``num_reqs`` (and ``uniform``): a uniform-decode key has ``num_tokens // q`
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 _NONE = CUDAGraphMode.NONE
 _PIECEWISE = CUDAGraphMode.PIECEWISE
 _FULL = CUDAGraphMode.FULL
+_MEMO_LIMIT = 1 << 16  # dispatch answers remembered (a step's arguments are small ints)
 
 
 @dataclass(frozen=True, order=True)
@@ -107,6 +110,7 @@ class Dispatcher:
         # Sorted LoRA counts a step's adapter count rounds up to (specialised case only).
         self._lora_counts = sorted({c.num_active_loras for c in self.lora_cases if c.has_lora})
         self._keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_PIECEWISE: set(), _FULL: set()}
+        self._memo: dict[tuple[Any, ...], tuple[CUDAGraphMode, BatchDescriptor]] = {}
         if mode is not _NONE and self.capture_sizes:
             self._build_keys()
 
@@ -174,7 +178,28 @@ class Dispatcher:
         (for example FULL when the attention backend cannot run the batch inside a full graph).
         Preference: the exact FULL key, then the mixed FULL key, then the PIECEWISE key, then no
         graph with the *unpadded* descriptor.
+
+        The keys are fixed when the dispatcher is built, so the answer for the same arguments is
+        always the same: it is worked out once and looked up afterwards (a step's dispatch is
+        one dictionary lookup).
         """
+        # keyed by exact types too: True == 1 must not find the answer for 1 tokens
+        memo_key = (num_tokens, type(num_tokens), uniform_decode, has_lora, num_active_loras,
+                    invalid_modes)
+        try:
+            return self._memo[memo_key]
+        except (KeyError, TypeError):  # TypeError: an unhashable invalid_modes
+            pass
+        answer = self._dispatch(num_tokens, uniform_decode, has_lora, num_active_loras,
+                                invalid_modes)
+        if len(self._memo) < _MEMO_LIMIT:
+            with contextlib.suppress(TypeError):
+                self._memo[memo_key] = answer
+        return answer
+
+    def _dispatch(self, num_tokens: int, uniform_decode: bool, has_lora: bool,
+                  num_active_loras: int, invalid_modes: Collection[CUDAGraphMode],
+                  ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
         if num_tokens < 0:

@@ -67,7 +67,7 @@ from freezeframe.errors import (
     ShapeOutOfRangeError,
 )
 from freezeframe.graphs.capturable import Capturable
-from freezeframe.graphs.wrapper import GraphWrapper
+from freezeframe.graphs.wrapper import GraphWrapper, StaleReplay
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
@@ -232,6 +232,12 @@ class GraphRunner:
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
         self._copy_after_overlap = False
+        # (tokens, padded tokens, requests, padded requests) -> where a step is staged
+        self._stagings: dict[tuple[int, int, int | None, int | None], _Staging] = {}
+        # (descriptor, padded requests) -> (graphs captured when looked up, the model's direct
+        # FULL replay for that shape or None); see _replayer
+        self._replays: dict[tuple[BatchDescriptor, int | None],
+                            tuple[int, Callable[[], Any] | None]] = {}
         # Graph wrappers that held graphs before this runner existed (low-level forward_context
         # calls on other tensors): capture() frees them. Graphs this runner's own steps capture
         # before capture() read its buffers and are kept.
@@ -360,8 +366,12 @@ class GraphRunner:
         if aliased and writes:
             self._refuse_written_alias(values, aliased, writes)
         try:
-            out = self._forward(mode, desc, padded_tokens, padded_reqs,
-                                num_tokens, reqs, step_extras, plan)
+            replay = self._replayer(mode, desc, padded_tokens, padded_reqs) \
+                if plan is None else None
+            out = self._replay(replay, desc, padded_reqs) if replay is not None else _STALE
+            if out is _STALE:
+                out = self._forward(mode, desc, padded_tokens, padded_reqs, num_tokens, reqs,
+                                    step_extras, plan)
         except BaseException:
             # What the model wrote before it raised reaches the caller, as in eager.
             with contextlib.suppress(Exception):
@@ -512,7 +522,7 @@ class GraphRunner:
         d = self.dispatcher
         if not self.graphs_available:
             mode, desc = d.dispatch(num_tokens, uniform, has_lora, num_active_loras,
-                                    invalid_modes={_PIECEWISE, _FULL})
+                                    invalid_modes=_GRAPH_MODES)
         else:
             mode, desc = d.dispatch(num_tokens, uniform, has_lora, num_active_loras,
                                     invalid_modes=invalid)
@@ -558,18 +568,41 @@ class GraphRunner:
     def _stage(self, values: Mapping[str, torch.Tensor], num_tokens: int, padded_tokens: int,
                reqs: int | None, padded_reqs: int | None) -> None:
         """Copy the step into the buffers and reset the padded tail to each input's fill, so
-        no stale rows from an earlier, larger step leak into this one."""
+        no stale rows from an earlier, larger step leak into this one. The buffer views of a
+        shape are made once (:meth:`_staging`); a step makes one copy launch for all inputs
+        and one fill per padded input."""
+        key = (num_tokens, padded_tokens, reqs, padded_reqs)
+        staging = self._stagings.get(key)
+        if staging is None:
+            staging = self._stagings[key] = self._staging(*key)
+        names, targets, fills = staging
         with torch.no_grad():
-            for name, spec in self.specs.items():
-                buf, value = self._buffers[name], values[name]
-                if spec.kind == "static":
-                    buf.copy_(value)
-                    continue
-                real = num_tokens if spec.kind == "tokens" else (reqs or 0)
-                padded = padded_tokens if spec.kind == "tokens" else (padded_reqs or real)
-                buf[:real].copy_(value)
-                if padded > real:
-                    buf[real:padded].fill_(spec.fill)
+            if len(targets) == 1:
+                targets[0].copy_(values[names[0]])
+            else:
+                torch._foreach_copy_(targets, [values[name] for name in names])
+            for view, fill in fills:
+                view.fill_(fill)
+
+    def _staging(self, num_tokens: int, padded_tokens: int, reqs: int | None,
+                 padded_reqs: int | None) -> _Staging:
+        """Where a step of this shape is copied (each input's real rows) and which rows are
+        reset to the input's fill."""
+        names: list[str] = []
+        targets: list[torch.Tensor] = []
+        fills: list[tuple[torch.Tensor, float | int | bool]] = []
+        for name, spec in self.specs.items():
+            buf = self._buffers[name]
+            names.append(name)
+            if spec.kind == "static":
+                targets.append(buf)
+                continue
+            real = num_tokens if spec.kind == "tokens" else (reqs or 0)
+            padded = padded_tokens if spec.kind == "tokens" else (padded_reqs or real)
+            targets.append(buf[:real])
+            if padded > real:
+                fills.append((buf[real:padded], spec.fill))
+        return tuple(names), targets, tuple(fills)
 
     def _written(self, versions: list[int], graph_writes: frozenset[str] | None
                  ) -> list[tuple[str, str, torch.Tensor]]:
@@ -614,6 +647,37 @@ class GraphRunner:
             self.stats.inc("inputs_copied_back")
             copied.append(name)
         return copied
+
+    def _replayer(self, mode: CUDAGraphMode, desc: BatchDescriptor, padded_tokens: int,
+                  padded_reqs: int | None) -> Callable[[], Any] | None:
+        """The model's direct replay of the FULL graph of this step's shape, made once per
+        shape (the plan): later steps of that shape stage their inputs and replay, without
+        the forward context, the call-structure routing or the per-tensor replay checks.
+        Only for a model holding its own graphs, after its graph for ``desc`` exists."""
+        if mode is not _FULL or self._held is None or self._ubatch is not None:
+            return None
+        key = (desc, padded_reqs)
+        known = self._replays.get(key)
+        captured = self._held.stats.graphs_captured
+        if known is not None and (known[1] is not None or known[0] == captured):
+            return known[1]
+        views = self._views(padded_tokens, padded_reqs)
+        args, kwargs = (tuple(views.values()), {}) if self.call_positional else ((), views)
+        with torch.no_grad():
+            replay = self._held.replayer(desc, args, kwargs)
+        self._replays[key] = (captured, replay)  # a miss is retried once more graphs exist
+        return replay
+
+    def _replay(self, replay: Callable[[], Any], desc: BatchDescriptor,
+                padded_reqs: int | None) -> Any:
+        """The replay's output, or ``_STALE`` when its graph was dropped (the step then goes
+        through the model, which captures again or refuses)."""
+        try:
+            with torch.no_grad():
+                return replay()
+        except StaleReplay:
+            del self._replays[(desc, padded_reqs)]
+            return _STALE
 
     def _views(self, padded_tokens: int, padded_reqs: int | None) -> dict[str, torch.Tensor]:
         views = {}
@@ -886,6 +950,12 @@ class GraphRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+_GRAPH_MODES = frozenset({_PIECEWISE, _FULL})
+# input names, the buffer view each is copied into, and (view, fill value) per padded tail
+_Staging = tuple[tuple[str, ...], list[torch.Tensor], tuple[tuple[torch.Tensor, Any], ...]]
+_STALE = object()  # _replay's answer when the plan's graph is gone
+
+
 def _allocate_buffers(specs: Mapping[str, InputSpec], config: CompilationConfig,
                       device: torch.device) -> dict[str, torch.Tensor]:
     """One buffer per input, allocated once; every step writes into these same tensors.
