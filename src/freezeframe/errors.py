@@ -16,6 +16,7 @@ __all__ = [
     "FallbackError",
     "FreezeframeError",
     "InputMismatchError",
+    "MicroBatchError",
     "ShapeOutOfRangeError",
 ]
 
@@ -52,3 +53,7 @@ class FallbackError(FreezeframeError, RuntimeError):
 class CacheError(FreezeframeError, RuntimeError):
     """The on-disk compile cache cannot be used safely (for example a directory other users can
     write to)."""
+
+
+class MicroBatchError(FreezeframeError, RuntimeError):
+    """A micro-batched step could not complete: a thread timed out or the schedule broke."""

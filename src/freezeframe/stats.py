@@ -2,8 +2,8 @@
 
 vLLM keeps its counters in one process-wide singleton; we keep one :class:`Stats` per compiled
 model (and per runner), so two models in one process never disturb each other's numbers. The
-counter names and their meaning follow vLLM's ``compilation_counter`` (see DESIGN.md), so a
-test written against vLLM's expectations carries over.
+counter names and their meaning follow vLLM's ``compilation_counter``, so a test written
+against vLLM's expectations carries over.
 """
 
 from __future__ import annotations
@@ -63,9 +63,6 @@ class Stats:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
-
-    def as_dict(self) -> dict[str, int]:
-        return self.snapshot()
 
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):

@@ -38,7 +38,7 @@ def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (operator.add, ["aten::add"], False),
     (torch.add, ["aten::add"], False),
 ])
-def test_should_split(target, names, want):
+def test_matches_splitting_op(target, names, want):
     assert matches_splitting_op(target, names) is want
 
 

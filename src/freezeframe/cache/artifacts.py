@@ -20,10 +20,10 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from freezeframe.cache.key import graph_hash
-from freezeframe.cache.store import CompileCache, _range_bounds
+from freezeframe.cache.store import CompileCache, range_bounds
 from freezeframe.errors import CacheError
 
 __all__ = ["PieceCache"]
@@ -72,6 +72,13 @@ class _SingleOutput:
         return out
 
 
+class NamedCompiler(Protocol):
+    """What the piece cache needs of a compiler: its name (``"inductor"``, ``"eager"``), part
+    of every artifact's key (the compile stage's compilers have it)."""
+
+    name: str
+
+
 class PieceCache:
     """The ``cache=`` object of :class:`~freezeframe.compilation.compilers.CompilerManager`.
 
@@ -85,17 +92,18 @@ class PieceCache:
         self.cache = cache
 
     @staticmethod
-    def _cacheable(compiler: Any) -> bool:
-        return getattr(compiler, "name", "") == "inductor" and _compiled_artifact_class() \
+    def _cacheable(compiler: NamedCompiler) -> bool:
+        return compiler.name == "inductor" and _compiled_artifact_class() \
             is not None
 
     @staticmethod
-    def _graph_key(compiler: Any, graph: Any, example_inputs: Sequence[Any],
+    def _graph_key(compiler: NamedCompiler, graph: Any, example_inputs: Sequence[Any],
                    compile_range: Any) -> str:
-        return graph_hash(graph, example_inputs, [list(_range_bounds(compile_range)),
-                                                  getattr(compiler, "name", "")])
+        return graph_hash(graph, example_inputs, [list(range_bounds(compile_range)),
+                                                  compiler.name])
 
-    def load(self, compiler: Any, graph: Any, example_inputs: list[Any], compile_range: Any,
+    def load(self, compiler: NamedCompiler, graph: Any, example_inputs: list[Any],
+             compile_range: Any,
              piece_index: int) -> Callable[..., Any] | None:
         if not self._cacheable(compiler):
             return None
@@ -139,7 +147,8 @@ class PieceCache:
         return self.cache.reset_inductor_dir(f"a compile failed: {type(error).__name__}: "
                                              f"{str(error)[:300]}")
 
-    def save(self, compiler: Any, graph: Any, example_inputs: list[Any], compile_range: Any,
+    def save(self, compiler: NamedCompiler, graph: Any, example_inputs: list[Any],
+             compile_range: Any,
              piece_index: int, runnable: Callable[..., Any]) -> None:
         if not self._cacheable(compiler) or not callable(getattr(runnable, "save", None)):
             return
@@ -155,7 +164,7 @@ class PieceCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             self.cache.save_artifact(piece_index, compile_range, payload, graph_key=gkey,
-                                     compiler=getattr(compiler, "name", ""))
+                                     compiler=compiler.name)
         except CacheError:
             raise
         except Exception as exc:  # e.g. a graph standalone_compile cannot serialise

@@ -71,12 +71,12 @@ from freezeframe.cache.key import (
     torch_factors,
 )
 from freezeframe.errors import CacheError
+from freezeframe.sizes import Range
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from freezeframe.config import CompilationConfig
-    from freezeframe.sizes import Range
     from freezeframe.stats import Stats
 
 __all__ = [
@@ -357,17 +357,18 @@ def _flock(path: Path, *, what: str) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 # the cache of one model
 # ---------------------------------------------------------------------------------------------
-def _range_bounds(compile_range: Any) -> tuple[int, int]:
+def range_bounds(compile_range: Range | tuple[int, int] | int) -> tuple[int, int]:
+    """``(start, end)`` of a compile range, a pair, or one compile size."""
+    if isinstance(compile_range, Range):
+        return compile_range.start, compile_range.end
     if isinstance(compile_range, int):
         return compile_range, compile_range
-    start, end = getattr(compile_range, "start", None), getattr(compile_range, "end", None)
-    if start is None or end is None:
-        start, end = compile_range
+    start, end = compile_range
     return int(start), int(end)
 
 
 def artifact_name(piece_index: int, compile_range: Range | tuple[int, int] | int) -> str:
-    start, end = _range_bounds(compile_range)
+    start, end = range_bounds(compile_range)
     return f"piece_{piece_index}_range_{start}_{end}.bin"
 
 
@@ -662,7 +663,7 @@ class CompileCache:
                       graph_key: str | None = None, compiler: str = "") -> Path:
         """Write one piece's artifact atomically and list it in the index."""
         entry = self._entry()
-        start, end = _range_bounds(compile_range)
+        start, end = range_bounds(compile_range)
         name = artifact_name(piece_index, compile_range)
         meta = {"piece": piece_index, "range": [start, end], "graph": graph_key,
                 "compiler": compiler}

@@ -65,6 +65,7 @@ from freezeframe.compilation.saved_trace import (
     failed_check,
     value_checks,
 )
+from freezeframe.compilation.signature import Signer
 from freezeframe.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,8 +109,9 @@ class ModelCache:
     """
 
     def __init__(self, model: Any, dynamic_arg_dims: Mapping[str, Any] | None = None, *,
-                 model_key: str | None = None) -> None:
+                 model_key: str | None = None, signer: Signer | None = None) -> None:
         self._model = model
+        self._signer = signer  # the model's call keys: the sizes a saved trace is checked on
         self._dims = dict(dynamic_arg_dims or {})
         self._user_key = model_key
         self.trace: TraceOnce | None = None  # the trace-once callable, set by the model
@@ -292,7 +294,8 @@ class ModelCache:
         if why is not None:
             self._not_saving(f"a value the trace specialised on cannot be re-checked: {why}")
             return
-        sizes = _SavedSizes.of(self.trace, self._model, args, kwargs)
+        sizes = _SavedSizes.of(self.trace, self._signer, self._model.config.backend == "inductor",
+                               args, kwargs)
         payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
                                 "out_spec": spec_text, "out_leaves": described,
                                 "frame": self._frame_kind, "sizes": sizes.to_data()})
@@ -337,7 +340,7 @@ class ModelCache:
                 sizes = _SavedSizes.from_data(data["sizes"])
             except Exception as exc:
                 raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
-            why = sizes.refuses(self._model, args, kwargs)
+            why = sizes.refuses(self._signer, args, kwargs)
             if why is not None:
                 return why
             try:

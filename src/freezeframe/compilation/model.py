@@ -184,7 +184,7 @@ class CompiledModel(nn.Module):
                                  graph_backend=self._graph_backend, window=self.capture_window,
                                  model_key=self.model_key)
         # The on-disk cache wraps the backend (traced files, saved trace) and the first call.
-        cache = ModelCache(self, self._dims, model_key=self._user_key)
+        cache = ModelCache(self, self._dims, model_key=self._user_key, signer=self._signer)
         trace = TraceOnce(self.module, cache.wrap_backend(backend), self._dims)
         cache.trace = trace
         full = None

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from freezeframe.cache.key import code_digest
-from freezeframe.compilation.signature import SizeGuards
+from freezeframe.compilation.signature import Signer, SizeGuards
 from freezeframe.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -510,12 +510,11 @@ class _SavedSizes:
     inductor: bool
 
     @staticmethod
-    def of(trace: Any, model: Any, args: tuple[Any, ...],
+    def of(trace: Any, signer: Signer | None, inductor: bool, args: tuple[Any, ...],
            kwargs: dict[str, Any]) -> _SavedSizes:
-        signer = getattr(model, "_signer", None)
         traced_at = signer.dynamic_sizes(args, kwargs) if signer is not None else {}
         return _SavedSizes(tuple(trace.size_conditions), dict(trace.size_symbols), traced_at,
-                           model.config.backend == "inductor")
+                           inductor)
 
     def to_data(self) -> dict[str, Any]:
         import sympy
@@ -543,9 +542,9 @@ class _SavedSizes:
         traced_at = {(str(name), int(dim)): int(n) for name, dim, n in data["traced_at"]}
         return _SavedSizes(tuple(conditions), symbols, traced_at, bool(data["inductor"]))
 
-    def refuses(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    def refuses(self, signer: Signer | None, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> str | None:
         """Why this call's sizes are not ones the saved trace serves, or None."""
-        signer = getattr(model, "_signer", None)
         if signer is None:
             return None
         sizes = signer.dynamic_sizes(args, kwargs)

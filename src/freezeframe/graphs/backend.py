@@ -21,7 +21,7 @@ from freezeframe.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.config import CompilationConfig
 
-__all__ = ["CapturedGraph", "GraphBackend", "resolve_backend"]
+__all__ = ["CapturedGraph", "GraphBackend", "graphs_possible", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,19 @@ class GraphBackend(Protocol):
     def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]: ...
 
     def share_capture(self) -> Callable[[], AbstractContextManager[Any]]: ...
+
+
+def graphs_possible(config: CompilationConfig) -> bool:
+    """Whether ``config`` can capture graphs on this machine, without raising: never with
+    ``cudagraph_mode`` NONE; always on ``emulated``; on ``cuda`` and ``auto`` only with a CUDA
+    device (where :func:`resolve_backend` raises for ``cuda`` and turns ``auto`` off)."""
+    from freezeframe.config import CUDAGraphMode
+
+    if config.cudagraph_mode is CUDAGraphMode.NONE:
+        return False
+    if config.graph_backend == "emulated":
+        return True
+    return bool(torch.cuda.is_available())
 
 
 def resolve_backend(config: CompilationConfig | str) -> GraphBackend | None:

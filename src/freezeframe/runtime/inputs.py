@@ -70,10 +70,6 @@ class InputSpec:
             raise ConfigError(f"{where}: fill {fill!r} changes to {stored!r} when stored as "
                               f"{self.dtype}; choose a fill the dtype can hold exactly")
 
-    @property
-    def is_dynamic(self) -> bool:
-        return self.kind != "static"
-
     def named(self, name: str) -> InputSpec:
         return dataclasses.replace(self, name=name)
 

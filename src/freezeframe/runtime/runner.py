@@ -66,6 +66,7 @@ from freezeframe.errors import (
     InputMismatchError,
     ShapeOutOfRangeError,
 )
+from freezeframe.graphs.backend import graphs_possible
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import GraphWrapper, StaleReplay
 from freezeframe.runtime.dispatcher import Dispatcher
@@ -213,7 +214,7 @@ class GraphRunner:
         self._logged_reasons: set[str] = set()
         self._primed_sizes: set[int] = set()
         self.device = _resolve_device(device, model)
-        self.graphs_available = _graphs_available(config)
+        self.graphs_available = graphs_possible(config)
 
         specs = _input_specs(inputs)
         self.specs: Mapping[str, InputSpec] = specs
@@ -658,7 +659,7 @@ class GraphRunner:
             return None
         key = (desc, padded_reqs)
         known = self._replays.get(key)
-        captured = self._held.stats.graphs_captured
+        captured = self._held.stats.get("graphs_captured")
         if known is not None and (known[1] is not None or known[0] == captured):
             return known[1]
         views = self._views(padded_tokens, padded_reqs)
@@ -904,7 +905,7 @@ class GraphRunner:
         if first_sight and (len(self._primed_sizes) == 1
                             or num_tokens in (self.config.compile_sizes or ())):
             return max(n, 1)
-        if getattr(self.model, "traced", True) is False:  # its first call has not succeeded
+        if self._held is not None and not self._held.traced:  # its first call has not succeeded
             return max(n, 1)
         return n
 
@@ -1162,16 +1163,6 @@ def _resolve_device(device: torch.device | str | None, model: Any) -> torch.devi
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _graphs_available(config: CompilationConfig) -> bool:
-    """Whether graphs can be captured at all: the emulated backend always can; cuda and auto
-    need a CUDA device (auto without one turns graphs off, as freezeframe.graphs does)."""
-    if config.cudagraph_mode is _NONE:
-        return False
-    if config.graph_backend == "emulated":
-        return True
-    return bool(torch.cuda.is_available())
 
 
 def _free_memory(device: torch.device) -> int:

@@ -78,7 +78,7 @@ from torch.utils import _pytree as pytree
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import ForwardContext, entered, get_forward_context
-from freezeframe.errors import FreezeframeError
+from freezeframe.errors import MicroBatchError
 from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
@@ -100,10 +100,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a waiting thread re-checks the abort flag
-
-
-class MicroBatchError(FreezeframeError, RuntimeError):
-    """A micro-batched step could not complete: a thread timed out or the schedule broke."""
 
 
 class _Aborted(BaseException):

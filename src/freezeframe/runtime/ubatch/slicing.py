@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from freezeframe.errors import ConfigError
+from freezeframe.runtime.dp import dp_active
 
 if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.config import CompilationConfig
@@ -374,11 +375,6 @@ def plan_for_step(
 # -- data parallel -----------------------------------------------------------------------------
 
 
-def _dist_active(group: Any) -> bool:
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
-
-
 def _exchange(
     vote: bool, counts: Sequence[int], group: Any
 ) -> tuple[bool, list[list[int]] | None]:
@@ -388,7 +384,7 @@ def _exchange(
     so a SUM all-reduce is an all-gather that works on every backend (gloo included). Column 0 is
     the vote; the step is split only if every rank voted yes.
     """
-    if not _dist_active(group):
+    if not dp_active(group):
         return vote, None
     dist = torch.distributed
     world = dist.get_world_size(group)
