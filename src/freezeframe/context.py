@@ -13,7 +13,12 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from freezeframe.batch import BatchDescriptor
+from freezeframe.batch import (
+    BatchDescriptor,
+    DPMicroBatchMetadata,
+    MicroBatchPlan,
+    MicroBatchSlice,
+)
 from freezeframe.config import CUDAGraphMode
 
 __all__ = ["ForwardContext", "entered", "forward_context", "get_forward_context"]
@@ -38,13 +43,13 @@ class ForwardContext:
     num_reqs_unpadded: int | None = None
     #: a warm-up or capture dummy step of ``GraphRunner.capture()``: every row is padding
     capturing: bool = False
-    #: the step's micro-batch plan (a ``MicroBatchPlan``), for the micro-batch wrapper to split
-    micro_batches: Any = None
+    #: the step's micro-batch plan, for the micro-batch wrapper to split
+    micro_batches: MicroBatchPlan | None = None
     #: inside one micro-batch's thread: its ``MicroBatchSlice``, its index and, with data
     #: parallelism, its per-rank token counts
-    micro_batch: Any = None
+    micro_batch: MicroBatchSlice | None = None
     micro_batch_index: int | None = None
-    dp_metadata: Any = None
+    dp_metadata: DPMicroBatchMetadata | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _RUNTIME_MODES:

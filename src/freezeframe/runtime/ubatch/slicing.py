@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from freezeframe.batch import DPMicroBatchMetadata, MicroBatchPlan, MicroBatchSlice
 from freezeframe.errors import ConfigError
 from freezeframe.runtime.dp import dp_active
 
@@ -55,91 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatchSlice:
-    """One micro-batch: half-open token range ``[token_start, token_stop)`` of the (padded) batch
-    and half-open request range ``[req_start, req_stop)``.
-
-    Ints rather than ``slice`` objects so the record is hashable on every Python we support.
-    """
-
-    token_start: int
-    token_stop: int
-    req_start: int
-    req_stop: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.token_start <= self.token_stop:
-            raise ValueError(
-                f"MicroBatchSlice: token range [{self.token_start}, {self.token_stop}) must "
-                "satisfy 0 <= start <= stop"
-            )
-        if not 0 <= self.req_start <= self.req_stop:
-            raise ValueError(
-                f"MicroBatchSlice: request range [{self.req_start}, {self.req_stop}) must satisfy "
-                "0 <= start <= stop"
-            )
-
-    @property
-    def token_slice(self) -> slice:
-        return slice(self.token_start, self.token_stop)
-
-    @property
-    def request_slice(self) -> slice:
-        return slice(self.req_start, self.req_stop)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_stop - self.token_start
-
-    @property
-    def num_reqs(self) -> int:
-        return self.req_stop - self.req_start
-
-    def is_empty(self) -> bool:
-        return self.num_tokens == 0 or self.num_reqs == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatchPlan:
-    """The outcome of planning one step.
-
-    ``slices`` cover only the scheduled tokens (what each micro-batch really computes);
-    ``padded_slices`` are the same except the last one, which reaches the padded token and request
-    counts; the wrapper slices model inputs with ``padded_slices``. ``dp`` holds the per-micro-batch
-    data-parallel metadata when a process group took part in the decision.
-    """
-
-    slices: tuple[MicroBatchSlice, ...]
-    padded_slices: tuple[MicroBatchSlice, ...]
-    num_tokens: int  # scheduled (unpadded) tokens
-    num_tokens_padded: int
-    dp: tuple[DPMicroBatchMetadata, ...] | None = None
-
-    @property
-    def num_micro_batches(self) -> int:
-        return len(self.padded_slices)
-
-
-@dataclasses.dataclass(frozen=True)
-class DPMicroBatchMetadata:
-    """What one micro-batch looks like on every data-parallel rank.
-
-    ``num_tokens_across_dp[r]`` is the token count of this micro-batch on rank ``r``; collectives
-    inside the micro-batch (all-to-all dispatch/combine) size their buffers from it.
-    """
-
-    num_tokens_across_dp: tuple[int, ...]
-
-    @property
-    def max_tokens_across_dp(self) -> int:
-        return max(self.num_tokens_across_dp)
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.num_tokens_across_dp)
 
 
 # -- decisions ---------------------------------------------------------------------------------
