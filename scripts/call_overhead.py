@@ -2,14 +2,17 @@
 
     PYTHONPATH=src:. python scripts/call_overhead.py
 
-Compiles toy models with the eager compiler (so the pieces themselves cost what eager costs)
-and times, per call:
+Part 1 compiles toy models with the eager compiler (so the pieces themselves cost what eager
+costs) and times, per call:
   eager       the original module
   compiled    CompiledModel(x): captured Dynamo bytecode -> stitching -> piece dispatch
   bytecode    the captured bytecode alone (no CompiledModel.forward around it)
   stitching   the stitching graph on the flat graph inputs (piece dispatch included)
   pieces      the stitching graph with each piece's entry bound directly (no dispatch)
-The differences are the costs of each layer; a benchmark script, not a test.
+The differences are the costs of each layer. Part 2 times one FULL step of a GraphRunner
+(emulated backend) against the bare replay of the graph that step runs: the difference is the
+host path of a step (binding and checking the inputs, dispatch, staging, the module-state
+check, copy-back and output slicing). A benchmark script, not a test.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama
 
 import freezeframe as ff
+from freezeframe.runtime import GraphRunner, Tokens
 
 
 def per_call_us(variants: dict[str, Callable[[], Any]], rounds: int = 15,
@@ -88,6 +92,42 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
           f"{rows['compiled'] - rows['bytecode']:.1f} us")
 
 
+# -- GraphRunner: host time of a step around the bare replay ----------------------------------
+def runner_overhead(name: str, module: torch.nn.Module, inputs: dict[str, Any],
+                    args: tuple[torch.Tensor, ...], splitting_ops: list[str]) -> dict[str, float]:
+    """One FULL step of a GraphRunner against the bare replay of the graph it runs (emulated
+    backend: the replay re-runs the recorded ops; what the step adds is the host path)."""
+    cfg = ff.CompilationConfig(
+        mode="piecewise" if splitting_ops else "dynamo_trace_once", backend="eager",
+        splitting_ops=splitting_ops or None, cudagraph_mode="full", graph_backend="emulated",
+        cudagraph_capture_sizes=[1, 2, 4, 8], max_num_tokens=8, max_num_seqs=8,
+        use_cache=False)
+    model = ff.compile(module, cfg)
+    runner = GraphRunner(model, cfg, inputs=inputs, progress=False)
+    runner.capture()
+    runner(*args)
+    n = int(args[0].shape[0])
+    mode, desc = runner.dispatcher.dispatch(n)
+    assert mode is ff.CUDAGraphMode.FULL, mode
+    full = next(w for w in model.graph_wrappers() if w.runtime_mode is ff.CUDAGraphMode.FULL)
+    graph = full.graph_for(desc)
+    assert graph is not None
+    rows = per_call_us({"step": lambda: runner(*args), "replay": graph.replay})
+    overhead = rows["step"] - rows["replay"]
+    print(f"\nGraphRunner FULL step, {name} ({n} tokens, padded to {desc.num_tokens})")
+    print(f"  step     {rows['step']:8.1f} us/call")
+    print(f"  replay   {rows['replay']:8.1f} us/call (the captured graph alone)")
+    print(f"  host     {overhead:8.1f} us/step (step - replay)")
+    return {"step_us": rows["step"], "replay_us": rows["replay"], "host_us": overhead}
+
+
+class Doubler(torch.nn.Module):
+    """A model that does (almost) nothing: one multiply."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
 def main() -> None:
     torch.set_num_threads(1)
     with torch.inference_mode():
@@ -95,6 +135,14 @@ def main() -> None:
         cfg = LlamaConfig(num_layers=12, hidden_size=16, mlp_size=32, vocab_size=32)
         measure("ToyLlama(12 layers, 8 tokens)", ToyLlama(cfg),
                 (torch.randint(0, 32, (8,)), torch.arange(8)))
+    long = {"dtype": torch.long}
+    runner_overhead("no-op model (x * 2)", Doubler(), {"x": Tokens(4)},
+                    (torch.randn(3, 4),), [])
+    runner_overhead("SillyModel", SillyModel(), {"x": Tokens()}, (torch.randn(3),),
+                    ["silly::attention"])
+    runner_overhead("ToyLlama(2 layers)", ToyLlama(LlamaConfig(num_layers=2)),
+                    {"input_ids": Tokens(**long), "positions": Tokens(**long)},
+                    (torch.randint(0, 128, (3,)), torch.arange(3)), ["silly::attention"])
 
 
 if __name__ == "__main__":

@@ -233,6 +233,10 @@ class GraphRunner:
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
         self._copy_after_overlap = False
+        # Per buffer: the rows from this index on are known to hold the input's fill value (a
+        # step whose padding lies there need not reset it). Staging and the model's writes
+        # raise it; capture and a failed step reset the whole buffer.
+        self._dirty: dict[str, int] = dict.fromkeys(self._buffers, 0)
         # (tokens, padded tokens, requests, padded requests) -> where a step is staged
         self._stagings: dict[tuple[int, int, int | None, int | None], _Staging] = {}
         # (descriptor, padded requests) -> (graphs captured when looked up, the model's direct
@@ -296,10 +300,16 @@ class GraphRunner:
         if not self._lock.acquire(blocking=False):
             self._wait_for_lock("a step")
         self._lock_owner = _get_ident()
+        # Inference only: no autograd graph may hang on the static buffers or graph outputs.
+        # One switch for the whole step (torch.no_grad() as a context costs more than the
+        # rest of a planned step's Python).
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:
             return self._step(args, kwargs, uniform_decode, has_lora, num_active_loras,
                               num_reqs, invalid_modes, extras, num_scheduled_tokens)
         finally:
+            torch._C._set_grad_enabled(grad)
             self._lock_owner = None
             self._lock.release()
 
@@ -339,7 +349,8 @@ class GraphRunner:
         if self.dp_sync:
             step_tokens, step_uniform = agree_across_ranks(num_tokens, step_uniform,
                                                            self.dp_group)
-        invalid = self.invalid_modes | frozenset(invalid_modes)
+        invalid = self.invalid_modes | frozenset(invalid_modes) if invalid_modes \
+            else self.invalid_modes
         mode, desc = self._dispatch(step_tokens, step_uniform, has_lora, num_active_loras,
                                     invalid)
         padded_tokens = desc.num_tokens if mode is not _NONE else step_tokens
@@ -356,10 +367,12 @@ class GraphRunner:
                 f"uniform_decode=True every request must have exactly "
                 f"{self.dispatcher.uniform_decode_query_len} tokens")
         self._stage(values, num_tokens, padded_tokens, reqs, padded_reqs)
-        self.stats.inc("steps")
-        self.stats.inc(f"steps_{mode.name.lower() if mode is not _NONE else 'eager'}")
-        self.stats.inc("padded_tokens", padded_tokens - num_tokens)
-        step_extras = dict(extras or {})
+        stats = self.stats
+        stats.inc("steps")
+        stats.inc(_STEP_COUNTER[mode])
+        if padded_tokens != num_tokens:
+            stats.inc("padded_tokens", padded_tokens - num_tokens)
+        step_extras = dict(extras) if extras else {}
         plan = self._plan_micro_batches(num_scheduled_tokens, num_tokens, reqs, padded_tokens,
                                         padded_reqs, step_uniform)
         versions = [buf._version for buf in self._buffer_list]
@@ -377,8 +390,12 @@ class GraphRunner:
             # What the model wrote before it raised reaches the caller, as in eager.
             with contextlib.suppress(Exception):
                 self._copy_back(values, self._written(versions, writes), num_tokens, reqs)
+            with contextlib.suppress(Exception):
+                self._reset_padding()  # it may have written any row
             raise
         slots = self._written(versions, writes)
+        for name, _, buf in slots:  # the model wrote there: its padding may not hold the fill
+            self._dirty[name] = _rows(buf)
         out = self._detach_from_written(out, values, slots)
         written = self._copy_back(values, slots, num_tokens, reqs)
         if aliased and written:
@@ -576,14 +593,22 @@ class GraphRunner:
         staging = self._stagings.get(key)
         if staging is None:
             staging = self._stagings[key] = self._staging(*key)
-        names, targets, fills = staging
+        names, targets, fills, rows = staging
+        dirty = self._dirty
         with torch.no_grad():
             if len(targets) == 1:
                 targets[0].copy_(values[names[0]])
             else:
                 torch._foreach_copy_(targets, [values[name] for name in names])
-            for view, fill in fills:
-                view.fill_(fill)
+            for name, view, fill, start, stop in fills:
+                # rows from dirty[name] on hold the fill already (see _dirty)
+                if dirty[name] > start:
+                    view.fill_(fill)
+                    if dirty[name] <= stop:
+                        dirty[name] = start
+        for name, real in zip(names, rows, strict=True):
+            if real > dirty[name]:
+                dirty[name] = real
 
     def _staging(self, num_tokens: int, padded_tokens: int, reqs: int | None,
                  padded_reqs: int | None) -> _Staging:
@@ -591,19 +616,32 @@ class GraphRunner:
         reset to the input's fill."""
         names: list[str] = []
         targets: list[torch.Tensor] = []
-        fills: list[tuple[torch.Tensor, float | int | bool]] = []
+        fills: list[tuple[str, torch.Tensor, Any, int, int]] = []
+        rows: list[int] = []
         for name, spec in self.specs.items():
             buf = self._buffers[name]
             names.append(name)
             if spec.kind == "static":
                 targets.append(buf)
+                rows.append(_rows(buf))  # every row of a static input is data
                 continue
             real = num_tokens if spec.kind == "tokens" else (reqs or 0)
             padded = padded_tokens if spec.kind == "tokens" else (padded_reqs or real)
             targets.append(buf[:real])
+            rows.append(real)
             if padded > real:
-                fills.append((buf[real:padded], spec.fill))
-        return tuple(names), targets, tuple(fills)
+                fills.append((name, buf[real:padded], spec.fill, real, padded))
+        return tuple(names), targets, tuple(fills), tuple(rows)
+
+    def _reset_padding(self) -> None:
+        """Fill every token and request buffer with its input's fill value (after capture's
+        dummy steps, or a step that raised, wrote who knows which rows): from here on, a step
+        resets only the padded rows an earlier step may have written."""
+        with torch.no_grad():
+            for name, spec in self.specs.items():
+                if spec.kind != "static":
+                    self._buffers[name].fill_(spec.fill)
+                    self._dirty[name] = 0
 
     def _written(self, versions: list[int], graph_writes: frozenset[str] | None
                  ) -> list[tuple[str, str, torch.Tensor]]:
@@ -834,6 +872,7 @@ class GraphRunner:
             self._forget_failed_capture(primed, stream)
             raise
         finally:
+            self._reset_padding()  # the dummy steps wrote their rows and the model may have too
             if window is not None:
                 window.close()
             # The dummy steps' writes into the model's buffers (a running count, a cache) are
@@ -952,9 +991,16 @@ class GraphRunner:
 
 # -- helpers ---------------------------------------------------------------------------------
 _GRAPH_MODES = frozenset({_PIECEWISE, _FULL})
-# input names, the buffer view each is copied into, and (view, fill value) per padded tail
-_Staging = tuple[tuple[str, ...], list[torch.Tensor], tuple[tuple[torch.Tensor, Any], ...]]
+_STEP_COUNTER = {_NONE: "steps_eager", _PIECEWISE: "steps_piecewise", _FULL: "steps_full"}
+# input names, the buffer view each is copied into, (name, view, fill value, first row, end
+# row) per padded tail, and how many leading rows of each buffer the copy overwrites
+_Staging = tuple[tuple[str, ...], list[torch.Tensor],
+                 tuple[tuple[str, torch.Tensor, Any, int, int], ...], tuple[int, ...]]
 _STALE = object()  # _replay's answer when the plan's graph is gone
+
+
+def _rows(buf: torch.Tensor) -> int:
+    return int(buf.shape[0]) if buf.dim() else 0
 
 
 def _allocate_buffers(specs: Mapping[str, InputSpec], config: CompilationConfig,
