@@ -595,17 +595,17 @@ class GraphRunner:
             staging = self._stagings[key] = self._staging(*key)
         names, targets, fills, rows = staging
         dirty = self._dirty
-        with torch.no_grad():
-            if len(targets) == 1:
-                targets[0].copy_(values[names[0]])
-            else:
-                torch._foreach_copy_(targets, [values[name] for name in names])
-            for name, view, fill, start, stop in fills:
-                # rows from dirty[name] on hold the fill already (see _dirty)
-                if dirty[name] > start:
-                    view.fill_(fill)
-                    if dirty[name] <= stop:
-                        dirty[name] = start
+        # (no autograd: the step runs with grad mode off, see __call__)
+        if len(targets) == 1:
+            targets[0].copy_(values[names[0]])
+        else:
+            torch._foreach_copy_(targets, [values[name] for name in names])
+        for name, view, fill, start, stop in fills:
+            # rows from dirty[name] on hold the fill already (see _dirty)
+            if dirty[name] > start:
+                view.fill_(fill)
+                if dirty[name] <= stop:
+                    dirty[name] = start
         for name, real in zip(names, rows, strict=True):
             if real > dirty[name]:
                 dirty[name] = real
@@ -712,8 +712,7 @@ class GraphRunner:
         """The replay's output, or ``_STALE`` when its graph was dropped (the step then goes
         through the model, which captures again or refuses)."""
         try:
-            with torch.no_grad():
-                return replay()
+            return replay()  # grad mode is off for the whole step (see __call__)
         except StaleReplay:
             del self._replays[(desc, padded_reqs)]
             return _STALE
