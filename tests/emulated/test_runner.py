@@ -404,16 +404,22 @@ def _writer_inputs(n: int, reqs: int, seed: int) -> tuple[torch.Tensor, ...]:
     return x, slots, seen, cache
 
 
-@pytest.mark.parametrize("mode", list(CAPTURES))
-def test_inputs_written_by_the_model_reach_the_caller_as_in_eager(mode: str) -> None:
-    """A model that writes into an input tensor writes into the caller's tensor in eager; the
-    runner runs it on its static copy, so it copies the written inputs back (real rows only)."""
-    cfg = config(mode)
+def writer_runner(cfg: CompilationConfig) -> tuple[Any, GraphRunner]:
+    """:class:`InPlaceWriter` compiled with ``cfg`` behind a captured runner with one input of
+    each kind."""
     model = ff.compile(InPlaceWriter(), cfg)
     runner = GraphRunner(model, cfg, progress=False, inputs={
         "x": Tokens(2), "slots": Tokens(dtype=torch.long, fill=-1),
         "seen": Requests(dtype=torch.int32), "cache": Static(6, 2)})
     runner.capture()
+    return model, runner
+
+
+@pytest.mark.parametrize("mode", list(CAPTURES))
+def test_inputs_written_by_the_model_reach_the_caller_as_in_eager(mode: str) -> None:
+    """A model that writes into an input tensor writes into the caller's tensor in eager; the
+    runner runs it on its static copy, so it copies the written inputs back (real rows only)."""
+    _, runner = writer_runner(config(mode))
     eager = InPlaceWriter()
     for step_no, (n, reqs) in enumerate([(3, 2), (8, 8), (1, 1), (5, 5), (11, 3), (4, 4)]):
         mine = _writer_inputs(n, reqs, seed=step_no)

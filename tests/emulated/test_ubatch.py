@@ -402,6 +402,19 @@ def _e2e_config(**kw: Any) -> CompilationConfig:
     return CompilationConfig(**fields)
 
 
+def _e2e_runner(module: nn.Module) -> tuple[Any, Any]:
+    """``module`` compiled with :func:`_e2e_config`, behind a captured micro-batching runner."""
+    from freezeframe.runtime import GraphRunner, Tokens
+
+    cfg = _e2e_config()
+    model = ff.compile(module, cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
+    assert runner._ubatch is not None
+    runner._ubatch.timeout_s = 60
+    runner.capture()
+    return model, runner
+
+
 def test_runner_captures_split_full_graph_and_replays_it() -> None:
     from freezeframe.runtime import GraphRunner, Tokens
 
@@ -442,15 +455,8 @@ def test_runner_cuts_between_the_requests_it_is_given() -> None:
     """``num_scheduled_tokens`` tells the runner where requests end; a step laid out other
     than the captured one (captured without request counts: one request) runs its
     micro-batches without the split graph, counted, and still gives eager's answer."""
-    from freezeframe.runtime import GraphRunner, Tokens
-
-    cfg = _e2e_config()
     eager = CompiledCommModel()
-    model = ff.compile(CompiledCommModel(), cfg)
-    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
-    assert runner._ubatch is not None
-    runner._ubatch.timeout_s = 60
-    runner.capture()
+    model, runner = _e2e_runner(CompiledCommModel())
     seen: list[tuple[int, int, int, int]] = []
     body = model.forward
 
@@ -484,15 +490,8 @@ class WritingCommModel(CompiledCommModel):
 def test_runner_copies_back_inputs_written_by_micro_batches() -> None:
     """Each micro-batch writes into its slice of the runner's static buffer; the caller's tensor
     gets the real rows back, in split replays and in the unsplit eager fallback."""
-    from freezeframe.runtime import GraphRunner, Tokens
-
-    cfg = _e2e_config()
     eager = WritingCommModel()
-    model = ff.compile(WritingCommModel(), cfg)
-    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
-    assert runner._ubatch is not None
-    runner._ubatch.timeout_s = 60
-    runner.capture()
+    model, runner = _e2e_runner(WritingCommModel())
     for tokens, seed in ((7, 21), (8, 22), (3, 23)):
         x = _inputs(tokens, seed=seed)
         theirs = x.clone()

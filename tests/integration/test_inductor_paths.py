@@ -15,9 +15,8 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation.compilers import current_compile_range
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import forward_context
-from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
 from freezeframe.sizes import Range
-from tests.emulated.test_runner import InPlaceWriter, _writer_inputs
+from tests.emulated.test_runner import InPlaceWriter, _writer_inputs, writer_runner
 from tests.emulated.test_runner import config as runner_config
 from tests.helpers import silly
 from tests.helpers.configs import silly_config
@@ -116,12 +115,7 @@ def test_inductor_in_a_root_with_spaces_and_a_damaged_kernel_cache(tmp_path: Pat
 def test_inputs_written_by_inductor_compiled_pieces_reach_the_caller() -> None:
     """Inductor's compiled code writes into its inputs and bumps their version counters, in
     eager steps and in emulated replays (which call the compiled piece again) alike."""
-    cfg = runner_config("piecewise", backend="inductor", use_cache=False)
-    model = ff.compile(InPlaceWriter(), cfg)
-    runner = GraphRunner(model, cfg, progress=False, inputs={
-        "x": Tokens(2), "slots": Tokens(dtype=torch.long, fill=-1),
-        "seen": Requests(dtype=torch.int32), "cache": Static(6, 2)})
-    runner.capture()
+    model, runner = writer_runner(runner_config("piecewise", backend="inductor", use_cache=False))
     eager = InPlaceWriter()
     for step_no, (n, reqs) in enumerate([(3, 2), (11, 3)]):  # a replay, an eager step
         mine = _writer_inputs(n, reqs, seed=step_no)
