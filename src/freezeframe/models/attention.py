@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import get_forward_context
+from freezeframe.models.ops import define_op
 
 __all__ = [
     "ATTENTION_OP",
@@ -88,10 +89,7 @@ class AttentionHostMetadata:
         return max(self.query_lens, default=0)
 
 
-@torch.library.custom_op(
-    "freezeframe::attention", mutates_args=("out", "k_cache", "v_cache")
-)
-def attention(
+def _attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KV, D]
     v: torch.Tensor,  # [T, KV, D]
@@ -135,7 +133,6 @@ def attention(
     )
 
 
-@attention.register_fake
 def _attention_fake(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,6 +149,16 @@ def _attention_fake(
     scale: float,
 ) -> None:
     return None
+
+
+_LIBRARY = define_op(
+    ATTENTION_OP,
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+    "Tensor positions, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_tables, int block_size, float scale) -> ()",
+    _attention, _attention_fake)
+attention = torch.ops.freezeframe.attention
+"""The op (see :func:`_attention` for what it computes), as ``attention(q, k, v, out, ...)``."""
 
 
 def _num_real(seq_lens: torch.Tensor) -> int:

@@ -6,7 +6,8 @@ two halves with a custom op, projects down and adds the residual. The custom op
 the graph is cut at, and it writes into an output buffer allocated by the piece before it (the
 pattern that keeps buffer addresses stable for piecewise CUDA graphs).
 
-Importing this module registers the op with ``torch.library`` (once per process).
+Importing this module registers the op with ``torch.library`` (once per process; see
+:mod:`freezeframe.models.ops`).
 """
 
 from __future__ import annotations
@@ -14,22 +15,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freezeframe.models.ops import define_op
+
 __all__ = ["MIX_OP", "ExampleMLP", "mix"]
 
 MIX_OP = "freezeframe_example::mix"
 """The splitting op to name in ``CompilationConfig(splitting_ops=[MIX_OP])``."""
 
 
-@torch.library.custom_op(MIX_OP, mutates_args=("out",))
-def mix(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
+def _mix(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
     """``out = x * sigmoid(gate)``, elementwise; all three are ``[num_tokens, hidden]``."""
     torch.mul(x, torch.sigmoid(gate), out=out)
 
 
-@mix.register_fake
 def _mix_fake(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
     # Writes into `out` in place and returns nothing: no shapes to propagate.
     return None
+
+
+_LIBRARY = define_op(MIX_OP, "(Tensor x, Tensor gate, Tensor(a!) out) -> ()", _mix, _mix_fake)
+mix = torch.ops.freezeframe_example.mix
+"""The op, callable as ``mix(x, gate, out)``."""
 
 
 class ExampleMLP(nn.Module):
