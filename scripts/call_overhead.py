@@ -121,6 +121,43 @@ def runner_overhead(name: str, module: torch.nn.Module, inputs: dict[str, Any],
     return {"step_us": rows["step"], "replay_us": rows["replay"], "host_us": overhead}
 
 
+def piecewise_overhead(name: str, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
+                       splitting_op: Any, op_args: tuple[Any, ...]) -> dict[str, float]:
+    """One PIECEWISE step of a GraphRunner against its bare parts: each capturable piece's graph
+    replayed and each splitting-op call, made directly; the difference per capturable piece is
+    what the piecewise path adds per piece."""
+    cfg = ff.CompilationConfig(
+        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
+        cudagraph_mode="piecewise", graph_backend="emulated",
+        cudagraph_capture_sizes=[1, 2, 4, 8], max_num_tokens=8, max_num_seqs=8,
+        use_cache=False)
+    model = ff.compile(module, cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens()}, progress=False)
+    runner.capture()
+    runner(*args)
+    n = int(args[0].shape[0])
+    mode, desc = runner.dispatcher.dispatch(n)
+    assert mode is ff.CUDAGraphMode.PIECEWISE, mode
+    graphs = [w.graph_for(desc) for w in model.graph_wrappers()]
+    assert all(g is not None for g in graphs)
+    num_ops = len(model.pieces) - len(graphs)
+
+    def bare() -> None:
+        for graph in graphs:
+            graph.replay()  # type: ignore[union-attr]
+        for _ in range(num_ops):
+            splitting_op(*op_args)
+
+    rows = per_call_us({"step": lambda: runner(*args), "bare": bare})
+    per_piece = (rows["step"] - rows["bare"]) / len(graphs)
+    print(f"\nGraphRunner PIECEWISE step, {name} ({n} tokens, padded to {desc.num_tokens}; "
+          f"{len(graphs)} piece graphs, {num_ops} splitting-op calls)")
+    print(f"  step     {rows['step']:8.1f} us/call")
+    print(f"  bare     {rows['bare']:8.1f} us/call (piece replays + splitting-op calls)")
+    print(f"  host     {rows['step'] - rows['bare']:8.1f} us/step, {per_piece:.1f} us per piece")
+    return {"step_us": rows["step"], "bare_us": rows["bare"], "per_piece_us": per_piece}
+
+
 class Doubler(torch.nn.Module):
     """A model that does (almost) nothing: one multiply."""
 
@@ -140,6 +177,9 @@ def main() -> None:
                     (torch.randn(3, 4),), [])
     runner_overhead("SillyModel", SillyModel(), {"x": Tokens()}, (torch.randn(3),),
                     ["silly::attention"])
+    x4 = torch.randn(4)
+    piecewise_overhead("SillyModel", SillyModel(), (torch.randn(3),),
+                       torch.ops.silly.attention, (x4, x4, x4, torch.empty(4)))
     runner_overhead("ToyLlama(2 layers)", ToyLlama(LlamaConfig(num_layers=2)),
                     {"input_ids": Tokens(**long), "positions": Tokens(**long)},
                     (torch.randint(0, 128, (3,)), torch.arange(3)), ["silly::attention"])
