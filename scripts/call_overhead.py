@@ -93,22 +93,33 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
 
 
 # -- GraphRunner: host time of a step around the bare replay ----------------------------------
-def runner_overhead(name: str, module: torch.nn.Module, inputs: dict[str, Any],
-                    args: tuple[torch.Tensor, ...], splitting_ops: list[str]) -> dict[str, float]:
-    """One FULL step of a GraphRunner against the bare replay of the graph it runs (emulated
-    backend: the replay re-runs the recorded ops; what the step adds is the host path)."""
+def _captured_runner(module: torch.nn.Module, inputs: dict[str, Any],
+                     args: tuple[torch.Tensor, ...], splitting_ops: list[str],
+                     mode: ff.CUDAGraphMode) -> tuple[Any, GraphRunner, ff.BatchDescriptor]:
+    """``module`` compiled with the eager compiler, graphs of ``mode`` on the emulated backend,
+    behind a captured runner that has run one step of ``args``; and the descriptor such a step
+    replays."""
     cfg = ff.CompilationConfig(
         mode="piecewise" if splitting_ops else "dynamo_trace_once", backend="eager",
-        splitting_ops=splitting_ops or None, cudagraph_mode="full", graph_backend="emulated",
-        cudagraph_capture_sizes=[1, 2, 4, 8], max_num_tokens=8, max_num_seqs=8,
-        use_cache=False)
+        splitting_ops=splitting_ops or None, cudagraph_mode=mode.name.lower(),
+        graph_backend="emulated", cudagraph_capture_sizes=[1, 2, 4, 8], max_num_tokens=8,
+        max_num_seqs=8, use_cache=False)
     model = ff.compile(module, cfg)
     runner = GraphRunner(model, cfg, inputs=inputs, progress=False)
     runner.capture()
     runner(*args)
+    step_mode, desc = runner.dispatcher.dispatch(int(args[0].shape[0]))
+    assert step_mode is mode, step_mode
+    return model, runner, desc
+
+
+def runner_overhead(name: str, module: torch.nn.Module, inputs: dict[str, Any],
+                    args: tuple[torch.Tensor, ...], splitting_ops: list[str]) -> dict[str, float]:
+    """One FULL step of a GraphRunner against the bare replay of the graph it runs (emulated
+    backend: the replay re-runs the recorded ops; what the step adds is the host path)."""
+    model, runner, desc = _captured_runner(module, inputs, args, splitting_ops,
+                                           ff.CUDAGraphMode.FULL)
     n = int(args[0].shape[0])
-    mode, desc = runner.dispatcher.dispatch(n)
-    assert mode is ff.CUDAGraphMode.FULL, mode
     full = next(w for w in model.graph_wrappers() if w.runtime_mode is ff.CUDAGraphMode.FULL)
     graph = full.graph_for(desc)
     assert graph is not None
@@ -126,18 +137,9 @@ def piecewise_overhead(name: str, module: torch.nn.Module, args: tuple[torch.Ten
     """One PIECEWISE step of a GraphRunner against its bare parts: each capturable piece's graph
     replayed and each splitting-op call, made directly; the difference per capturable piece is
     what the piecewise path adds per piece."""
-    cfg = ff.CompilationConfig(
-        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
-        cudagraph_mode="piecewise", graph_backend="emulated",
-        cudagraph_capture_sizes=[1, 2, 4, 8], max_num_tokens=8, max_num_seqs=8,
-        use_cache=False)
-    model = ff.compile(module, cfg)
-    runner = GraphRunner(model, cfg, inputs={"x": Tokens()}, progress=False)
-    runner.capture()
-    runner(*args)
+    model, runner, desc = _captured_runner(module, {"x": Tokens()}, args, ["silly::attention"],
+                                           ff.CUDAGraphMode.PIECEWISE)
     n = int(args[0].shape[0])
-    mode, desc = runner.dispatcher.dispatch(n)
-    assert mode is ff.CUDAGraphMode.PIECEWISE, mode
     graphs = [w.graph_for(desc) for w in model.graph_wrappers()]
     assert all(g is not None for g in graphs)
     num_ops = len(model.pieces) - len(graphs)

@@ -142,6 +142,15 @@ class _TensorArg:
         return kwargs.get(self.name)
 
 
+def _reads_captured(now: Any, then: torch.Tensor) -> bool:
+    """Whether argument ``now`` is the captured tensor ``then``, or a view of its very memory
+    laid out the same way: a replay reads it as it is, with no copy."""
+    return now is then or (
+        isinstance(now, torch.Tensor) and now.shape == then.shape and now.dtype == then.dtype
+        and now.device == then.device and now.data_ptr() == then.data_ptr()
+        and now.stride() == then.stride())
+
+
 def _version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter (bumped by every in-place write), or None for an inference
     tensor, which has none."""
@@ -249,11 +258,7 @@ class GraphWrapper:
         if entry is None or entry.graph is None or _layout(args, kwargs) != entry.layout:
             return None
         for captured in entry.inputs:
-            now, then = captured.value(args, kwargs), captured.tensor
-            if now is not then and not (
-                    isinstance(now, torch.Tensor) and now.data_ptr() == then.data_ptr()
-                    and now.shape == then.shape and now.stride() == then.stride()
-                    and now.dtype == then.dtype and now.device == then.device):
+            if not _reads_captured(captured.value(args, kwargs), captured.tensor):
                 return None
         entries, graph, output, stats = self._entries, entry.graph, entry.output, self.stats
 
@@ -350,13 +355,11 @@ class GraphWrapper:
         for captured, written in zip(entry.inputs, entry.written, strict=True):
             now = captured.value(args, kwargs)
             then = captured.tensor
-            if now is then:
+            if _reads_captured(now, then):
                 continue
             if now.shape != then.shape or now.dtype != then.dtype \
                     or now.device != then.device:
                 self._refuse_shape(key, captured, now)
-            if now.data_ptr() == then.data_ptr() and now.stride() == then.stride():
-                continue  # a view of the captured memory, laid out the same way
             if self.debug:
                 self._refuse_address(key, captured, now)
             then.copy_(now)

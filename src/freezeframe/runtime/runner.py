@@ -235,8 +235,8 @@ class GraphRunner:
         self._copy_after_overlap = False
         # Per buffer: the rows from this index on are known to hold the input's fill value (a
         # step whose padding lies there need not reset it). Staging and the model's writes
-        # raise it; capture and a failed step reset the whole buffer.
-        self._dirty: dict[str, int] = dict.fromkeys(self._buffers, 0)
+        # raise it; capture and a failed step refill the whole buffer (back to 0).
+        self._fill_from: dict[str, int] = dict.fromkeys(self._buffers, 0)
         # (tokens, padded tokens, requests, padded requests) -> where a step is staged
         self._stagings: dict[tuple[int, int, int | None, int | None], _Staging] = {}
         # (descriptor, padded requests) -> (graphs captured when looked up, the model's direct
@@ -395,7 +395,7 @@ class GraphRunner:
             raise
         slots = self._written(versions, writes)
         for name, _, buf in slots:  # the model wrote there: its padding may not hold the fill
-            self._dirty[name] = _rows(buf)
+            self._fill_from[name] = _rows(buf)
         out = self._detach_from_written(out, values, slots)
         written = self._copy_back(values, slots, num_tokens, reqs)
         if aliased and written:
@@ -587,28 +587,26 @@ class GraphRunner:
                reqs: int | None, padded_reqs: int | None) -> None:
         """Copy the step into the buffers and reset the padded tail to each input's fill, so
         no stale rows from an earlier, larger step leak into this one. The buffer views of a
-        shape are made once (:meth:`_staging`); a step makes one copy launch for all inputs
-        and one fill per padded input."""
+        shape are made once (:meth:`_staging`); a step makes one copy launch for all inputs,
+        and a fill only where an earlier step or the model may have written the padding."""
         key = (num_tokens, padded_tokens, reqs, padded_reqs)
         staging = self._stagings.get(key)
         if staging is None:
             staging = self._stagings[key] = self._staging(*key)
-        names, targets, fills, rows = staging
-        dirty = self._dirty
+        fill_from = self._fill_from
         # (no autograd: the step runs with grad mode off, see __call__)
-        if len(targets) == 1:
-            targets[0].copy_(values[names[0]])
+        if len(staging.targets) == 1:
+            staging.targets[0].copy_(values[staging.names[0]])
         else:
-            torch._foreach_copy_(targets, [values[name] for name in names])
-        for name, view, fill, start, stop in fills:
-            # rows from dirty[name] on hold the fill already (see _dirty)
-            if dirty[name] > start:
-                view.fill_(fill)
-                if dirty[name] <= stop:
-                    dirty[name] = start
-        for name, real in zip(names, rows, strict=True):
-            if real > dirty[name]:
-                dirty[name] = real
+            torch._foreach_copy_(staging.targets, [values[name] for name in staging.names])
+        for pad in staging.padding:
+            if fill_from[pad.name] > pad.start:
+                pad.view.fill_(pad.fill)
+                if fill_from[pad.name] <= pad.stop:
+                    fill_from[pad.name] = pad.start
+        for name, real in zip(staging.names, staging.rows, strict=True):
+            if real > fill_from[name]:
+                fill_from[name] = real
 
     def _staging(self, num_tokens: int, padded_tokens: int, reqs: int | None,
                  padded_reqs: int | None) -> _Staging:
@@ -616,7 +614,7 @@ class GraphRunner:
         reset to the input's fill."""
         names: list[str] = []
         targets: list[torch.Tensor] = []
-        fills: list[tuple[str, torch.Tensor, Any, int, int]] = []
+        padding: list[_Padding] = []
         rows: list[int] = []
         for name, spec in self.specs.items():
             buf = self._buffers[name]
@@ -630,8 +628,8 @@ class GraphRunner:
             targets.append(buf[:real])
             rows.append(real)
             if padded > real:
-                fills.append((name, buf[real:padded], spec.fill, real, padded))
-        return tuple(names), targets, tuple(fills), tuple(rows)
+                padding.append(_Padding(name, buf[real:padded], spec.fill, real, padded))
+        return _Staging(tuple(names), targets, tuple(padding), tuple(rows))
 
     def _reset_padding(self) -> None:
         """Fill every token and request buffer with its input's fill value (after capture's
@@ -641,7 +639,7 @@ class GraphRunner:
             for name, spec in self.specs.items():
                 if spec.kind != "static":
                     self._buffers[name].fill_(spec.fill)
-                    self._dirty[name] = 0
+                    self._fill_from[name] = 0
 
     def _written(self, versions: list[int], graph_writes: frozenset[str] | None
                  ) -> list[tuple[str, str, torch.Tensor]]:
@@ -991,11 +989,30 @@ class GraphRunner:
 # -- helpers ---------------------------------------------------------------------------------
 _GRAPH_MODES = frozenset({_PIECEWISE, _FULL})
 _STEP_COUNTER = {_NONE: "steps_eager", _PIECEWISE: "steps_piecewise", _FULL: "steps_full"}
-# input names, the buffer view each is copied into, (name, view, fill value, first row, end
-# row) per padded tail, and how many leading rows of each buffer the copy overwrites
-_Staging = tuple[tuple[str, ...], list[torch.Tensor],
-                 tuple[tuple[str, torch.Tensor, Any, int, int], ...], tuple[int, ...]]
 _STALE = object()  # _replay's answer when the plan's graph is gone
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Padding:
+    """The padded tail ``[start, stop)`` of one input's buffer at one step shape."""
+
+    name: str
+    view: torch.Tensor
+    fill: Any
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Staging:
+    """Where a step of one shape goes: per input (in spec order) its name, the buffer view its
+    real rows are copied into and how many leading buffer rows that copy overwrites; and the
+    padded tails to reset."""
+
+    names: tuple[str, ...]
+    targets: list[torch.Tensor]
+    padding: tuple[_Padding, ...]
+    rows: tuple[int, ...]
 
 
 def _rows(buf: torch.Tensor) -> int:
