@@ -1,14 +1,23 @@
 """Test-suite wiring: the ``cuda`` marker skips on machines without a GPU.
 
-Nothing global is registered here beyond that; shared toy models and ops live in tests/helpers.
+Nothing global is registered here beyond that and, without CUDA, ``TRITON_INTERPRET=1``;
+shared toy models and ops live in tests/helpers.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
+
+# Triton runs CPU tensors only in its interpreter, which is chosen when triton is first imported
+# (torch._dynamo imports it): on a machine without CUDA, turn it on before any test module loads,
+# so the Triton attention kernel's tests run (freezeframe/models/paged_attention_triton.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _cuda_available() -> bool:

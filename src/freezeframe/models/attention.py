@@ -18,7 +18,19 @@ Real requests come first; rows with ``seq_lens == 0`` are padding, whatever thei
 a fixed ``R`` = max requests works for every step). Tokens at or past the last real request's
 end, or with a negative slot, are padding: they write only the sink slot and get zeros.
 
-Two paths compute the same thing:
+Which kernel attends is the op's ``kernel`` argument (``KVCacheConfig.attention_kernel``):
+
+* ``"triton"`` – :mod:`freezeframe.models.paged_attention_triton`: per token, a loop over only
+  the blocks that hold its context, the bound read from device tensors. No host sync, one
+  captured graph for every context length, and it serves decode, prefill and mixed batches
+  alike (see that module for what a long prefill costs). Needs ``triton``; on CPU tensors it
+  runs in Triton's interpreter (for tests only).
+* ``"torch"`` – the pure-torch reference paths below, for CPU and as the tests' oracle.
+* ``"auto"`` (the default) – ``"triton"`` when ``q`` is on CUDA and ``triton`` is installed,
+  otherwise ``"torch"``. Resolved per call from ``q``'s device, so a model moved between devices
+  picks again.
+
+The pure-torch paths compute the same thing:
 
 * **static** – every token attends over the fixed window ``max_blocks * block_size`` of its
   request with a position mask, in chunks with an online softmax. No host sync and no
@@ -34,6 +46,7 @@ Two paths compute the same thing:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import torch
@@ -41,19 +54,28 @@ import torch.nn.functional as F
 
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import get_forward_context
+from freezeframe.errors import ConfigError
 from freezeframe.models.ops import define_op
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "ATTENTION_OP",
     "ATTN_METADATA_KEY",
     "AttentionHostMetadata",
     "attention",
+    "check_attention_kernel",
+    "resolve_attention_kernel",
 ]
 
 #: The op's qualified name, for ``CompilationConfig(splitting_ops=[ATTENTION_OP])``.
 ATTENTION_OP = "freezeframe::attention"
 #: Forward-context extras key under which a driver passes :class:`AttentionHostMetadata`.
 ATTN_METADATA_KEY = "attn_metadata"
+
+#: The values of ``KVCacheConfig.attention_kernel`` (the op's ``kernel`` argument).
+ATTENTION_KERNELS = ("auto", "torch", "triton")
+# whether triton can be imported (looked up once; importing it waits until it is used)
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
 # masked scores: a large finite negative, so an all-masked (padded) row averages finite values
 # instead of dividing 0 by 0
@@ -103,8 +125,10 @@ def _attention(
     block_tables: torch.Tensor,  # [R, max_blocks]
     block_size: int,
     scale: float,
+    kernel: str = "auto",
 ) -> None:
     """Write this step's K/V into the cache, then attend each token over its request's context."""
+    use_triton = resolve_attention_kernel(kernel, q.device) == "triton"
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
@@ -113,6 +137,13 @@ def _attention(
     write_slot = torch.where(token_valid, slot_mapping, torch.full_like(slot_mapping, sink))
     k_cache.index_copy_(0, write_slot, k.to(k_cache.dtype))
     v_cache.index_copy_(0, write_slot, v.to(v_cache.dtype))
+    if use_triton:
+        from freezeframe.models import paged_attention_triton
+
+        paged_attention_triton.paged_attention(
+            q, k_cache, v_cache, out, positions, token_req, token_valid, block_tables,
+            block_size, scale)
+        return
 
     host = _choose_path()
     if host is None:
@@ -147,6 +178,7 @@ def _attention_fake(
     block_tables: torch.Tensor,
     block_size: int,
     scale: float,
+    kernel: str = "auto",
 ) -> None:
     return None
 
@@ -155,10 +187,31 @@ _LIBRARY = define_op(
     ATTENTION_OP,
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
     "Tensor positions, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor block_tables, int block_size, float scale) -> ()",
+    "Tensor block_tables, int block_size, float scale, str kernel=\"auto\") -> ()",
     _attention, _attention_fake)
 attention = torch.ops.freezeframe.attention
 """The op (see :func:`_attention` for what it computes), as ``attention(q, k, v, out, ...)``."""
+
+
+def check_attention_kernel(kernel: object, what: str = "attention_kernel") -> str:
+    """``kernel`` if it names an attention kernel this process can run, else a ConfigError."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ConfigError(
+            f"{what}={kernel!r} is not an attention kernel; choose one of "
+            f"{list(ATTENTION_KERNELS)} ('auto': triton on CUDA when installed, else torch)")
+    if kernel == "triton" and not _TRITON_FOUND:
+        raise ConfigError(
+            f"{what}='triton' but triton is not installed; pip install triton, or use "
+            "'auto' (torch's reference path where triton is missing)")
+    return str(kernel)
+
+
+def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
+    """``"torch"`` or ``"triton"``: the kernel ``kernel`` (one of :data:`ATTENTION_KERNELS`)
+    means for tensors on ``device``."""
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and _TRITON_FOUND else "torch"
+    return check_attention_kernel(kernel, "freezeframe::attention kernel")
 
 
 def _num_real(seq_lens: torch.Tensor) -> int:

@@ -20,10 +20,12 @@ contiguous layout is the special case ``block_size == max_model_len``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
 from freezeframe.errors import ConfigError
+from freezeframe.models.attention import check_attention_kernel
 
 __all__ = ["BlockAllocator", "KVCacheConfig", "allocate_layer_cache"]
 
@@ -33,13 +35,19 @@ class KVCacheConfig:
     """How much cache to allocate and how a request's context may grow.
 
     ``max_model_len`` bounds positions (prompt + generated tokens) and sets the block-table
-    width ``max_blocks = ceil(max_model_len / block_size)``. Capturable (static) attention reads
-    ``max_blocks * block_size`` keys per token, so keep it no larger than you need.
+    width ``max_blocks = ceil(max_model_len / block_size)``. The pure-torch capturable (static)
+    attention path reads ``max_blocks * block_size`` keys per token, so with it keep
+    ``max_model_len`` no larger than you need; the Triton kernel reads only the blocks in use.
+
+    ``attention_kernel`` picks who reads the cache (see :mod:`freezeframe.models.attention`):
+    ``"triton"`` (our paged kernel; needs ``triton``), ``"torch"`` (the pure-torch reference
+    paths) or ``"auto"`` (triton for CUDA tensors when it is installed, torch otherwise).
     """
 
     num_blocks: int = 64
     block_size: int = 16
     max_model_len: int = 256
+    attention_kernel: Literal["auto", "torch", "triton"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len"):
@@ -49,6 +57,7 @@ class KVCacheConfig:
                     f"KVCacheConfig.{name} must be a positive int, got {value!r}; pass e.g. "
                     f"{name}=16"
                 )
+        check_attention_kernel(self.attention_kernel, "KVCacheConfig.attention_kernel")
 
     @property
     def max_blocks(self) -> int:

@@ -144,6 +144,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.resolved_head_dim
         self.block_size = cache.block_size
+        self.attention_kernel: str = cache.attention_kernel
         self.scale = default_scale(self.head_dim)
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
@@ -178,6 +179,7 @@ class Attention(nn.Module):
         torch.ops.freezeframe.attention(
             q, k, v.contiguous(), out, self.k_cache, self.v_cache, positions, slot_mapping,
             query_start_loc, seq_lens, block_tables, self.block_size, self.scale,
+            self.attention_kernel,
         )
         return self.o_proj(out.reshape(num_tokens, h * d))
 

@@ -1,0 +1,252 @@
+"""The Triton paged-attention kernel against the pure-torch reference and a float64 oracle.
+
+On a machine without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported), on CPU tensors; with CUDA it runs compiled on
+the GPU. Every case is a whole ``freezeframe::attention`` call (the K/V write included) on a
+cache whose blocks are handed out in shuffled order, with context lengths of 1, exactly a block,
+and random lengths, GQA/MQA/MHA head layouts, 32- and 16-bit dtypes, decode-only and mixed
+prefill + decode batches, and padded tokens and request rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import freezeframe as ff
+from freezeframe.errors import ConfigError
+from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama
+from freezeframe.models import attention as attention_module
+from freezeframe.models.attention import resolve_attention_kernel
+from freezeframe.models.serving import Request, RunnerForward, ServingDriver, llama_runner_inputs
+from freezeframe.runtime.runner import GraphRunner
+
+triton = pytest.importorskip("triton", reason="the Triton kernel needs triton (pip install "
+                                              "triton); CI installs it with the test extra")
+from freezeframe.models.paged_attention_triton import interpreter_ready  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not interpreter_ready():
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (run the tests through "
+                "pytest from the repository, whose conftest sets it)", allow_module_level=True)
+
+BLOCK = 4
+NUM_BLOCKS = 24
+MAX_BLOCKS = 6  # positions 0 .. 23
+HEAD_DIM = 16
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step's op arguments; ``cached[r]`` positions of request r are in the cache already."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_real_tokens: int
+
+
+def make_batch(gen: torch.Generator, heads: int, kv_heads: int, dtype: torch.dtype,
+               seq_lens: list[int], new_tokens: list[int], *, pad_tokens: int = 0,
+               pad_reqs: int = 0) -> Batch:
+    """Requests with ``seq_lens`` positions after this step, the last ``new_tokens`` of which
+    are this step's tokens; their blocks are drawn from a random permutation of the cache's."""
+    perm = torch.randperm(NUM_BLOCKS, generator=gen)
+    table = torch.zeros(len(seq_lens) + pad_reqs, MAX_BLOCKS, dtype=torch.long)
+    positions, slots, qsl = [], [], [0]
+    used = 0
+    for r, (length, new) in enumerate(zip(seq_lens, new_tokens, strict=True)):
+        need = -(-length // BLOCK)  # the rest of the row stays 0, as the cache contract says
+        blocks = perm[used:used + need]
+        used += need
+        table[r, :need] = blocks
+        for p in range(length - new, length):
+            positions.append(p)
+            slots.append(int(blocks[p // BLOCK]) * BLOCK + p % BLOCK)
+        qsl.append(len(positions))
+    real = len(positions)
+    positions += [0] * pad_tokens
+    slots += [-1] * pad_tokens
+    qsl += [real] * pad_reqs
+    n = real + pad_tokens
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    num_slots = NUM_BLOCKS * BLOCK + 1
+    return Batch(
+        q=randn(n, heads, HEAD_DIM), k=randn(n, kv_heads, HEAD_DIM),
+        v=randn(n, kv_heads, HEAD_DIM),
+        k_cache=randn(num_slots, kv_heads, HEAD_DIM), v_cache=randn(num_slots, kv_heads, HEAD_DIM),
+        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens + [0] * pad_reqs),
+        block_tables=table, num_real_tokens=real,
+    )
+
+
+def run_op(batch: Batch, kernel: str, *, static: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op on ``DEVICE`` with fresh copies of the cache: ``(out, k_cache, v_cache)``."""
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.clone().to(DEVICE)
+
+    k_cache, v_cache = dev(batch.k_cache), dev(batch.v_cache)
+    out = torch.full_like(dev(batch.q), float("nan"))
+    args = (dev(batch.q), dev(batch.k), dev(batch.v), out, k_cache, v_cache,
+            dev(batch.positions), dev(batch.slot_mapping), dev(batch.query_start_loc),
+            dev(batch.seq_lens), dev(batch.block_tables), BLOCK, 1 / math.sqrt(HEAD_DIM), kernel)
+    if static:  # the capturable pure-torch path (the one a FULL graph holds)
+        desc = ff.BatchDescriptor(num_tokens=batch.q.shape[0])
+        with ff.forward_context(desc, mode=ff.CUDAGraphMode.FULL):
+            torch.ops.freezeframe.attention(*args)
+    else:
+        torch.ops.freezeframe.attention(*args)
+    return out.cpu(), k_cache.cpu(), v_cache.cpu()
+
+
+def oracle(batch: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """float64 attention of each real token over keys 0..position, read slot by slot."""
+    heads, kv_heads = batch.q.shape[1], k_cache.shape[1]
+    out = torch.zeros(batch.q.shape, dtype=torch.float64)
+    qsl = batch.query_start_loc.tolist()
+    for t in range(batch.num_real_tokens):
+        r = max(i for i in range(len(qsl) - 1) if qsl[i] <= t < qsl[i + 1])
+        pos = int(batch.positions[t])
+        slots = [int(batch.block_tables[r, p // BLOCK]) * BLOCK + p % BLOCK
+                 for p in range(pos + 1)]
+        keys = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        vals = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", batch.q[t].double(), keys) / math.sqrt(HEAD_DIM)
+        out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals)
+    return out
+
+
+HEAD_LAYOUTS = [(4, 1), (4, 2), (6, 2), (4, 4)]  # MQA, GQA, GQA with a group of 3, MHA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("heads", "kv_heads"), HEAD_LAYOUTS)
+def test_decode_batches_match_the_reference(dtype: torch.dtype, heads: int,
+                                            kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    # contexts of 1, exactly one and two blocks, one past a block, and random lengths
+    lengths = [1, BLOCK, 2 * BLOCK, BLOCK + 1,
+               *torch.randint(2, MAX_BLOCKS * BLOCK + 1, (2,), generator=gen).tolist()]
+    for bs in (1, len(lengths)):
+        batch = make_batch(gen, heads, kv_heads, dtype, lengths[:bs], [1] * bs)
+        got, k_cache, v_cache = run_op(batch, "triton")
+        want, want_k, want_v = run_op(batch, "torch", static=True)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        torch.testing.assert_close(got.double(), oracle(batch, k_cache, v_cache), atol=tol,
+                                   rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_mixed_prefill_and_decode_batch_with_padding(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    # a whole prompt, a chunk after 5 cached tokens, two decodes; 3 padded tokens, 2 padded rows
+    batch = make_batch(gen, 4, 2, dtype, seq_lens=[6, 13, 1, 24], new_tokens=[6, 8, 1, 1],
+                       pad_tokens=3, pad_reqs=2)
+    got, k_cache, v_cache = run_op(batch, "triton")
+    real = batch.num_real_tokens
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))  # padded tokens: zeros
+    for static in (False, True):  # the varlen path (host sync) and the static one
+        want, want_k, want_v = run_op(batch, "torch", static=static)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got[:real].double(), oracle(batch, k_cache, v_cache)[:real],
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    # the padded tokens wrote only the sink slot; every other slot is the old cache or this
+    # step's keys
+    written = batch.slot_mapping[:real]
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    untouched[-1] = False
+    assert torch.equal(k_cache[untouched], batch.k_cache[untouched])
+    assert torch.equal(k_cache[written], batch.k[:real])
+
+
+def test_an_all_padding_batch_gives_zeros() -> None:
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch(gen, 4, 2, torch.float32, seq_lens=[], new_tokens=[], pad_tokens=4,
+                       pad_reqs=2)
+    got, k_cache, _ = run_op(batch, "triton")
+    assert torch.equal(got, torch.zeros_like(got))
+    assert torch.equal(k_cache[:-1], batch.k_cache[:-1])
+
+
+def test_kernel_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert KVCacheConfig().attention_kernel == "auto"
+    assert resolve_attention_kernel("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_kernel("auto", torch.device("cuda")) == "triton"
+    assert resolve_attention_kernel("triton", torch.device("cpu")) == "triton"
+    assert resolve_attention_kernel("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ConfigError, match=r"KVCacheConfig\.attention_kernel='flash' is not an "
+                                          r"attention kernel; choose one of \['auto', 'torch', "
+                                          r"'triton'\]"):
+        KVCacheConfig(attention_kernel="flash")  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(gen, 4, 2, torch.float32, [3], [1])
+    with pytest.raises(ConfigError, match=r"freezeframe::attention kernel='cuda' is not an "
+                                          r"attention kernel"):
+        run_op(batch, "cuda")
+    monkeypatch.setattr(attention_module, "_TRITON_FOUND", False)
+    with pytest.raises(ConfigError, match=r"KVCacheConfig\.attention_kernel='triton' but triton "
+                                          r"is not installed; pip install triton"):
+        KVCacheConfig(attention_kernel="triton")
+    assert resolve_attention_kernel("auto", torch.device("cuda")) == "torch"
+
+
+# -- end to end: the reference Llama, FULL graphs, the Triton kernel ------------------------
+CACHE = KVCacheConfig(num_blocks=12, block_size=4, max_model_len=16, attention_kernel="torch")
+MAX_SEQS, MAX_TOKENS = 2, 4
+REQUESTS = [
+    Request("a", (1, 2, 3), max_new_tokens=6),  # decode contexts 4 .. 8: across two blocks
+    Request("b", (9, 8), max_new_tokens=4, arrival_step=1),
+]
+
+
+def test_llama_on_full_graphs_with_the_triton_kernel_matches_eager() -> None:
+    eager_model = build_llama("tiny", CACHE, seed=0, init_std=0.3, device=DEVICE)
+    eager = ServingDriver(eager_model, max_num_seqs=MAX_SEQS,
+                          max_num_batched_tokens=MAX_TOKENS).run(REQUESTS)
+
+    cache = dataclasses.replace(CACHE, attention_kernel="triton")
+    model = build_llama("tiny", cache, seed=0, init_std=0.3, device=DEVICE)
+    assert {layer.attn.attention_kernel for layer in model.layers} == {"triton"}
+    cfg = ff.CompilationConfig(
+        mode="piecewise", backend="eager", splitting_ops=[ATTENTION_OP], cudagraph_mode="full",
+        cudagraph_capture_sizes=[1, 2, 4],
+        graph_backend="cuda" if DEVICE.type == "cuda" else "emulated",
+        max_num_seqs=MAX_SEQS, max_num_tokens=MAX_TOKENS,
+    )
+    compiled = ff.compile(model, cfg, dynamic_arg_dims=dict(
+        LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
+    runner = GraphRunner(compiled, cfg, inputs=llama_runner_inputs(model, MAX_SEQS),
+                         progress=False, strict=True)
+    report = runner.capture()
+    served = ServingDriver(model, RunnerForward(runner, MAX_SEQS), max_num_seqs=MAX_SEQS,
+                           max_num_batched_tokens=MAX_TOKENS).run(REQUESTS)
+
+    assert served.outputs == eager.outputs
+    assert eager.step_kinds == ["mixed", "mixed", "decode", "decode", "decode", "decode"]
+    for got, want in zip(served.step_logits, eager.step_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # every step (contexts 2 .. 8) replayed one of the graphs captured up front
+    assert runner.stats.steps == runner.stats.steps_full == eager.num_steps == 6
+    assert compiled.stats.graphs_captured == report.num_graphs
