@@ -151,7 +151,7 @@ CAPTURE_SIZES_TOKEN = "cudagraph_capture_sizes"
 
 # Fields that do not change compiled code and so stay out of cache_key().
 _NOT_IN_CACHE_KEY = frozenset({"cache_dir", "debug", "use_cache", "graph_backend",
-                               "cudagraph_num_of_warmups"})
+                               "cudagraph_num_of_warmups", "custom_ops", "pass_config"})
 
 # Accepted spellings from vLLM configs that map onto our field names.
 _ALIASES = {"level": "mode", "max_num_batched_tokens": "max_num_tokens"}
@@ -159,11 +159,62 @@ _ALIASES = {"level": "mode", "max_num_batched_tokens": "max_num_tokens"}
 # vLLM compilation-config fields freezeframe does not implement; named in the error so a user
 # pasting a vLLM JSON learns the field is known but unsupported rather than misspelt.
 _VLLM_UNSUPPORTED = frozenset({
-    "debug_dump_path", "custom_ops", "use_inductor", "use_cudagraph", "full_cuda_graph",
-    "pass_config", "compile_cache_save_format", "use_inductor_graph_partition",
+    "debug_dump_path", "use_inductor", "use_cudagraph", "full_cuda_graph",
+    "compile_cache_save_format", "use_inductor_graph_partition",
     "dynamic_shapes_config", "compile_mm_encoder", "cudagraph_mm_encoder", "local_cache_dir",
     "fast_moe_cold_start", "max_capture_size", "compile_ranges_split_points",
 })
+
+
+# vLLM's default ceiling of the token ladder, and the most requests its widest uniform-decode
+# batch is sized for (see _resolve_capture_sizes).
+_DEFAULT_CEILING = 512
+
+
+def _check_custom_ops(value: Any) -> tuple[str, ...]:
+    """vLLM's ``custom_ops`` syntax: ``"all"`` or ``"none"`` (at most one of them), ``"+op"`` to
+    enable and ``"-op"`` to disable one op, never both for the same op."""
+    entries = _seq(value, "custom_ops")
+    enabled: set[str] = set()
+    disabled: set[str] = set()
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(f"custom_ops: entry {entry!r} is not a string; write 'all', "
+                              "'none', '+op_name' or '-op_name'")
+        if entry in ("all", "none"):
+            continue
+        sign, name = entry[:1], entry[1:]
+        if sign not in ("+", "-") or not name:
+            raise ConfigError(f"custom_ops: invalid entry {entry!r}; write 'all', 'none', "
+                              f"'+{entry.lstrip('+-') or 'op_name'}' (enable) or "
+                              f"'-{entry.lstrip('+-') or 'op_name'}' (disable)")
+        (enabled if sign == "+" else disabled).add(name)
+    if sum(e in ("all", "none") for e in entries) > 1:
+        raise ConfigError(f"custom_ops: {list(entries)} names 'all'/'none' more than once; "
+                          "keep one of them")
+    both = sorted(enabled & disabled)
+    if both:
+        raise ConfigError(f"custom_ops: {both} both enabled ('+') and disabled ('-'); keep one")
+    return tuple(entries)
+
+
+def _check_pass_config(value: Any) -> dict[str, Any]:
+    """vLLM's ``pass_config``: switches for vLLM's own fusion passes. freezeframe has none of
+    them, so a switch that is off (false or null) is accepted and anything else is refused,
+    naming the key."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"pass_config: expected a mapping of vLLM pass options, got {value!r}")
+    for key, option in value.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"pass_config: key {key!r} is not a string")
+        if option is not None and option is not False:
+            raise ConfigError(
+                f"not supported: pass_config.{key}={json.dumps(option, default=repr)}; "
+                "freezeframe runs none of vLLM's fusion passes (they rewrite vLLM's own "
+                f"quantisation, norm and collective ops). Remove pass_config.{key} or set it "
+                "to false; to run a pass of your own on every piece, give it in "
+                "inductor_passes")
+    return dict(value)
 
 
 def _normalise_op_name(op: Any) -> str:
@@ -246,6 +297,15 @@ class CompilationConfig:
     cache_dir: str = ""
     use_cache: bool = True
     debug: bool = False
+    # -- vLLM fields accepted for its JSON, without effect here --------------------------
+    custom_ops: Sequence[str] = ()
+    """vLLM's switch between its ops' native and custom kernels (``["all"]``, ``["none"]``,
+    ``["+rms_norm", "-silu_and_mul"]``). Checked for vLLM's syntax and otherwise without effect:
+    freezeframe compiles the module as written and has no ops with two implementations to
+    choose between (see docs/vllm_config.md)."""
+    pass_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """vLLM's fusion-pass switches. Accepted when off (false or null); any switch turned on is
+    a ConfigError naming it: freezeframe has none of these passes (see docs/vllm_config.md)."""
 
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -290,6 +350,11 @@ class CompilationConfig:
             raise ConfigError("inductor_passes: expected a mapping of names to callables or "
                               f"qualified names, got {self.inductor_passes!r}")
         set_(self, "inductor_passes", MappingProxyType(dict(self.inductor_passes)))
+        set_(self, "custom_ops", _check_custom_ops(self.custom_ops))
+        if self.custom_ops:
+            logger.info("custom_ops %s has no effect in freezeframe: the module's ops run as "
+                        "written (there are no vLLM custom ops to switch)", list(self.custom_ops))
+        set_(self, "pass_config", MappingProxyType(_check_pass_config(self.pass_config)))
 
         self._resolve_splitting_ops_and_graph_mode()
         self._resolve_capture_sizes()
@@ -344,6 +409,12 @@ class CompilationConfig:
         if user_list is not None:
             for s in _seq(user_list, "cudagraph_capture_sizes"):
                 _positive_int(s, "cudagraph_capture_sizes entry")
+        if user_max == 0 and not user_list and self.cudagraph_mode is not CUDAGraphMode.NONE:
+            # A largest graph of 0 tokens asks for no graphs: graphs are off, as with
+            # cudagraph_mode NONE (vLLM's resolved form of graphs off is this same pair).
+            logger.info("max_cudagraph_capture_size=0: no CUDA graphs; cudagraph_mode %s is "
+                        "now NONE", self.cudagraph_mode.name)
+            set_(self, "cudagraph_mode", CUDAGraphMode.NONE)
         if self.cudagraph_mode is CUDAGraphMode.NONE:
             set_(self, "cudagraph_capture_sizes", ())
             set_(self, "max_cudagraph_capture_size", 0)
@@ -354,11 +425,6 @@ class CompilationConfig:
         else:
             max_size = default_max_capture_size(self.max_num_seqs, self.num_speculative_tokens,
                                                 self.max_num_tokens)
-        if max_size < 1:
-            raise ConfigError(
-                f"max_cudagraph_capture_size: {user_max} leaves no size to capture while "
-                f"cudagraph_mode is {self.cudagraph_mode.name}; set it to at least 1 or set "
-                "cudagraph_mode='none'")
         if user_list is not None:
             sizes = sorted({s for s in user_list if s <= self.max_num_tokens})
             if not sizes:
@@ -368,7 +434,16 @@ class CompilationConfig:
                     f"cudagraph_mode is {self.cudagraph_mode.name}; give at least one size or "
                     "set cudagraph_mode='none'")
         else:
+            # The token ladder up to the ceiling, the ceiling itself included (so the token
+            # budget, or the user's maximum, always has a graph), plus the widest uniform-decode
+            # batch: max_num_seqs requests of 1 + num_speculative_tokens tokens each (at most
+            # 512 requests), when the budget and the user's maximum allow it.
             sizes = default_capture_sizes(max_size)
+            widest_decode = (min(self.max_num_seqs, _DEFAULT_CEILING)
+                             * (1 + self.num_speculative_tokens))
+            bound = max_size if user_max is not None else self.max_num_tokens
+            if widest_decode <= bound and widest_decode not in sizes:
+                sizes = sorted({*sizes, widest_decode})
         valid_max = sizes[-1]
         if user_max is not None and user_max != valid_max:
             if user_list is not None:

@@ -46,8 +46,9 @@ def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
     assert saved["match_tolerance"] == 1e-4
     fp = saved["modes"]["full_and_piecewise"]
     # FULL graphs for uniform decode at 1, 2, 4 tokens... and PIECEWISE for mixed batches
-    # max_num_seqs 3 (largest batch + 1): PIECEWISE at 1, 2, 4, 6 and FULL decode at 1, 2
-    assert fp["graphs_captured"] == 6 and fp["capture_s"] > 0
+    # max_num_seqs 3 (largest batch + 1): PIECEWISE at 1, 2, 3, 4, 6 and FULL decode at 1, 2, 3
+    # (the widest decode batch, max_num_seqs, joins the ladder)
+    assert fp["graphs_captured"] == 8 and fp["capture_s"] > 0
     # 3 steps (1 warm-up + 2 timed) of decode and of mixed per batch size, and 3 of prefill
     assert fp["runner_stats"]["steps"] == 15
     assert (fp["runner_stats"]["steps_full"], fp["runner_stats"]["steps_eager"]) == (8, 7)
@@ -136,8 +137,8 @@ def test_progress_is_plain_lines_without_tqdm_and_no_plot_without_matplotlib(
     saved = json.loads((tmp_path / "results.json").read_text())
     assert list(saved["modes"]) == ["eager", "piecewise"]
     # one piecewise graph per capture size: max_num_seqs=3 (largest batch + 1) gives a max
-    # capture size of 6, and the ladder 1, 2, 4 ends at that max
-    assert saved["modes"]["piecewise"]["graphs_captured"] == 4
+    # capture size of 6, and the ladder 1, 2, 4 ends at that max, with 3 (max_num_seqs) added
+    assert saved["modes"]["piecewise"]["graphs_captured"] == 5
 
 
 class _FakeBar:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -158,7 +159,8 @@ def test_cudagraph_sizes_post_init(capture_sizes: list[int] | None, max_size: in
         ([1, 2, 4], 8, r"max_cudagraph_capture_size=8 disagrees with the largest of "
                        r"cudagraph_capture_sizes=\[1, 2, 4\] \(4\)"),
         ([], None, r"cudagraph_capture_sizes: \[\] leaves no size to capture"),
-        (None, 0, r"max_cudagraph_capture_size: 0 leaves no size to capture"),
+        ([1, 2], 0, r"max_cudagraph_capture_size=0 disagrees with the largest of "
+                    r"cudagraph_capture_sizes=\[1, 2\] \(2\)"),
     ],
 )
 def test_cudagraph_sizes_post_init_errors(capture_sizes: list[int] | None,
@@ -497,9 +499,9 @@ def test_unknown_fields_list_the_valid_ones() -> None:
 
 
 def test_unsupported_vllm_fields_are_named() -> None:
-    with pytest.raises(ConfigError, match=r"\['custom_ops', 'pass_config'\] are vLLM fields "
-                                          "freezeframe does not support"):
-        CompilationConfig.from_dict({"custom_ops": ["+rms_norm"], "pass_config": {}})
+    with pytest.raises(ConfigError, match=r"\['full_cuda_graph', 'use_inductor'\] are vLLM "
+                                          "fields freezeframe does not support"):
+        CompilationConfig.from_dict({"use_inductor": True, "full_cuda_graph": False})
 
 
 def test_json_errors() -> None:
@@ -584,3 +586,149 @@ def test_cache_key_is_stable_across_processes() -> None:
         for _ in range(2)
     }
     assert keys == {CompilationConfig(**kwargs).cache_key()}
+
+
+# -- vLLM's current capture-size rules (docs/vllm_config.md) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "want_sizes"),
+    [
+        # the token budget is the ceiling and off the 8-step grid: it is the last size
+        ({"max_num_tokens": 100, "max_num_seqs": 128}, (1, 2, 4, *range(8, 97, 8), 100)),
+        # the user's maximum off the grid (257) is kept, not truncated to 256
+        ({"max_cudagraph_capture_size": 257, "max_num_seqs": 128},
+         (*LADDER_256, 257)),
+        # the 2 * max_num_seqs ceiling off the grid (2 * 13 = 26)
+        ({"max_num_seqs": 13}, (1, 2, 4, 8, 13, 16, 24, 26)),
+    ],
+)
+def test_the_maximum_is_always_on_the_ladder(kwargs: dict[str, Any],
+                                             want_sizes: tuple[int, ...]) -> None:
+    cfg = CompilationConfig(backend="eager", **kwargs)
+    assert cfg.cudagraph_capture_sizes == want_sizes
+    assert cfg.max_cudagraph_capture_size == want_sizes[-1]
+    assert cfg.padded_size(want_sizes[-1]) == want_sizes[-1]
+    assert cfg.padded_size(want_sizes[-1] + 1) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "want_sizes"),
+    [
+        # 100 requests of 1 token: 100 is off the 8-step grid, so it is added (ceiling 200)
+        ({"max_num_seqs": 100},
+         (1, 2, 4, *range(8, 97, 8), 100, *range(104, 201, 8))),
+        # 13 requests of 1 + 2 tokens = 39 tokens; every size a multiple of 3 (ceiling 78)
+        ({"max_num_seqs": 13, "num_speculative_tokens": 2},
+         (3, 6, 9, 18, 24, 33, 39, 42, 48, 57, 66, 72, 78)),
+        # 300 requests of 1 + 1 tokens = 600 tokens, above the 512 token ceiling: added
+        ({"max_num_seqs": 300, "num_speculative_tokens": 1},
+         (2, 4, *range(8, 257, 8), *range(272, 513, 16), 600)),
+        # ... but never above the token budget
+        ({"max_num_seqs": 300, "num_speculative_tokens": 1, "max_num_tokens": 590},
+         (2, 4, *range(8, 257, 8), *range(272, 513, 16))),
+        # ... nor above the user's maximum (which is on the ladder itself)
+        ({"max_num_seqs": 20, "max_cudagraph_capture_size": 12}, (1, 2, 4, 8, 12)),
+    ],
+)
+def test_the_widest_decode_batch_is_captured(kwargs: dict[str, Any],
+                                             want_sizes: tuple[int, ...]) -> None:
+    cfg = CompilationConfig(backend="eager", **kwargs)
+    assert cfg.cudagraph_capture_sizes == want_sizes
+    assert cfg.max_cudagraph_capture_size == want_sizes[-1]
+
+
+def test_a_users_list_is_kept_as_given_without_the_decode_batch() -> None:
+    cfg = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8], max_num_seqs=5)
+    assert cfg.cudagraph_capture_sizes == (1, 2, 4, 8)
+
+
+def test_spec_decode_rounding_drops_only_what_rounds_above_the_maximum() -> None:
+    # budget 100, 1 + 2 tokens per request: 100 rounds to 102 > 100 and is dropped (vLLM's rule),
+    # everything else survives as the next multiple of 3; 4 requests (12 tokens) are on it
+    cfg = CompilationConfig(max_num_tokens=100, max_num_seqs=4, num_speculative_tokens=2)
+    assert cfg.cudagraph_capture_sizes == (3, 6, 9, 12, 18, 24)
+    cfg = CompilationConfig(max_num_tokens=100, max_num_seqs=64, num_speculative_tokens=2)
+    assert cfg.cudagraph_capture_sizes == (3, 6, 9, 18, 24, 33, 42, 48, 57, 66, 72, 81, 90, 96)
+    assert cfg.max_cudagraph_capture_size == 96
+    assert [cfg.padded_size(n) for n in (95, 96, 97)] == [96, 96, None]
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full", "full_and_piecewise", None])
+def test_a_maximum_of_zero_turns_graphs_off_quietly(graph_mode: str | None,
+                                                    ff_logs: pytest.LogCaptureFixture) -> None:
+    cfg = CompilationConfig(max_cudagraph_capture_size=0, cudagraph_mode=graph_mode,
+                            splitting_ops=["silly::attention"])
+    assert cfg.cudagraph_mode is M.NONE
+    assert cfg.cudagraph_capture_sizes == ()
+    assert cfg.max_cudagraph_capture_size == 0
+    assert cfg.padded_size(1) is None
+    assert not [r for r in ff_logs.records if r.levelno >= logging.WARNING]
+    # the same from vLLM's JSON, and with an empty list beside it
+    again = CompilationConfig.from_json(
+        '{"max_cudagraph_capture_size": 0, "cudagraph_capture_sizes": [], '
+        '"cudagraph_mode": "FULL_AND_PIECEWISE"}')
+    assert (again.cudagraph_mode, again.cudagraph_capture_sizes) == (M.NONE, ())
+
+
+def test_cudagraph_mode_none_ignores_sizes_quietly(ff_logs: pytest.LogCaptureFixture) -> None:
+    cfg = CompilationConfig.from_json(
+        '{"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2, 4], '
+        '"max_cudagraph_capture_size": 4}')
+    assert (cfg.cudagraph_mode, cfg.cudagraph_capture_sizes, cfg.max_cudagraph_capture_size) \
+        == (M.NONE, (), 0)
+    assert not [r for r in ff_logs.records if r.levelno >= logging.WARNING]
+
+
+# -- custom_ops and pass_config ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ops", [["none"], ["all"], ["all", "-silu_and_mul"],
+                                 ["none", "+rms_norm", "+quant_fp8"], []])
+def test_custom_ops_are_accepted_without_effect(ops: list[str]) -> None:
+    cfg = CompilationConfig.from_dict({"custom_ops": ops, "backend": "eager"})
+    assert cfg.custom_ops == tuple(ops)
+    base = CompilationConfig(backend="eager")
+    assert cfg.cache_key() == base.cache_key()  # nothing compiled differs
+    assert CompilationConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("ops", "match"),
+    [
+        (["quant_fp8"], r"custom_ops: invalid entry 'quant_fp8'; write 'all', 'none', "
+                        r"'\+quant_fp8' \(enable\) or '-quant_fp8' \(disable\)"),
+        (["all", "none"], r"custom_ops: \['all', 'none'\] names 'all'/'none' more than once"),
+        (["+rms_norm", "-rms_norm"], r"custom_ops: \['rms_norm'\] both enabled"),
+        ("all", r"custom_ops: expected a list, got 'all'"),
+        ([3], r"custom_ops: entry 3 is not a string"),
+    ],
+)
+def test_custom_ops_syntax_errors(ops: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        CompilationConfig(custom_ops=ops)
+
+
+def test_pass_config_switches_that_are_off_are_accepted() -> None:
+    cfg = CompilationConfig.from_json(
+        '{"pass_config": {"fuse_norm_quant": false, "eliminate_noops": null, "enable_sp": false}}')
+    assert dict(cfg.pass_config) == {"fuse_norm_quant": False, "eliminate_noops": None,
+                                     "enable_sp": False}
+    assert cfg.cache_key() == CompilationConfig().cache_key()
+    assert CompilationConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize(("key", "value", "shown"), [
+    ("fuse_norm_quant", True, "true"),
+    ("eliminate_noops", True, "true"),
+    ("sp_min_token_num", 256, "256"),
+])
+def test_pass_config_switches_that_are_on_are_not_supported(key: str, value: Any,
+                                                            shown: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        CompilationConfig.from_dict({"pass_config": {"enable_sp": False, key: value}})
+    assert str(exc.value).startswith(f"not supported: pass_config.{key}={shown}; freezeframe "
+                                     "runs none of vLLM's fusion passes")
+    assert f"Remove pass_config.{key} or set it to false" in str(exc.value)
+    with pytest.raises(ConfigError, match=r"pass_config: expected a mapping"):
+        CompilationConfig(pass_config=["fuse_norm_quant"])  # type: ignore[arg-type]
