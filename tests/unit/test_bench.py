@@ -21,6 +21,7 @@ from freezeframe.bench import run as bench_run
 from freezeframe.bench.run import BenchOptions, format_table, modes_from, run_bench
 from freezeframe.cli import main
 from freezeframe.errors import ConfigError
+from freezeframe.models import LlamaConfig
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only notes and skips")
@@ -35,12 +36,25 @@ def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
     assert list(saved["modes"]) == ["eager", "reduce-overhead", "none", "full_and_piecewise"]
     assert "needs CUDA" in saved["modes"]["reduce-overhead"]["skipped"]
     assert any("emulated backend" in n for n in saved["notes"])
+    # decode by context: 128 fits the tiny preset's 512 positions, 1k and 4k do not
+    assert saved["contexts"] == [128] and saved["max_model_len"] == 128 + 16
+    assert "decode contexts 1024, 4096 skipped: above the tiny preset's 512 positions (one " \
+           "block of 16 is kept free)" in saved["notes"]
+    assert saved["attention_kernel"] == "torch"  # auto on a CPU
+    # a key of every layer (2) for K and V, 2 KV heads of 16 floats: 512 bytes; the torch
+    # static path reads the whole 144-key window, the Triton kernel the 128-key context
+    assert saved["kv_bytes_per_decode_token"] == {"128": {"torch": 144 * 512,
+                                                          "triton": 128 * 512}}
     for mode in ("eager", "none", "full_and_piecewise"):
         entry = saved["modes"][mode]
         assert set(entry["decode"]) == {"1", "2"} and set(entry["mixed"]) == {"1", "2"}
-        for row in entry["decode"].values():
+        for row in [*entry["decode"].values(), *entry["decode_by_context"].values()]:
             assert row["median_ms"] > 0
             assert row["floor_share"] == pytest.approx(row["floor_ms"] / row["median_ms"])
+        assert set(entry["decode_by_context"]) == {"128"}
+        # the floor of a context row: the weights and one request's 128 keys per layer
+        floor = (saved["weight_bytes"] + 128 * 512) / saved["bandwidth_bytes_per_s"] * 1e3
+        assert entry["decode_by_context"]["128"]["floor_ms"] == pytest.approx(floor)
         assert entry["prefill_ms"] > 0 and entry["startup_s"] > 0
         assert entry["matches_eager"] is True and entry["max_rel_diff_vs_eager"] <= 1e-4
     assert saved["match_tolerance"] == 1e-4
@@ -49,14 +63,26 @@ def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
     # max_num_seqs 3 (largest batch + 1): PIECEWISE at 1, 2, 3, 4, 6 and FULL decode at 1, 2, 3
     # (the widest decode batch, max_num_seqs, joins the ladder)
     assert fp["graphs_captured"] == 8 and fp["capture_s"] > 0
-    # 3 steps (1 warm-up + 2 timed) of decode and of mixed per batch size, and 3 of prefill
-    assert fp["runner_stats"]["steps"] == 15
-    assert (fp["runner_stats"]["steps_full"], fp["runner_stats"]["steps_eager"]) == (8, 7)
-    assert saved["modes"]["none"]["runner_stats"]["steps_eager"] == 15
+    # 3 steps (1 warm-up + 2 timed) of decode and of mixed per batch size, 3 of decode at
+    # context 128, and 3 of prefill
+    assert fp["runner_stats"]["steps"] == 18
+    assert (fp["runner_stats"]["steps_full"], fp["runner_stats"]["steps_eager"]) == (11, 7)
+    assert saved["modes"]["none"]["runner_stats"]["steps_eager"] == 18
+    # one FULL decode replay of the tiny Llama (2 layers, torch attention) records 174
+    # launches on the emulated backend; modes without FULL graphs have no count
+    assert fp["full_decode_launches"] == 174
+    assert "full_decode_launches" not in saved["modes"]["none"]
     assert (tmp_path / "latency_vs_batch.png").exists() or any(
         "matplotlib" in n for n in saved["notes"])
     table = format_table(result)
     assert "full_and_piecewise" in table and "skipped: needs CUDA" in table
+    assert re.split(r"\s{2,}", table.splitlines()[1].strip()) == [
+        "mode", "decode bs1 ms", "decode bs2 ms", "floor% bs1", "ctx128 ms", "mixed bs2 ms",
+        "prefill ms", "startup s", "launches", "vs eager"]
+    fp_row = next(line for line in table.splitlines() if line.startswith("full_and_piecewise"))
+    assert fp_row.split()[-3] == "174"  # launches, then "ok <diff>"
+    assert "KV bytes one decode token reads (all layers): ctx128: torch 0.0703 MiB, triton " \
+           "0.0625 MiB" in table
 
 
 def test_bench_cli_runs_eager_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,6 +106,22 @@ def test_bench_options_are_validated() -> None:
         BenchOptions(preset="7b")
     with pytest.raises(ConfigError, match="--context must be >= 1, got 0"):
         BenchOptions(context=0)
+    with pytest.raises(ConfigError, match=r"--contexts: each context length must be >= 1, got "
+                                          r"\[128, 0\]"):
+        BenchOptions(contexts=(128, 0))
+    with pytest.raises(ConfigError, match=r"--attention-kernel='flash' is not an attention "
+                                          r"kernel; choose one of \['auto', 'torch', 'triton'\]"):
+        BenchOptions(attention_kernel="flash")
+
+
+def test_contexts_and_kv_bytes_for_the_1b_shapes() -> None:
+    assert bench_run.split_contexts((4096, 128, 1024, 128), 512) == ((128,), (1024, 4096))
+    assert bench_run.split_contexts((128, 1024, 4096), 8192) == ((128, 1024, 4096), ())
+    assert bench_run.split_contexts((496, 497), 512) == ((496,), (497,))
+    one_b = LlamaConfig.preset("1b")
+    # 16 layers x (K and V) x 8 KV heads x 64 dims x 2 bytes (bf16) = 32 KiB per key
+    assert bench_run.kv_read_bytes(one_b, 2, 1) == 32768
+    assert bench_run.kv_read_bytes(one_b, 2, 4096) == 128 * 2**20
 
 
 # -- progress on stderr, and running without the optional tqdm and matplotlib ------------------
@@ -102,6 +144,7 @@ PLAIN_LINES = [
     "bench: [1/2] eager: first call at each batch size",
     "bench: [1/2] eager: timing decode and mixed steps at batch size 1",
     "bench: [1/2] eager: timing decode and mixed steps at batch size 2",
+    "bench: [1/2] eager: timing decode at context 128 (batch size 1)",
     "bench: [1/2] eager: timing a prefill of 64 tokens",
     "bench: [1/2] eager: done in N s",
     "bench: [2/2] piecewise: compiling (trace, split, eager compiler)",
@@ -109,6 +152,7 @@ PLAIN_LINES = [
     "bench: [2/2] piecewise: first call at each batch size",
     "bench: [2/2] piecewise: timing decode and mixed steps at batch size 1",
     "bench: [2/2] piecewise: timing decode and mixed steps at batch size 2",
+    "bench: [2/2] piecewise: timing decode at context 128 (batch size 1)",
     "bench: [2/2] piecewise: timing a prefill of 64 tokens",
     "bench: [2/2] piecewise: done in N s",
 ]
@@ -185,6 +229,7 @@ def test_progress_uses_a_tqdm_bar_on_a_terminal(tmp_path: Path,
         ("postfix", "eager: first call at each batch size"),
         ("postfix", "eager: timing decode and mixed steps at batch size 1"),
         ("postfix", "eager: timing decode and mixed steps at batch size 2"),
+        ("postfix", "eager: timing decode at context 128 (batch size 1)"),
         ("postfix", "eager: timing a prefill of 64 tokens"),
         ("write", "bench: [1/2] eager: done in N s"),
         ("update", "1"),

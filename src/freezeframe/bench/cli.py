@@ -33,6 +33,14 @@ def add_parser(subparsers: Any) -> None:
                    help="untimed steps before each measurement (default 3)")
     p.add_argument("--context", type=int_at_least(1), default=None,
                    help="decode context length per request (default 64 tiny, 1024 1b)")
+    p.add_argument("--contexts", type=int_list(1), default=(128, 1024, 4096),
+                   help="comma-separated decode context lengths timed side by side at the "
+                        "smallest batch size (default 128,1024,4096; lengths beyond the "
+                        "preset's positions are skipped and named in the notes)")
+    p.add_argument("--attention-kernel", choices=["auto", "torch", "triton"], default="auto",
+                   help="who reads the KV cache: auto (triton on CUDA when installed, else "
+                        "torch), torch (the pure-torch reference paths) or triton (our paged "
+                        "kernel; on CPU only under TRITON_INTERPRET=1, for checks, not speed)")
     p.add_argument("--prefill-len", type=int_at_least(1), default=None,
                    help="prefill length in tokens (default 64 tiny, 512 1b)")
     p.add_argument("--compiler", choices=["eager", "inductor"], default=None,
@@ -66,6 +74,8 @@ def _main(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         context=args.context,
+        contexts=tuple(args.contexts),
+        attention_kernel=args.attention_kernel,
         prefill_len=args.prefill_len,
         compiler=args.compiler,
         device=args.device,

@@ -9,6 +9,14 @@ startup (compile + capture) time and graph memory, and for decode the share of t
 floor: ``(weight bytes + KV bytes read) / bandwidth``, the bandwidth measured by a large
 device copy in the same run.
 
+Decode is also timed by context length (``--contexts``, default 128, 1k and 4k tokens, at the
+smallest batch size) so that a step at 4k can be set beside a step at 128 in the same run;
+contexts that do not fit the preset's positions are skipped and named in the notes. Beside
+them, the bytes each attention path reads per decode token are computed (the pure-torch static
+path reads the whole ``max_model_len`` window, the Triton kernel the token's context), and for
+each mode with FULL graphs the launches one FULL decode replay issues are counted: the recorded
+steps of the emulated graph, or the device activities a profiler sees during one CUDA replay.
+
 On a machine without CUDA the graph modes run on the *emulated* backend, whose replays re-run
 every recorded op in Python: they show that the pipeline works and what emulation costs, not
 what graphs gain. ``reduce-overhead`` is skipped there (it needs CUDA graphs).
@@ -33,21 +41,25 @@ import torch
 from freezeframe.bench.progress import Progress
 from freezeframe.errors import ConfigError
 from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaConfig, LlamaModel, build_llama
+from freezeframe.models.attention import check_attention_kernel, resolve_attention_kernel
 from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
 from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
 
 if TYPE_CHECKING:
+    from freezeframe.batch import BatchDescriptor
     from freezeframe.compilation.model import CompiledModel
     from freezeframe.config import CompilationConfig
     from freezeframe.runtime.runner import GraphRunner
 
-__all__ = ["ALL_MODES", "BenchOptions", "CompiledLlama", "StepBuilder", "StepShapes",
-           "compile_with_runner", "graph_config", "prepare_out_dir", "resolve_device",
-           "run_bench"]
+__all__ = ["ALL_MODES", "DEFAULT_CONTEXTS", "BenchOptions", "CompiledLlama", "StepBuilder",
+           "StepShapes", "compile_with_runner", "full_decode_launches", "graph_config",
+           "kv_read_bytes", "prepare_out_dir", "resolve_device", "run_bench"]
 
 TORCH_MODES = ("eager", "compile", "reduce-overhead")
 FF_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 ALL_MODES = TORCH_MODES + FF_MODES
+#: decode context lengths timed side by side (``--contexts``)
+DEFAULT_CONTEXTS = (128, 1024, 4096)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +72,8 @@ class BenchOptions:
     context: int | None = None  # decode context per request (default: by preset)
     prefill_len: int | None = None
     mixed_chunk: int = 16
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # decode rows by context length
+    attention_kernel: str = "auto"  # KVCacheConfig.attention_kernel
     compiler: str | None = None  # "eager" | "inductor"; default: inductor on CUDA, else eager
     device: str = "auto"
     out: str | None = None
@@ -86,6 +100,10 @@ class BenchOptions:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.mixed_chunk < 1:
             raise ConfigError(f"mixed_chunk must be >= 1, got {self.mixed_chunk}")
+        if any(c < 1 for c in self.contexts):
+            raise ConfigError(f"--contexts: each context length must be >= 1, got "
+                              f"{list(self.contexts)}")
+        check_attention_kernel(self.attention_kernel, "--attention-kernel")
 
 
 def resolve_device(text: str) -> torch.device:
@@ -190,9 +208,16 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     compiler = opts.compiler or ("inductor" if device.type == "cuda" else "eager")
     notes = _setup_notes(device.type == "cuda", compiler)
     batch_sizes = tuple(sorted(set(opts.batch_sizes)))
-    shapes = StepShapes.for_preset(opts.preset, batch_sizes[-1], opts.mixed_chunk,
-                                   context=opts.context, prefill_len=opts.prefill_len)
     llama_config = LlamaConfig.preset(opts.preset)
+    contexts, skipped = split_contexts(opts.contexts, llama_config.max_position)
+    if skipped:
+        notes.append(
+            f"decode contexts {', '.join(map(str, skipped))} skipped: above the {opts.preset} "
+            f"preset's {llama_config.max_position} positions (one block of "
+            f"{StepShapes.block_size} is kept free)")
+    shapes = StepShapes.for_preset(opts.preset, batch_sizes[-1], opts.mixed_chunk,
+                                   context=opts.context, prefill_len=opts.prefill_len,
+                                   contexts=contexts, attention_kernel=opts.attention_kernel)
     _check_fits(shapes, opts.preset, llama_config)
     out = prepare_out_dir(Path(opts.out)) if opts.out else None
     bench = _Bench.build(opts, _Setup(device, compiler, shapes, batch_sizes), llama_config,
@@ -226,6 +251,22 @@ def _setup_notes(on_cuda: bool, compiler: str) -> list[str]:
     return notes
 
 
+def split_contexts(contexts: Sequence[int], max_position: int,
+                   block_size: int = 16) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(kept, skipped)``: sorted distinct context lengths that fit ``max_position`` with one
+    block to spare, and those that do not."""
+    ordered = sorted(set(contexts))
+    limit = max_position - block_size
+    return (tuple(c for c in ordered if c <= limit), tuple(c for c in ordered if c > limit))
+
+
+def kv_read_bytes(config: LlamaConfig, elem_bytes: int, keys: int) -> int:
+    """Bytes of keys and values one decode token reads over all layers when it reads ``keys``
+    cache positions per layer (both K and V, every KV head)."""
+    return keys * config.num_layers * 2 * config.num_kv_heads * config.resolved_head_dim \
+        * elem_bytes
+
+
 def _check_fits(shapes: StepShapes, preset: str, llama_config: LlamaConfig) -> None:
     """A :class:`ConfigError` when the longest request does not fit the preset's positions."""
     if shapes.max_model_len > llama_config.max_position:
@@ -254,20 +295,25 @@ class StepShapes:
     prefill_len: int
     max_bs: int  # the largest decode batch; the mixed step adds one request to it
     mixed_chunk: int  # prompt tokens of the mixed step's extra request
+    contexts: tuple[int, ...] = ()  # decode rows by context length (each fits the positions)
+    attention_kernel: str = "auto"
     block_size: int = 16
 
     @classmethod
     def for_preset(cls, preset: str, max_bs: int, mixed_chunk: int, *,
-                   context: int | None = None, prefill_len: int | None = None) -> StepShapes:
+                   context: int | None = None, prefill_len: int | None = None,
+                   contexts: tuple[int, ...] = (), attention_kernel: str = "auto",
+                   ) -> StepShapes:
         """Context and prefill length default by preset: 64 and 64 tiny, 1024 and 512 else."""
         tiny = preset == "tiny"
         return cls(context=context or (64 if tiny else 1024),
                    prefill_len=prefill_len or (64 if tiny else 512),
-                   max_bs=max_bs, mixed_chunk=mixed_chunk)
+                   max_bs=max_bs, mixed_chunk=mixed_chunk, contexts=contexts,
+                   attention_kernel=attention_kernel)
 
     @property
     def max_model_len(self) -> int:
-        return max(self.context, self.prefill_len) + self.block_size
+        return max(self.context, self.prefill_len, *self.contexts) + self.block_size
 
     @property
     def blocks_per_req(self) -> int:
@@ -285,7 +331,8 @@ class StepShapes:
     def cache_config(self) -> KVCacheConfig:
         """A KV cache with a row of blocks for each request the largest step has."""
         return KVCacheConfig(num_blocks=self.blocks_per_req * self.max_num_seqs,
-                             block_size=self.block_size, max_model_len=self.max_model_len)
+                             block_size=self.block_size, max_model_len=self.max_model_len,
+                             attention_kernel=self.attention_kernel)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,9 +343,10 @@ class StepBuilder:
     cache: KVCacheConfig
     device: torch.device
 
-    def decode(self, bs: int) -> StepInputs:
-        """``bs`` requests, each one new token after ``context - 1`` cached ones."""
-        return build_step(self._decodes(bs), self.cache, device=self.device)
+    def decode(self, bs: int, context: int | None = None) -> StepInputs:
+        """``bs`` requests, each one new token after ``context - 1`` cached ones (default: the
+        shapes' context)."""
+        return build_step(self._decodes(bs, context), self.cache, device=self.device)
 
     def mixed(self, bs: int) -> StepInputs:
         """The decode step of ``bs`` requests plus the first prompt chunk of one more."""
@@ -312,9 +360,9 @@ class StepBuilder:
         return build_step([RequestChunk(prompt, 0, self._blocks(0))], self.cache,
                           device=self.device)
 
-    def _decodes(self, bs: int) -> list[RequestChunk]:
-        return [RequestChunk((1 + r % 7,), self.shapes.context - 1, self._blocks(r))
-                for r in range(bs)]
+    def _decodes(self, bs: int, context: int | None = None) -> list[RequestChunk]:
+        cached = (context or self.shapes.context) - 1
+        return [RequestChunk((1 + r % 7,), cached, self._blocks(r)) for r in range(bs)]
 
     def _blocks(self, r: int) -> tuple[int, ...]:
         per_req = self.shapes.blocks_per_req
@@ -353,6 +401,41 @@ def compile_with_runner(base: LlamaModel, config: CompilationConfig,
                             inputs=llama_runner_inputs(base, shapes.max_num_seqs),
                             progress=False)
     return CompiledLlama(compiled, runner, RunnerForward(runner, shapes.max_num_seqs))
+
+
+def full_decode_launches(compiled: CompiledModel, num_reqs: int) -> int | None:
+    """Launches one replay of the FULL uniform-decode graph for ``num_reqs`` one-token requests
+    issues (the graph of the smallest captured size that holds them), or None without one.
+
+    Emulated graphs record their launches: each recorded ATen op, or one per opaque kernel
+    call (a Triton launch, a compiled piece), counts one. A CUDA graph is replayed once under
+    ``torch.profiler`` and every device activity it shows (kernels, memcpy, memset) counts one.
+    """
+    from freezeframe.config import CUDAGraphMode
+    from freezeframe.graphs.emulated import EmulatedGraph
+
+    found: list[tuple[BatchDescriptor, Any]] = []
+    for wrapper in compiled.graph_wrappers():
+        if wrapper.runtime_mode is not CUDAGraphMode.FULL:
+            continue
+        for desc in wrapper.captured_descriptors:
+            if desc.num_tokens >= num_reqs and (desc.num_reqs or num_reqs) >= num_reqs:
+                found.append((desc, wrapper.graph_for(desc)))
+    if not found:
+        return None
+    # a uniform-decode graph where the mode keys them apart (FULL_AND_PIECEWISE), else the
+    # FULL graph a step of that many tokens replays (FULL)
+    _, graph = min(found, key=lambda item: (not item[0].uniform, item[0].num_tokens))
+    if isinstance(graph, EmulatedGraph):
+        return len(graph.ops)
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
 
 
 def _logits_of(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
@@ -394,6 +477,7 @@ class _Started:
     forward: Callable[[StepInputs], torch.Tensor]
     runner: GraphRunner | None = None
     capture: _CaptureTimes | None = None
+    full_decode_launches: int | None = None  # of one FULL decode replay, where there is one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,12 +529,23 @@ class _Bench:
     def weight_bytes(self) -> int:
         return self.base.config.num_params() * (torch.finfo(self.dtype).bits // 8)
 
-    def decode_read_bytes(self, bs: int) -> int:
-        """Bytes a decode step of ``bs`` requests must read: the weights and every KV entry."""
+    @property
+    def elem_bytes(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+    def decode_read_bytes(self, bs: int, context: int | None = None) -> int:
+        """Bytes a decode step of ``bs`` requests must read: the weights and every KV entry of
+        ``context`` positions (default: the shapes' context)."""
+        keys = context or self.setup.shapes.context
+        return self.weight_bytes + bs * kv_read_bytes(self.base.config, self.elem_bytes, keys)
+
+    def kv_bytes_by_context(self) -> dict[str, dict[str, int]]:
+        """Per decode context: the KV bytes one token's attention reads on each path."""
+        window = self.setup.shapes.blocks_per_req * self.setup.shapes.block_size
         cfg = self.base.config
-        elem = torch.finfo(self.dtype).bits // 8
-        kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * elem
-        return self.weight_bytes + bs * self.setup.shapes.context * kv_bytes_per_token
+        return {str(c): {"torch": kv_read_bytes(cfg, self.elem_bytes, window),
+                         "triton": kv_read_bytes(cfg, self.elem_bytes, c)}
+                for c in self.setup.shapes.contexts}
 
     def header(self, notes: list[str]) -> dict[str, Any]:
         """The result without its per-mode entries."""
@@ -464,6 +559,11 @@ class _Bench:
             "dtype": str(self.dtype).replace("torch.", ""),
             "compiler": self.setup.compiler,
             "context": self.setup.shapes.context,
+            "contexts": list(self.setup.shapes.contexts),
+            "max_model_len": self.setup.shapes.max_model_len,
+            "attention_kernel": resolve_attention_kernel(self.setup.shapes.attention_kernel,
+                                                         device),
+            "kv_bytes_per_decode_token": self.kv_bytes_by_context(),
             "prefill_len": self.setup.shapes.prefill_len,
             "mixed_chunk": self.opts.mixed_chunk,
             "batch_sizes": list(self.setup.batch_sizes),
@@ -490,6 +590,8 @@ class _Bench:
         t0 = time.perf_counter()
         started = self._start(mode, t0)
         entry = dataclasses.asdict(started.capture) if started.capture is not None else {}
+        if started.full_decode_launches is not None:
+            entry["full_decode_launches"] = started.full_decode_launches
         first = self._first_logits(mode, started.forward)
         _sync(device)
         entry["startup_s"] = time.perf_counter() - t0
@@ -530,7 +632,8 @@ class _Bench:
         report = llama.runner.capture()
         _sync(self.setup.device)
         capture = _CaptureTimes(compile_s, time.perf_counter() - t1, report.num_graphs)
-        return _Started(llama.forward, llama.runner, capture)
+        launches = full_decode_launches(llama.compiled, self.setup.batch_sizes[0])
+        return _Started(llama.forward, llama.runner, capture, launches)
 
     def _first_logits(self, mode: str, forward: Callable[[StepInputs], torch.Tensor],
                       ) -> list[torch.Tensor]:
@@ -550,15 +653,22 @@ class _Bench:
             decode[str(bs)] = self._time_decode(forward, bs)
             mixed[str(bs)] = {"median_ms": self._median_ms(
                 forward, self.steps.mixed(bs), max(1, self.opts.steps // 2), 1)}
+        by_context: dict[str, Any] = {}
+        bs = self.setup.batch_sizes[0]
+        for context in self.setup.shapes.contexts:
+            self.progress.phase(f"timing decode at context {context} (batch size {bs})")
+            by_context[str(context)] = self._time_decode(forward, bs, context)
         self.progress.phase(f"timing a prefill of {self.setup.shapes.prefill_len} tokens")
         prefill_ms = self._median_ms(forward, self.prefill, max(1, self.opts.steps // 4), 1)
-        return {"decode": decode, "mixed": mixed, "prefill_ms": prefill_ms}
+        return {"decode": decode, "decode_by_context": by_context, "mixed": mixed,
+                "prefill_ms": prefill_ms}
 
     def _time_decode(self, forward: Callable[[StepInputs], torch.Tensor],
-                     bs: int) -> dict[str, float]:
+                     bs: int, context: int | None = None) -> dict[str, float]:
         """Median latency of a decode step and its share of the bandwidth floor."""
-        ms = self._median_ms(forward, self.steps.decode(bs), self.opts.steps, self.opts.warmup)
-        floor_ms = self.decode_read_bytes(bs) / self.bandwidth * 1e3
+        ms = self._median_ms(forward, self.steps.decode(bs, context), self.opts.steps,
+                             self.opts.warmup)
+        floor_ms = self.decode_read_bytes(bs, context) / self.bandwidth * 1e3
         return {"median_ms": ms, "floor_ms": floor_ms, "floor_share": floor_ms / ms}
 
     def _median_ms(self, forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
@@ -612,9 +722,11 @@ def _count(n: int) -> str:
 def format_table(result: dict[str, Any]) -> str:
     """A plain-text table: one row per mode, decode latency per batch size, then the rest."""
     sizes = result["batch_sizes"]
+    contexts = result["contexts"]
     head = ["mode", *[f"decode bs{b} ms" for b in sizes], "floor% bs1" if 1 in sizes else
-            f"floor% bs{sizes[0]}", f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s",
-            "vs eager"]
+            f"floor% bs{sizes[0]}", *[f"ctx{c} ms" for c in contexts],
+            *([f"ctx{contexts[-1]}/{contexts[0]}"] if len(contexts) > 1 else []),
+            f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s", "launches", "vs eager"]
     rows = [head]
     for mode, e in result["modes"].items():
         if "skipped" in e:
@@ -622,11 +734,13 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         d = e["decode"]
         first = d[str(1 if 1 in sizes else sizes[0])]
+        ctx = [e["decode_by_context"][str(c)]["median_ms"] for c in contexts]
         rows.append([mode, *[f"{d[str(b)]['median_ms']:.3f}" for b in sizes],
-                     f"{100 * first['floor_share']:.1f}",
+                     f"{100 * first['floor_share']:.1f}", *[f"{ms:.3f}" for ms in ctx],
+                     *([f"{ctx[-1] / ctx[0]:.2f}x"] if len(ctx) > 1 else []),
                      f"{e['mixed'][str(sizes[-1])]['median_ms']:.3f}",
                      f"{e['prefill_ms']:.3f}", f"{e['startup_s']:.2f}",
-                     _match_cell(e)])
+                     str(e.get("full_decode_launches", "-")), _match_cell(e)])
     width = [max(len(r[i]) for r in rows if i < len(r) and len(r) == len(head))
              for i in range(len(head))]
     lines = []
@@ -637,9 +751,17 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
                                    for i, (c, w) in enumerate(zip(r, width, strict=True))))
     info = (f"{result['preset']} preset on {result['device']} ({result['dtype']}, torch "
-            f"{result['torch']}, compiler {result['compiler']}), context {result['context']}, "
-            f"bandwidth {result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
-    return "\n".join([info, *lines, *[f"note: {n}" for n in result["notes"]]])
+            f"{result['torch']}, compiler {result['compiler']}, attention "
+            f"{result['attention_kernel']}), context {result['context']}, max_model_len "
+            f"{result['max_model_len']}, bandwidth "
+            f"{result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
+    kv = [f"ctx{c}: torch {b['torch'] / 2**20:.3g} MiB, triton {b['triton'] / 2**20:.3g} MiB"
+          for c, b in result["kv_bytes_per_decode_token"].items()]
+    legend = [f"ctxN ms: decode at context N, batch size {sizes[0]}; launches: one FULL decode "
+              "replay (recorded ops when emulated, profiled device activities on CUDA)"]
+    if kv:
+        legend.append("KV bytes one decode token reads (all layers): " + "; ".join(kv))
+    return "\n".join([info, *lines, *legend, *[f"note: {n}" for n in result["notes"]]])
 
 
 def _match_cell(entry: Mapping[str, Any]) -> str:
