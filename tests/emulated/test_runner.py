@@ -3,6 +3,7 @@ safety, fallback accounting, strict mode, input validation, the capture window a
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from typing import Any
@@ -553,6 +554,100 @@ def test_a_planned_full_step_whose_graph_was_dropped_goes_back_through_the_model
         assert torch.equal(runner(x), torch.full((3, 3), 28.0))
     with model.stats.expect(graphs_captured=0, replays=1):
         assert torch.equal(runner(2 * x), torch.full((3, 3), 37.0))
+
+
+def test_planned_steps_count_and_answer_as_the_first_step_of_their_shape_did() -> None:
+    """Steps of a planned shape (step_plan.py) stage new data every time and are counted
+    exactly as steps that take the whole way."""
+    model, runner = _full_runner()
+    for step, n in enumerate([3, 3, 4, 3, 1, 3, 8, 3]):
+        x = torch.randn(n, 3, generator=torch.Generator().manual_seed(step))
+        padded = next(s for s in SIZES if s >= n)
+        with runner.stats.expect(steps=1, steps_full=1, padded_tokens=padded - n), \
+                model.stats.expect(replays=1, graphs_captured=0):
+            out = runner(x)
+        with torch.no_grad():
+            assert torch.equal(out, SillyModel()(x)), (step, n)
+    # the counters read the same through every view of them
+    snap = runner.stats.snapshot()
+    assert (snap["steps"], runner.stats.steps, runner.stats["steps_full"]) == (8, 8, 8)
+    assert snap["padded_tokens"] == runner.stats.get("padded_tokens") == 5  # five 3s padded to 4
+
+
+def test_a_planned_shape_still_refuses_inputs_of_another_dtype_or_kind() -> None:
+    _, runner = _full_runner()
+    x = torch.ones(3, 3)
+    runner(x)
+    runner(x)  # planned now
+    with pytest.raises(InputMismatchError, match=r"input 'x': expected dtype torch.float32, "
+                       r"got torch.float64"):
+        runner(x.double())
+    with pytest.raises(InputMismatchError, match=r"expected a torch\.Tensor, got ndarray"):
+        runner(x.numpy())
+    assert torch.equal(runner(x), torch.full((3, 3), 28.0))  # and the plan still serves
+
+
+def test_planned_steps_by_name_and_with_copied_outputs() -> None:
+    cfg = config("full", use_cache=False)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, copy_outputs=True,
+                         progress=False)
+    runner.capture()
+    first = runner(torch.ones(3, 3))
+    second = runner(torch.zeros(3, 3))  # planned: a copy, not the static output again
+    third = runner(x=torch.full((3, 3), 2.0))  # by name: the whole way, same answer
+    assert torch.equal(first, torch.full((3, 3), 28.0))
+    assert torch.equal(second, torch.full((3, 3), 19.0))
+    assert torch.equal(third, torch.full((3, 3), 37.0))
+    assert model.stats.replays == 3
+
+
+class WritesInput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        x.add_(1)
+        return out
+
+
+def test_a_model_that_writes_its_input_copies_it_back_at_every_step() -> None:
+    """Its capture saw the write, so its steps are never planned: each copies the real rows
+    back, as eager would have written them."""
+    cfg = CompilationConfig(mode="dynamo_trace_once", backend="eager", cudagraph_mode="full",
+                            graph_backend="emulated", cudagraph_capture_sizes=SIZES,
+                            max_num_tokens=MAX_TOKENS, max_num_seqs=8, use_cache=False)
+    runner = GraphRunner(ff.compile(WritesInput(), cfg), cfg, inputs={"x": Tokens()},
+                         progress=False)
+    runner.capture()
+    for _ in range(4):
+        x = torch.ones(3)
+        with runner.stats.expect(inputs_copied_back=1, steps_full=1):
+            assert torch.equal(runner(x), torch.full((3,), 2.0))
+        assert torch.equal(x, torch.full((3,), 2.0))
+
+
+def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way() -> None:
+    """The guard behind the plan: should a replay of a planned shape move an input buffer's
+    version counter after all, the step copies the write back and the plan is dropped."""
+    _, runner = _full_runner()
+    runner(torch.ones(3, 3))
+    runner(torch.ones(3, 3))
+    (key, plan), = runner._plans.items()
+    replay = plan.replay
+
+    def writes() -> Any:
+        out = replay()
+        runner.buffers["x"][:3].add_(1)
+        return out
+
+    runner._plans[key] = dataclasses.replace(plan, replay=writes)
+    x = torch.ones(3, 3)
+    with runner.stats.expect(inputs_copied_back=1, steps_full=1):
+        assert torch.equal(runner(x), torch.full((3, 3), 28.0))
+    assert torch.equal(x, torch.full((3, 3), 2.0))
+    assert key not in runner._plans
+    x = torch.ones(3, 3)
+    assert torch.equal(runner(x), torch.full((3, 3), 28.0))  # planned again, from scratch
+    assert torch.equal(x, torch.ones(3, 3))
 
 
 class ReadsPadding(nn.Module):

@@ -240,6 +240,8 @@ class GraphWrapper:
     def clear(self) -> None:
         """Drop every captured graph and stored output so their memory can be freed; the next
         sight of a descriptor captures again (if the window is open)."""
+        for entry in self._entries.values():
+            entry.graph = None  # a replayer made for it sees the drop (see replayer)
         self._entries.clear()
 
     def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
@@ -252,7 +254,9 @@ class GraphWrapper:
         not, tensor for tensor, the memory the graph was captured reading (same address,
         shape, strides, dtype and device). The returned function raises
         :class:`StaleReplay` once the graph is gone (:meth:`clear`, a recapture): the caller
-        goes back to calling the wrapper."""
+        goes back to calling the wrapper. Call it from one thread at a time (a runner calls it
+        under its lock): it counts its replays in a plain integer, a
+        :class:`~freezeframe.stats.Tally`."""
         key = self._key(descriptor)
         entry = self._entries.get(key)
         if entry is None or entry.graph is None or _layout(args, kwargs) != entry.layout:
@@ -260,13 +264,15 @@ class GraphWrapper:
         for captured in entry.inputs:
             if not _reads_captured(captured.value(args, kwargs), captured.tensor):
                 return None
-        entries, graph, output, stats = self._entries, entry.graph, entry.output, self.stats
+        graph, output, stats = entry.graph, entry.output, self.stats
+        replays = stats.tally("replays")
 
         def replay() -> Any:
-            if entries.get(key) is not entry:
+            if entry.graph is not graph:
+                stats.retire(replays)
                 raise StaleReplay(f"the {self.runtime_mode.name} graph for {key} was dropped")
             graph.replay()
-            stats.inc("replays")
+            replays.n += 1
             return output
 
         return replay

@@ -72,6 +72,7 @@ from freezeframe.graphs.wrapper import GraphWrapper, StaleReplay
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
+from freezeframe.runtime.step_plan import Padding, Staging, StepPlan, plan_key
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_for_step
 from freezeframe.stats import Stats
@@ -238,7 +239,9 @@ class GraphRunner:
         # raise it; capture and a failed step refill the whole buffer (back to 0).
         self._fill_from: dict[str, int] = dict.fromkeys(self._buffers, 0)
         # (tokens, padded tokens, requests, padded requests) -> where a step is staged
-        self._stagings: dict[tuple[int, int, int | None, int | None], _Staging] = {}
+        self._stagings: dict[tuple[int, int, int | None, int | None], Staging] = {}
+        # plan_key(...) -> a FULL step of that shape, planned (step_plan.py)
+        self._plans: dict[tuple[Any, ...], StepPlan] = {}
         # (descriptor, padded requests) -> (graphs captured when looked up, the model's direct
         # FULL replay for that shape or None); see _replayer
         self._replays: dict[tuple[BatchDescriptor, int | None],
@@ -306,6 +309,15 @@ class GraphRunner:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
+            # A shape planned before (step_plan.py): only the options a plan covers.
+            if self._plans and not (kwargs or extras or invalid_modes or has_lora
+                                    or num_scheduled_tokens is not None):
+                key = plan_key(args, num_reqs, uniform_decode)
+                plan = self._plans.get(key) if key is not None else None
+                if plan is not None and key is not None and plan.accepts(args):
+                    out = self._run_plan(key, plan, args)
+                    if out is not _STALE:
+                        return out
             return self._step(args, kwargs, uniform_decode, has_lora, num_active_loras,
                               num_reqs, invalid_modes, extras, num_scheduled_tokens)
         finally:
@@ -367,11 +379,12 @@ class GraphRunner:
                 f"uniform_decode=True every request must have exactly "
                 f"{self.dispatcher.uniform_decode_query_len} tokens")
         self._stage(values, num_tokens, padded_tokens, reqs, padded_reqs)
+        counters = (("steps", 1), (_STEP_COUNTER[mode], 1)) + (
+            (("padded_tokens", padded_tokens - num_tokens),) if padded_tokens != num_tokens
+            else ())
         stats = self.stats
-        stats.inc("steps")
-        stats.inc(_STEP_COUNTER[mode])
-        if padded_tokens != num_tokens:
-            stats.inc("padded_tokens", padded_tokens - num_tokens)
+        for name, by in counters:
+            stats.inc(name, by)
         step_extras = dict(extras) if extras else {}
         plan = self._plan_micro_batches(num_scheduled_tokens, num_tokens, reqs, padded_tokens,
                                         padded_reqs, step_uniform)
@@ -379,29 +392,110 @@ class GraphRunner:
         writes = self._graph_writes.get((mode, desc))
         if aliased and writes:
             self._refuse_written_alias(values, aliased, writes)
+        replay = None
         try:
             replay = self._replayer(mode, desc, padded_tokens, padded_reqs) \
                 if plan is None else None
             out = self._replay(replay, desc, padded_reqs) if replay is not None else _STALE
             if out is _STALE:
+                replay = None
                 out = self._forward(mode, desc, padded_tokens, padded_reqs, num_tokens, reqs,
                                     step_extras, plan)
         except BaseException:
-            # What the model wrote before it raised reaches the caller, as in eager.
-            with contextlib.suppress(Exception):
-                self._copy_back(values, self._written(versions, writes), num_tokens, reqs)
-            with contextlib.suppress(Exception):
-                self._reset_padding()  # it may have written any row
+            self._after_failure(values, versions, writes, num_tokens, reqs)
             raise
         slots = self._written(versions, writes)
+        out = self._finish(out, values, slots, aliased, padded_tokens, num_tokens, padded_reqs,
+                           reqs)
+        if replay is not None and not slots and writes is not None and not writes \
+                and not (kwargs or extras or invalid_modes or has_lora or self.dp_sync
+                         or num_scheduled_tokens is not None):
+            self._keep_plan(args, num_reqs, uniform_decode, replay, (desc, padded_reqs), out,
+                            counters, num_tokens, reqs, padded_tokens, padded_reqs)
+        if self.copy_outputs or self._copy_after_overlap:
+            out = _map_tensors(out, lambda t: t.clone())
+        return out
+
+    def _after_failure(self, values: Mapping[str, torch.Tensor], versions: list[int],
+                       writes: frozenset[str] | None, num_tokens: int, reqs: int | None
+                       ) -> None:
+        """A step raised: what the model wrote before it did reaches the caller, as in eager,
+        and the buffers are refilled (it may have written any row)."""
+        with contextlib.suppress(Exception):
+            self._copy_back(values, self._written(versions, writes), num_tokens, reqs)
+        with contextlib.suppress(Exception):
+            self._reset_padding()
+
+    def _finish(self, out: Any, values: Mapping[str, torch.Tensor],
+                slots: list[tuple[str, str, torch.Tensor]],
+                aliased: tuple[tuple[str, ...], ...], padded_tokens: int, num_tokens: int,
+                padded_reqs: int | None, reqs: int | None) -> Any:
+        """After the model ran: copy the inputs it wrote (``slots``) back to the caller and
+        cut the outputs to the real rows."""
         for name, _, buf in slots:  # the model wrote there: its padding may not hold the fill
             self._fill_from[name] = _rows(buf)
         out = self._detach_from_written(out, values, slots)
         written = self._copy_back(values, slots, num_tokens, reqs)
         if aliased and written:
             self._refuse_written_alias(values, aliased, written)
-        out = self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs,
-                          [0])
+        return self._slice(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs,
+                           [0])
+
+    # -- planned steps (step_plan.py) ----------------------------------------------------
+    def _keep_plan(self, args: tuple[Any, ...], num_reqs: int | None, uniform_decode: bool,
+                   replay: Callable[[], Any], replay_key: tuple[BatchDescriptor, int | None],
+                   out: Any, counters: tuple[tuple[str, int], ...], num_tokens: int,
+                   reqs: int | None, padded_tokens: int, padded_reqs: int | None) -> None:
+        """Keep what this step worked out, for later steps of its shape: it replayed a FULL
+        graph, wrote no input and took only options a plan covers."""
+        if len(args) != len(self.specs):
+            return
+        key = plan_key(args, num_reqs, uniform_decode)
+        if key is None:
+            return
+        self._plans[key] = StepPlan(
+            dtypes=tuple(a.dtype for a in args), devices=tuple(a.get_device() for a in args),
+            staging=self._stagings[(num_tokens, padded_tokens, reqs, padded_reqs)],
+            replay=replay, replay_key=replay_key, output=out,
+            counts=tuple((self.stats.tally(name), by) for name, by in counters),
+            num_tokens=num_tokens, num_reqs=reqs)
+
+    def _forget_plan(self, key: tuple[Any, ...]) -> None:
+        plan = self._plans.pop(key)
+        for tally, _ in plan.counts:
+            self.stats.retire(tally)
+
+    def _run_plan(self, key: tuple[Any, ...], plan: StepPlan, args: tuple[Any, ...]) -> Any:
+        """One step of a planned shape: stage, replay, answer. ``_STALE`` when the plan no
+        longer holds (its graph was dropped): the caller takes the whole way."""
+        self._stage_into(plan.staging, args)
+        buffers = self._buffer_list
+        versions = [buf._version for buf in buffers]
+        try:
+            out = plan.replay()  # grad mode is off for the whole step (see __call__)
+        except StaleReplay:
+            self._forget_plan(key)
+            self._replays.pop(plan.replay_key, None)
+            return _STALE
+        except BaseException:
+            self._after_failure(dict(zip(self.specs, args, strict=True)), versions, None,
+                                plan.num_tokens, plan.num_reqs)
+            raise
+        for tally, by in plan.counts:
+            tally.n += by
+        for buf, before in zip(buffers, versions, strict=True):
+            if buf._version != before:
+                # The model wrote an input after all: finish the whole way, without the plan.
+                self._forget_plan(key)
+                values = dict(zip(self.specs, args, strict=True))
+                slots = self._written(versions, None)
+                aliased = self._aliased(values) if len(self._slots) > 1 else ()
+                padded_tokens, padded_reqs = plan.replay_key[0].num_tokens, plan.replay_key[1]
+                out = self._finish(out, values, slots, aliased, padded_tokens, plan.num_tokens,
+                                   padded_reqs, plan.num_reqs)
+                break
+        else:
+            out = plan.output
         if self.copy_outputs or self._copy_after_overlap:
             out = _map_tensors(out, lambda t: t.clone())
         return out
@@ -593,12 +687,17 @@ class GraphRunner:
         staging = self._stagings.get(key)
         if staging is None:
             staging = self._stagings[key] = self._staging(*key)
+        self._stage_into(staging, [values[name] for name in staging.names])
+
+    def _stage_into(self, staging: Staging, sources: Sequence[torch.Tensor]) -> None:
+        """Copy ``sources`` (one per input, in spec order) to where ``staging`` says and reset
+        the padding rows that may not hold the fill value."""
         fill_from = self._fill_from
         # (no autograd: the step runs with grad mode off, see __call__)
-        if len(staging.targets) == 1:
-            staging.targets[0].copy_(values[staging.names[0]])
+        if len(sources) == 1:
+            staging.targets[0].copy_(sources[0])
         else:
-            torch._foreach_copy_(staging.targets, [values[name] for name in staging.names])
+            torch._foreach_copy_(staging.targets, list(sources))
         for pad in staging.padding:
             if fill_from[pad.name] > pad.start:
                 pad.view.fill_(pad.fill)
@@ -609,12 +708,12 @@ class GraphRunner:
                 fill_from[name] = real
 
     def _staging(self, num_tokens: int, padded_tokens: int, reqs: int | None,
-                 padded_reqs: int | None) -> _Staging:
+                 padded_reqs: int | None) -> Staging:
         """Where a step of this shape is copied (each input's real rows) and which rows are
         reset to the input's fill."""
         names: list[str] = []
         targets: list[torch.Tensor] = []
-        padding: list[_Padding] = []
+        padding: list[Padding] = []
         rows: list[int] = []
         for name, spec in self.specs.items():
             buf = self._buffers[name]
@@ -628,8 +727,8 @@ class GraphRunner:
             targets.append(buf[:real])
             rows.append(real)
             if padded > real:
-                padding.append(_Padding(name, buf[real:padded], spec.fill, real, padded))
-        return _Staging(tuple(names), targets, tuple(padding), tuple(rows))
+                padding.append(Padding(name, buf[real:padded], spec.fill, real, padded))
+        return Staging(tuple(names), targets, tuple(padding), tuple(rows))
 
     def _reset_padding(self) -> None:
         """Fill every token and request buffer with its input's fill value (after capture's
@@ -990,29 +1089,6 @@ class GraphRunner:
 _GRAPH_MODES = frozenset({_PIECEWISE, _FULL})
 _STEP_COUNTER = {_NONE: "steps_eager", _PIECEWISE: "steps_piecewise", _FULL: "steps_full"}
 _STALE = object()  # _replay's answer when the plan's graph is gone
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Padding:
-    """The padded tail ``[start, stop)`` of one input's buffer at one step shape."""
-
-    name: str
-    view: torch.Tensor
-    fill: Any
-    start: int
-    stop: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Staging:
-    """Where a step of one shape goes: per input (in spec order) its name, the buffer view its
-    real rows are copied into and how many leading buffer rows that copy overwrites; and the
-    padded tails to reset."""
-
-    names: tuple[str, ...]
-    targets: list[torch.Tensor]
-    padding: tuple[_Padding, ...]
-    rows: tuple[int, ...]
 
 
 def _rows(buf: torch.Tensor) -> int:
