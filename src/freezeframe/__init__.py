@@ -14,6 +14,7 @@ from freezeframe._version import __version__
 # The public surface: name -> module that defines it.
 _EXPORTS = {
     "compile": "freezeframe.compilation",
+    "current_compile_range": "freezeframe.compilation",
     "CompilationConfig": "freezeframe.config",
     "CompilationMode": "freezeframe.config",
     "CUDAGraphMode": "freezeframe.config",
@@ -53,7 +54,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 if TYPE_CHECKING:  # pragma: no cover
     from freezeframe import errors, ubatch
     from freezeframe.batch import BatchDescriptor
-    from freezeframe.compilation import CompiledModel, compile
+    from freezeframe.compilation import CompiledModel, compile, current_compile_range
     from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
     from freezeframe.context import ForwardContext, forward_context, get_forward_context
     from freezeframe.errors import (
