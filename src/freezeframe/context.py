@@ -43,6 +43,9 @@ class ForwardContext:
     num_reqs_unpadded: int | None = None
     #: a warm-up or capture dummy step of ``GraphRunner.capture()``: every row is padding
     capturing: bool = False
+    #: how a CUDA capture in this step treats other threads' CUDA calls: ``"global"`` (they
+    #: fail) or ``"thread_local"`` (they run; a background capture's setting)
+    capture_error_mode: str = "global"
     #: the step's micro-batch plan, for the micro-batch wrapper to split
     micro_batches: MicroBatchPlan | None = None
     #: inside one micro-batch's thread: its ``MicroBatchSlice``, its index and, with data
@@ -83,6 +86,7 @@ def forward_context(
     num_tokens_unpadded: int | None = None,
     num_reqs_unpadded: int | None = None,
     capturing: bool = False,
+    capture_error_mode: str = "global",
     micro_batches: Any = None,
     **extras: Any,
 ) -> Iterator[ForwardContext]:
@@ -108,6 +112,7 @@ def forward_context(
         num_tokens_unpadded=num_tokens_unpadded,
         num_reqs_unpadded=num_reqs_unpadded,
         capturing=capturing,
+        capture_error_mode=capture_error_mode,
         micro_batches=micro_batches,
     )
     with entered(ctx):

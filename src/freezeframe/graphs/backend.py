@@ -67,8 +67,8 @@ class GraphBackend(Protocol):
     name: str
     capture_computes: bool
 
-    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False
-                ) -> tuple[CapturedGraph, Any]: ...
+    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False,
+                error_mode: str = "global") -> tuple[CapturedGraph, Any]: ...
 
     def weak_ref(self, output: Any) -> Any: ...
 

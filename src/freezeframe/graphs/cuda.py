@@ -137,8 +137,8 @@ class CudaBackend:
             self._side_streams[index] = side
         return side
 
-    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False
-                ) -> tuple[CudaGraph, Any]:
+    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False,
+                error_mode: str = "global") -> tuple[CudaGraph, Any]:
         index = torch.cuda.current_device()
         pool = self.pool(index)
         caller_stream = torch.cuda.current_stream(index)
@@ -152,7 +152,7 @@ class CudaBackend:
         if stream != caller_stream:
             stream.wait_stream(caller_stream)
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="global")
+            graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 output = fn()
                 # on the capture stream: the captured code may have left another one current

@@ -364,9 +364,10 @@ class EmulatedBackend:
     name = "emulated"
     capture_computes = True  # the captured function runs for real while it is recorded
 
-    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False
-                ) -> tuple[EmulatedGraph, Any]:
-        # gc_disable has nothing to suppress here: no allocator cache is flushed per capture.
+    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False,
+                error_mode: str = "global") -> tuple[EmulatedGraph, Any]:
+        # gc_disable has nothing to suppress here: no allocator cache is flushed per capture;
+        # error_mode neither: the recorder sees only its own thread (and threads that join it).
         recorder = _Recorder()
         inference = torch.is_inference_mode_enabled()
         with recorder:

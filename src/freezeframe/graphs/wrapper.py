@@ -329,8 +329,13 @@ class GraphWrapper:
             if needs is not None:
                 self._refuse_autograd(key, f"{needs.where} requires grad")
         versions = [_version(a.tensor) for a in inputs]
+        ctx = get_forward_context()
+        # passed only when it differs from the default, so a backend written before the
+        # argument existed keeps working for every capture but a background one
+        extra = {"error_mode": ctx.capture_error_mode} \
+            if ctx is not None and ctx.capture_error_mode != "global" else {}
         graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
-                                             gc_disable=self.options.gc_disable)
+                                             gc_disable=self.options.gc_disable, **extra)
         # which inputs the graph writes into (unknown for inference tensors: assumed written)
         written = tuple(v is None or _version(a.tensor) != v
                         for a, v in zip(inputs, versions, strict=True))

@@ -69,6 +69,7 @@ from freezeframe.errors import (
 from freezeframe.graphs.backend import graphs_possible
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import GraphWrapper, StaleReplay
+from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures, GraphKey
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec
@@ -102,6 +103,12 @@ FALLBACK_REASONS: Mapping[str, tuple[int, str]] = {
     "mode_off": (logging.INFO,
                  "cudagraph_mode {mode} captures no graph for this kind of batch "
                  "(uniform_decode={uniform}); use FULL_AND_PIECEWISE to cover mixed batches"),
+    "not_captured": (logging.INFO,
+                     "the graph for this step ({desc}) is not captured yet (capture_policy="
+                     "{policy}); the step runs without a graph until it is"),
+    "capture_failed": (logging.WARNING,
+                       "capturing the graph for this step ({desc}) failed earlier; such steps "
+                       "run without a graph"),
     "no_key": (logging.WARNING,
                "no captured graph matches the step ({desc}); check the LoRA settings "
                "(max_loras, cudagraph_specialize_lora)"),
@@ -164,6 +171,12 @@ class GraphRunner:
         dp_group: the process group for ``dp_sync`` (default: the world).
         invalid_modes: runtime modes never to dispatch to (for example ``{FULL}``).
         progress: show a tqdm progress bar during capture when tqdm is installed.
+        capture_policy: when graphs are captured: ``"eager"`` (all in :meth:`capture`),
+            ``"lazy"`` (a graph key's ``lazy_warmups + 1``-th step captures it) or
+            ``"background"`` (a thread captures them while steps run); see
+            :mod:`freezeframe.runtime.capture_policy`.
+        lazy_warmups: steps of a graph key that run without a graph before the lazy policy
+            captures it.
 
     Threads: a step and :meth:`capture` hold the runner's lock (about 0.1-0.2 us when no other
     thread holds it), so calls from several threads run one at a time, each on its own inputs,
@@ -192,6 +205,8 @@ class GraphRunner:
         invalid_modes: Collection[CUDAGraphMode] = frozenset(),
         call_positional: bool = False,
         progress: bool = True,
+        capture_policy: CapturePolicy | str = CapturePolicy.EAGER,
+        lazy_warmups: int = 1,
     ) -> None:
         # A model holding its own graphs (ff.compile's); None for a plain callable.
         self._held: Capturable | None = model if isinstance(model, Capturable) else None
@@ -212,6 +227,20 @@ class GraphRunner:
             if m not in (_PIECEWISE, _FULL):
                 raise ConfigError(f"invalid_modes may hold PIECEWISE and FULL, got {m!r}")
         self.report: CaptureReport | None = None
+        self.capture_policy = CapturePolicy.parse(capture_policy)
+        if not isinstance(lazy_warmups, int) or isinstance(lazy_warmups, bool) \
+                or lazy_warmups < 0:
+            raise ConfigError(f"lazy_warmups must be an int >= 0, got {lazy_warmups!r}")
+        self.lazy_warmups = lazy_warmups
+        if self.capture_policy is CapturePolicy.BACKGROUND and dp_sync:
+            raise ConfigError(
+                "capture_policy='background' with dp_sync=True: data-parallel ranks must "
+                "capture the same graphs at the same steps, which a background thread cannot "
+                "promise; use capture_policy='lazy' (deterministic) or 'eager'")
+        # lazy / background: the graph keys not captured yet, and the capturing thread
+        self._deferred: DeferredCaptures | None = None
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
         self._logged_reasons: set[str] = set()
         self._primed_sizes: set[int] = set()
         self.device = _resolve_device(device, model)
@@ -334,6 +363,11 @@ class GraphRunner:
                 f"GraphRunner: {what} was started from inside a step or capture on the same "
                 "thread (the model called its own runner); the static buffers hold the outer "
                 "call, so the inner one cannot run. Call the runner only from outside it")
+        background = self._background
+        if background is not None and self._lock_owner == background.ident:
+            self._lock.acquire()  # the background capture of one graph: not another step
+            self.stats.inc("capture_waits")
+            return
         self._lock.acquire()
         self._overlapped()
 
@@ -365,6 +399,9 @@ class GraphRunner:
             else self.invalid_modes
         mode, desc = self._dispatch(step_tokens, step_uniform, has_lora, num_active_loras,
                                     invalid)
+        if mode is not _NONE and self._deferred and self._deferred.waiting((mode, desc)):
+            mode, desc = self._deferred_step((mode, desc), step_tokens, step_uniform, has_lora,
+                                             num_active_loras)
         padded_tokens = desc.num_tokens if mode is not _NONE else step_tokens
         padded_reqs = desc.num_reqs if desc.num_reqs is not None else reqs
         if mode is CUDAGraphMode.PIECEWISE and reqs is not None:
@@ -662,12 +699,28 @@ class GraphRunner:
             return "mode_off"
         return "no_key"
 
+    def _deferred_step(self, key: GraphKey, num_tokens: int, uniform: bool, has_lora: bool,
+                       num_active_loras: int) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """A step whose graph is not captured yet (lazy or background policy): capture it now
+        when the lazy policy says it is due, else run the step without a graph."""
+        deferred = self._deferred
+        assert deferred is not None
+        if self.capture_policy is CapturePolicy.LAZY and deferred.due(key):
+            self._capture_deferred(key)
+            return key
+        mode, desc = self.dispatcher.dispatch(num_tokens, uniform, has_lora, num_active_loras,
+                                              invalid_modes=_GRAPH_MODES)
+        reason = "capture_failed" if key in deferred.failed else "not_captured"
+        self._fallback(reason, num_tokens=num_tokens, uniform=uniform, desc=key[1],
+                       invalid=[])
+        return mode, desc
+
     def _fallback(self, reason: str, **info: Any) -> None:
         self.stats.inc(f"fallback_{reason}")
         level, template = FALLBACK_REASONS[reason]
         message = template.format(
             backend=self.config.graph_backend, max_size=self.dispatcher.max_capture_size,
-            mode=self.dispatcher.cudagraph_mode.name, **info)
+            mode=self.dispatcher.cudagraph_mode.name, policy=self.capture_policy.value, **info)
         if self.strict:
             raise FallbackError(
                 f"step would run without a graph ({reason}): {message}. The runner is strict; "
@@ -829,13 +882,14 @@ class GraphRunner:
     def _forward(self, mode: CUDAGraphMode, desc: BatchDescriptor, padded_tokens: int,
                  padded_reqs: int | None, num_tokens: int, reqs: int | None,
                  extras: Mapping[str, Any], plan: MicroBatchPlan | None,
-                 capturing: bool = False) -> Any:
+                 capturing: bool = False, error_mode: str = "global") -> Any:
         views = self._views(padded_tokens, padded_reqs)
         model = self._ubatch if self._ubatch is not None else self.model
         # Inference only: no autograd graph may hang on the static buffers or graph outputs.
         with torch.no_grad(), forward_context(
                 desc, mode=mode, num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs,
-                capturing=capturing, micro_batches=plan, **extras):
+                capturing=capturing, capture_error_mode=error_mode, micro_batches=plan,
+                **extras):
             if self.call_positional:
                 return model(*views.values())
             return model(**views)
@@ -936,6 +990,8 @@ class GraphRunner:
             return self.report
         self._refuse_if_compiling_is_off()
         self._drop_foreign_graphs()
+        if self.capture_policy is not CapturePolicy.EAGER:
+            return self._defer(groups, device_name)
         window = self._held.capture_window if self._held is not None else None
         total = sum(len(descs) for _, descs in groups)
         records: list[GraphCapture] = []
@@ -1044,16 +1100,22 @@ class GraphRunner:
             return max(n, 1)
         return n
 
-    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> GraphCapture:
+    def _dummy_step(self, desc: BatchDescriptor) -> tuple[int, int]:
+        """Fill the buffers for a dummy step of ``desc``: every row (real or padded) holds the
+        fill value. Its token and request counts."""
         tokens = desc.num_tokens
         reqs = desc.num_reqs if desc.num_reqs is not None else min(tokens,
                                                                     self.config.max_num_seqs)
-        # A dummy step: every row (real or padded) holds the fill value.
         with torch.no_grad():
             for name, spec in self.specs.items():
                 if spec.kind != "static":
                     rows = tokens if spec.kind == "tokens" else reqs
                     self._buffers[name][:rows].fill_(spec.fill)
+        return tokens, reqs
+
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor,
+                     error_mode: str = "global") -> GraphCapture:
+        tokens, reqs = self._dummy_step(desc)
         # FULL graphs of split sizes are captured split (warm-ups split too)
         plan = self._plan_micro_batches(None, tokens, reqs, tokens, reqs, desc.uniform) \
             if mode is _FULL else None
@@ -1066,10 +1128,9 @@ class GraphRunner:
         if on_cuda:
             torch.cuda.synchronize(self.device)
         versions = [buf._version for buf in self._buffer_list]
-        out = self._forward(mode, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
-        for i, leaf in enumerate(_tensor_leaves(out)):
-            self._leaf_sizes.setdefault(i, set()).add(
-                (tokens, reqs, int(leaf.shape[0]) if leaf.dim() else None))
+        out = self._forward(mode, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True,
+                            error_mode=error_mode)
+        self._record_leaf_sizes(out, tokens, reqs)
         if on_cuda:
             torch.cuda.synchronize(self.device)
         self._graph_writes[(mode, desc)] = frozenset(
@@ -1078,6 +1139,124 @@ class GraphRunner:
         self.stats.inc("captures")
         return GraphCapture(mode=mode, descriptor=desc, seconds=time.perf_counter() - t0,
                             memory_bytes=max(0, free_before - _free_memory(self.device)))
+
+    def _record_leaf_sizes(self, out: Any, tokens: int, reqs: int) -> None:
+        for i, leaf in enumerate(_tensor_leaves(out)):
+            self._leaf_sizes.setdefault(i, set()).add(
+                (tokens, reqs, int(leaf.shape[0]) if leaf.dim() else None))
+
+    # -- lazy and background capture (capture_policy.py) ---------------------------------
+    def _defer(self, groups: list[tuple[CUDAGraphMode, list[BatchDescriptor]]],
+               device_name: str) -> CaptureReport:
+        """capture() of the lazy and background policies: learn how the outputs follow the
+        padded size from two eager dummy steps, then leave the graphs to the steps (lazy) or
+        to a thread (background)."""
+        order = [(mode, desc) for mode, descs in groups for desc in descs]
+        sizes = sorted({desc.num_tokens for _, desc in order})[:2]
+        probes = [next(d for _, d in order if d.num_tokens == n) for n in sizes]
+        saved = _SavedBuffers(self.model)
+        self._leaf_sizes.clear()
+        try:
+            for desc in probes:
+                tokens, reqs = self._dummy_step(desc)
+                out = self._forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, None,
+                                    capturing=True)
+                self._record_leaf_sizes(out, tokens, reqs)
+                self.stats.inc("warmups")
+        finally:
+            self._reset_padding()
+            restored = saved.restore()
+            if restored:
+                self.stats.inc("buffers_restored", restored)
+        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
+        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+        self._deferred = DeferredCaptures(order, self.lazy_warmups)
+        self.report = CaptureReport(device=device_name)
+        if self.capture_policy is CapturePolicy.BACKGROUND:
+            self._background = threading.Thread(
+                target=self._capture_behind, name="freezeframe-background-capture",
+                daemon=True)
+            self._background.start()
+        logger.info("GraphRunner: %d graphs left to capture (%s)", len(order),
+                    self.capture_policy.value)
+        return self.report
+
+    def _capture_deferred(self, key: GraphKey, error_mode: str = "global") -> None:
+        """Capture one graph key, holding the runner's lock (a step's or the background
+        thread's), as capture() captures each of its keys."""
+        assert self._deferred is not None and self.report is not None
+        mode, desc = key
+        window = self._held.capture_window if self._held is not None else None
+        saved = _SavedBuffers(self.model)
+        primed = set(self._primed_sizes)
+        on_cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if on_cuda else None
+        try:
+            with contextlib.ExitStack() as stack:
+                if window is not None:
+                    stack.enter_context(window.opened())
+                stack.enter_context(_gc_paused())
+                record = self._capture_one(mode, desc, error_mode)
+        except BaseException:
+            self._forget_failed_capture(primed, stream)
+            self._deferred.failed_on(key)
+            raise
+        finally:
+            self._reset_padding()
+            restored = saved.restore()
+            if restored:
+                self.stats.inc("buffers_restored", restored)
+        self._deferred.captured(key)
+        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
+        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+        report = self.report
+        self.report = dataclasses.replace(
+            report, graphs=(*report.graphs, record), seconds=report.seconds + record.seconds,
+            memory_bytes=report.memory_bytes + record.memory_bytes)
+
+    def _capture_behind(self) -> None:
+        """The background thread: capture every pending key in order, one per lock hold."""
+        deferred = self._deferred
+        assert deferred is not None
+        ident = _get_ident()
+        while True:
+            self._lock.acquire()
+            self._lock_owner = ident
+            try:
+                key = deferred.next()
+                if key is None:
+                    return
+                self._capture_deferred(key, error_mode="thread_local")
+            except BaseException as exc:
+                self._background_error = exc
+                logger.warning("GraphRunner: background capture stopped: %s: %s "
+                               "(wait_for_capture() raises it)", type(exc).__name__, exc)
+                return
+            finally:
+                self._lock_owner = None
+                self._lock.release()
+            time.sleep(0)  # let a waiting step have the lock before the next capture
+
+    def wait_for_capture(self, timeout: float | None = None) -> CaptureReport:
+        """Wait until the background capture is done (or ``timeout`` seconds passed) and
+        return the report of what it captured; raise what the capture raised. With the other
+        policies, the report as it stands (capture() must have been called)."""
+        if self.report is None:
+            raise FreezeframeError("wait_for_capture() before capture(); call "
+                                   "runner.capture() first")
+        if self._background is not None:
+            self._background.join(timeout)
+            if self._background.is_alive():
+                raise TimeoutError(f"background capture still running after {timeout} s "
+                                   f"({self.pending_captures} graphs left)")
+        if self._background_error is not None:
+            raise self._background_error
+        return self.report
+
+    @property
+    def pending_captures(self) -> int:
+        """Graph keys the lazy or background policy has not captured yet."""
+        return self._deferred.num_pending if self._deferred is not None else 0
 
     def __repr__(self) -> str:
         mode = self.dispatcher.cudagraph_mode.name
@@ -1326,6 +1505,19 @@ def _gc_frozen() -> Iterator[None]:
         finally:
             gc.unfreeze()
         return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The collector paused for one capture during serving (no collection first: a lazy or
+    background capture must not stall the steps with a full collection)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
