@@ -29,6 +29,7 @@ What decides whether something saved is reused:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import inspect
 import json
@@ -215,21 +216,148 @@ def traced_files_from_graph(gm: torch.fx.GraphModule | None = None) -> list[str]
     return sorted(f for f in files if f and not f.startswith("<"))
 
 
+class _Normaliser:
+    """Writes the parts of one piece as plain data that does not depend on names: nodes by their
+    position, symbolic sizes by the order their symbols first appear, constant tensors by their
+    values, and objects it cannot describe by value by their identity in this process (so two
+    pieces that hold different such objects are never taken for one)."""
+
+    def __init__(self) -> None:
+        self.symbols: dict[Any, str] = {}
+        self.nodes: dict[Any, int] = {}
+
+    def sym(self, value: Any) -> str:
+        import sympy
+
+        expr = value.node.expr if hasattr(value, "node") else value
+        if not isinstance(expr, sympy.Basic):
+            return repr(expr)
+        for s in sorted(expr.free_symbols, key=str):
+            if s not in self.symbols:
+                self.symbols[s] = f"d{len(self.symbols)}"
+        # printed in a fixed order of the canonical names, not of the trace's own symbols
+        renamed = expr.xreplace({s: sympy.Symbol(self.symbols[s], integer=True, positive=True)
+                                 for s in expr.free_symbols})
+        return str(renamed)
+
+    def tensor_meta(self, t: Any) -> list[Any]:
+        return [str(t.dtype), str(t.device), [self.value(s) for s in t.shape],
+                [self.value(s) for s in t.stride()], bool(t.requires_grad)]
+
+    def tensor_value(self, t: Any) -> list[Any]:
+        """A constant tensor (a ``get_attr`` of the piece): its metadata and a digest of its
+        values. A tensor whose values cannot be read (a fake tensor) is described by identity."""
+        import torch
+
+        meta = self.tensor_meta(t)
+        try:
+            data = t.detach().to("cpu").contiguous()
+            blob = data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        except Exception:  # fake, meta or an exotic layout: never equal to another tensor
+            return ["tensor", meta, _identity(t)]
+        return ["tensor", meta, hashlib.sha256(blob).hexdigest()]
+
+    def value(self, a: Any) -> Any:
+        import torch
+        from torch import fx
+
+        if isinstance(a, fx.Node):
+            return ["node", self.nodes.get(a, a.name)]
+        if isinstance(a, bool | int | float | str | type(None)):
+            return [type(a).__name__, repr(a)]  # 1, 1.0, True and -0.0 stay apart
+        if isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return ["sym", type(a).__name__, self.sym(a)]
+        if isinstance(a, list | tuple):
+            return [type(a).__name__, [self.value(x) for x in a]]
+        if isinstance(a, dict):
+            return ["dict", [[self.value(k), self.value(v)] for k, v in a.items()]]
+        if isinstance(a, slice):
+            return ["slice", self.value(a.start), self.value(a.stop), self.value(a.step)]
+        if a is Ellipsis:
+            return ["..."]
+        if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
+            return [type(a).__name__, str(a)]
+        if isinstance(a, torch.Tensor):
+            return self.tensor_value(a)
+        if isinstance(a, enum.Enum):
+            return ["enum", type(a).__module__, type(a).__qualname__, a.name]
+        return ["object", type(a).__module__, type(a).__qualname__, _identity(a)]
+
+    def target(self, gm: Any, node: Any) -> Any:
+        import torch
+        from torch import fx
+
+        target = node.target
+        if node.op in ("get_attr", "call_module"):
+            obj: Any = gm
+            try:
+                for part in str(target).split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                return ["missing", str(target)]
+            if isinstance(obj, fx.GraphModule):
+                return ["graph", _structure(obj, _Normaliser())]
+            if isinstance(obj, torch.Tensor):
+                return self.tensor_value(obj)
+            return self.value(obj)
+        if isinstance(target, str):  # call_method
+            return target
+        if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            return ["op", str(target)]
+        qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+        if isinstance(qualname, str):
+            return ["fn", getattr(target, "__module__", None), qualname]
+        return self.value(target)
+
+
+_PROCESS_TOKEN = f"{os.getpid()}-{id(_Normaliser)}"
+
+
+def _identity(obj: Any) -> str:
+    """Equal only for the same object in the same process (and never across processes)."""
+    return f"id:{id(obj)}@{_PROCESS_TOKEN}"
+
+
+def _structure(gm: Any, norm: _Normaliser) -> list[Any]:
+    rows: list[Any] = []
+    for i, node in enumerate(gm.graph.nodes):
+        norm.nodes[node] = i
+        if node.op == "placeholder":
+            rows.append(["placeholder"])
+            continue
+        rows.append([node.op, norm.target(gm, node), norm.value(tuple(node.args)),
+                     norm.value(dict(node.kwargs))])
+    return rows
+
+
 def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                extra: Any = None) -> str:
-    """A hash of one piece: its generated code plus the dtypes, shapes and strides of its example
-    inputs. It is stored with the artifact and compared on load, so an artifact is never used for
-    a graph it was not compiled from (e.g. the same class built with other sizes)."""
+    """A structural hash of one piece: what decides the code a compiler makes of it.
+
+    Covers, in order, every node's kind, target (an op, a function by qualified name, a method
+    name), arguments (other nodes by position, constants by type and value) and keyword
+    arguments; constant tensors (``get_attr``) by dtype, shape, strides and a digest of their
+    values; nested graphs (a higher-order op's body) by their own structure; and every example
+    input's dtype, device, sizes, strides and ``requires_grad``, symbolic sizes with their symbols
+    renamed in order of first appearance. Node and placeholder names are left out, so the
+    pieces of identical layers (which differ only in the names of their parameters, passed in as
+    inputs) hash alike; two pieces that differ in a constant do not. An object it cannot describe
+    by value is hashed by its identity in this process: such a piece is reused only where the
+    very same object appears, and never found in another process's cache.
+
+    It is stored with each saved artifact and compared on load, and it decides which pieces
+    share one compiled callable (:class:`~freezeframe.compilation.compilers.CompilerManager`).
+    """
     import torch
 
-    inputs: list[Any] = []
+    norm = _Normaliser()
+    inputs: list[Any] = []  # first, so symbols are numbered in the order of the inputs
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
-            inputs.append([str(x.dtype), x.device.type, [str(s) for s in x.shape],
-                           [str(s) for s in x.stride()]])
+            inputs.append(["tensor", *norm.tensor_meta(x)])
         else:
-            inputs.append([type(x).__name__, str(x)])
-    return _sha([gm.code, inputs, extra])[:32]
+            inputs.append(norm.value(x))
+    return _sha([inputs, _structure(gm, norm), extra])[:32]
 
 
 # ---------------------------------------------------------------------------------------------

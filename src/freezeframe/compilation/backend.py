@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import fx
 
+from freezeframe.cache.key import graph_hash
 from freezeframe.compilation.compilers import CompilerManager
 from freezeframe.compilation.piecewise import PiecewiseBackend, _concrete
 from freezeframe.compilation.split import Piece, SplitGraph, check_splitting_ops, split_graph
@@ -136,6 +137,7 @@ class CompileBackend:
         self.wrappers: list[Any] = []
         self.stitching: fx.GraphModule | None = None
         self.compile_seconds = 0.0
+        self.distinct_pieces = 0  # capturable pieces of distinct structure in the trace
         self._called = False
         self._unused_reported: set[str] = set()
         if config.mode is CompilationMode.PIECEWISE and config.splitting_ops:
@@ -147,6 +149,7 @@ class CompileBackend:
         self._called = False
         self.pieces, self.piece_backends, self.wrappers = [], [], []
         self.stitching = None
+        self.distinct_pieces = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if self._called:
@@ -174,8 +177,9 @@ class CompileBackend:
         if self.config.cudagraph_copy_inputs and graphs_on:
             fn = _CopyInputs(fn, fake_inputs, self.config.max_num_tokens)
         self.compile_seconds = time.perf_counter() - start
-        logger.info("%s: compiled %d piece(s) (%d capturable) with %s in %.3f s total",
-                    self.model_key, len(self.pieces), sum(p.capturable for p in self.pieces),
+        logger.info("%s: compiled %d piece(s) (%d capturable, %d distinct) with %s in %.3f s "
+                    "total", self.model_key, len(self.pieces),
+                    sum(p.capturable for p in self.pieces), self.distinct_pieces,
                     self.manager.compiler.name, self.compile_seconds)
         return fn
 
@@ -184,6 +188,8 @@ class CompileBackend:
         self.pieces = [Piece(index=0, name="graph", graph=gm, is_splitting_op=False)]
         self.stats.inc("pieces")
         self.stats.inc("capturable_pieces")
+        self.stats.inc("distinct_pieces")
+        self.distinct_pieces = 1
         return self.manager.compile(gm, list(example_inputs),
                                     Range(1, self.config.max_num_tokens), 0)
 
@@ -197,6 +203,11 @@ class CompileBackend:
         self.stats.inc("pieces", len(split.pieces))
         self.stats.inc("capturable_pieces", len(capturable))
         fake_args = _piece_fake_args(split, example_inputs)
+        # Identical layers give pieces of one structure: each distinct one is compiled once per
+        # range and the others reuse its code (the manager keys its compiles by this hash).
+        keys = {p.name: graph_hash(p.graph, fake_args[p.name]) for p in capturable}
+        self.distinct_pieces = len(set(keys.values()))
+        self.stats.inc("distinct_pieces", self.distinct_pieces)
 
         graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
         wrap = self.graph_backend is not None and graph_mode.has_piecewise_cudagraphs()
@@ -205,7 +216,7 @@ class CompileBackend:
                 piece.graph, fake_args[piece.name], piece_index=piece.index,
                 manager=self.manager, compile_ranges=self.config.compile_ranges(),
                 compile_sizes=cast(tuple[int, ...], self.config.compile_sizes or ()),
-                max_num_tokens=self.config.max_num_tokens)
+                max_num_tokens=self.config.max_num_tokens, graph_key=keys[piece.name])
             backend.compile_all()
             self.piece_backends.append(backend)
             runnable: Any = backend

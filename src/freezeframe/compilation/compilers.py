@@ -2,11 +2,12 @@
 
 A :class:`Compiler` turns one FX piece plus example inputs into a callable for one compile
 range (symbolic shapes) or one concrete size (static shapes). :class:`CompilerManager` is the
-single door every compilation goes through: it counts ``backend_compilations`` (also for a
-future cache hit, so counts do not depend on the cache state), times and logs each compile,
-hands callables that launch their own kernels to the graph backend's ``prepare``, and is where
-the on-disk cache hooks in (``cache=``: an object with ``load`` and ``save``, see
-:class:`ArtifactCache`).
+single door every compilation goes through: it counts ``backend_compilations`` (per piece and
+range, also for a cache hit or a reused piece, so counts depend on neither), compiles each
+*distinct* piece once per range (pieces whose :func:`~freezeframe.cache.key.graph_hash` is equal
+share one callable: the layers of a transformer), times and logs each compile, hands callables
+that launch their own kernels to the graph backend's ``prepare``, and is where the on-disk cache
+hooks in (``cache=``: an object with ``load`` and ``save``, see :class:`ArtifactCache`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import fx
 
-from freezeframe.cache.key import hash_sources
+from freezeframe.cache.key import graph_hash, hash_sources
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
@@ -309,6 +310,9 @@ class CompilerManager:
         self.model_key = model_key
         self._stats = stats
         self.compile_seconds = 0.0
+        # (graph_hash, range start, range end) -> (first piece index, unprepared runnable): a
+        # piece whose structure an earlier piece had reuses that piece's compiled code
+        self._compiled: dict[tuple[str, int, int], tuple[int, Callable[..., Any]]] = {}
 
     def _compile_once_more_after_recovery(self, graph: fx.GraphModule,
                                           example_inputs: list[Any], compile_range: Range,
@@ -325,9 +329,32 @@ class CompilerManager:
         return self.compiler.compile(graph, example_inputs, compile_range, piece_index)
 
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
-                piece_index: int) -> Callable[..., Any]:
+                piece_index: int, *, graph_key: str | None = None) -> Callable[..., Any]:
+        """The runnable of ``graph`` for ``compile_range``: the one an earlier piece with the
+        same structural hash got for this range (``pieces_reused``), else loaded from the cache,
+        else compiled. ``graph_key`` is the piece's :func:`graph_hash` when the caller has it
+        (computed from ``graph`` and ``example_inputs`` otherwise)."""
         # Counted before the cache is asked: a cache hit is still a backend compilation.
         self._stats.inc("backend_compilations")
+        key = graph_key if graph_key is not None else graph_hash(graph, example_inputs)
+        slot = (key, compile_range.start, compile_range.end)
+        shared = self._compiled.get(slot)
+        if shared is not None:
+            self._stats.inc("pieces_reused")
+            logger.debug("piece %d for sizes %s: the same graph as piece %d, reusing its "
+                         "compiled code", piece_index, compile_range, shared[0])
+            return self._prepared(shared[1])
+        runnable = self._compile_or_load(graph, example_inputs, compile_range, piece_index)
+        self._compiled[slot] = (piece_index, runnable)
+        return self._prepared(runnable)
+
+    def _prepared(self, runnable: Callable[..., Any]) -> Callable[..., Any]:
+        if self._prepare is not None and self.compiler.launches_kernels:
+            return self._prepare(runnable)
+        return runnable
+
+    def _compile_or_load(self, graph: fx.GraphModule, example_inputs: list[Any],
+                         compile_range: Range, piece_index: int) -> Callable[..., Any]:
         start = time.perf_counter()
         runnable = None
         if self.cache is not None:
@@ -349,8 +376,6 @@ class CompilerManager:
             if self.cache is not None:
                 self.cache.save(self.compiler, graph, example_inputs, compile_range,
                                 piece_index, runnable)
-        if self._prepare is not None and self.compiler.launches_kernels:
-            runnable = self._prepare(runnable)
         elapsed = time.perf_counter() - start
         self.compile_seconds += elapsed
         logger.debug("%s piece %d for sizes %s in %.3f s%s", "loaded" if loaded else "compiled",

@@ -88,8 +88,12 @@ class PiecewiseBackend:
 
     def __init__(self, graph: fx.GraphModule, fake_args: Sequence[Any], *, piece_index: int,
                  manager: CompilerManager, compile_ranges: Sequence[Range],
-                 compile_sizes: Sequence[int], max_num_tokens: int) -> None:
+                 compile_sizes: Sequence[int], max_num_tokens: int,
+                 graph_key: str | None = None) -> None:
         self.graph = graph
+        # the piece's structural hash (graph_hash of graph and fake_args): pieces that share it
+        # share compiled code; None lets the manager compute it
+        self.graph_key = graph_key
         self.piece_index = piece_index
         self.fake_args = list(fake_args)
         self.size_source = find_size_source(self.fake_args)
@@ -116,15 +120,17 @@ class PiecewiseBackend:
             # as 2*s0): one compile over the whole range serves every batch.
             full = Range(1, self.max_num_tokens)
             self._static = self._manager.compile(self.graph, self.fake_args, full,
-                                                 self.piece_index)
+                                                 self.piece_index, graph_key=self.graph_key)
         else:
             for r in self.compile_ranges:
                 self._by_range.append(
-                    (r, self._manager.compile(self.graph, self.fake_args, r, self.piece_index)))
+                    (r, self._manager.compile(self.graph, self.fake_args, r, self.piece_index,
+                                              graph_key=self.graph_key)))
             for size in self.compile_sizes:
                 if any(r.start == r.end == size for r in self.compile_ranges):
                     continue
                 single = Range(size, size)
+                # keyed by the concrete inputs' own hash (the manager computes it)
                 self._by_size[size] = self._manager.compile(
                     self.graph, concrete_inputs(self.fake_args, size), single,
                     self.piece_index)
