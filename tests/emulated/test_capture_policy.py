@@ -207,3 +207,14 @@ def test_static_inputs_work_with_lazy_capture() -> None:
         x = torch.ones(n, 2)
         assert torch.equal(runner(x, s), x * s)
     assert runner.report.num_graphs == 1
+
+
+def test_the_runner_keeps_a_histogram_of_real_step_sizes() -> None:
+    _, runner = silly_runner("eager")
+    runner.capture()
+    for n in (3, 3, 1, 8, 3, 5, 8):  # planned and unplanned steps alike
+        runner(torch.ones(n, 3))
+    assert runner.size_histogram == {1: 1, 3: 3, 5: 1, 8: 2}
+    with pytest.raises(ff.errors.InputMismatchError):
+        runner(torch.ones(3, 4))  # refused steps are not counted
+    assert runner.size_histogram == {1: 1, 3: 3, 5: 1, 8: 2}

@@ -269,6 +269,8 @@ class GraphRunner:
         self._fill_from: dict[str, int] = dict.fromkeys(self._buffers, 0)
         # (tokens, padded tokens, requests, padded requests) -> where a step is staged
         self._stagings: dict[tuple[int, int, int | None, int | None], Staging] = {}
+        # real token count -> steps of that many tokens (see size_histogram)
+        self._sizes: dict[int, int] = {}
         # plan_key(...) -> a FULL step of that shape, planned (step_plan.py)
         self._plans: dict[tuple[Any, ...], StepPlan] = {}
         # (descriptor, padded requests) -> (graphs captured when looked up, the model's direct
@@ -299,6 +301,13 @@ class GraphRunner:
     @property
     def captured(self) -> bool:
         return self.report is not None
+
+    @property
+    def size_histogram(self) -> dict[int, int]:
+        """How many steps had each real token count (before padding), smallest first: the
+        traffic ``ff.plan_capture_sizes`` / ``freezeframe plan`` choose capture sizes for
+        (``json.dump`` it as ``{str(n): count}``)."""
+        return dict(sorted(self._sizes.items()))
 
     # -- one step ------------------------------------------------------------------------
     def __call__(
@@ -390,6 +399,7 @@ class GraphRunner:
               num_scheduled_tokens: Sequence[int] | None) -> Any:
         values = self._bind(args, kwargs)
         num_tokens, reqs = self._validate(values, num_reqs, uniform_decode)
+        self._sizes[num_tokens] = self._sizes.get(num_tokens, 0) + 1
         aliased = self._aliased(values) if len(self._slots) > 1 else ()
         step_tokens, step_uniform = num_tokens, bool(uniform_decode)
         if self.dp_sync:
@@ -506,6 +516,8 @@ class GraphRunner:
         """One step of a planned shape: stage, replay, answer. ``_STALE`` when the plan no
         longer holds (its graph was dropped): the caller takes the whole way."""
         self._stage_into(plan.staging, args)
+        sizes = self._sizes
+        sizes[plan.num_tokens] += 1  # the first step of the shape put it there
         buffers = self._buffer_list
         versions = [buf._version for buf in buffers]
         try:
