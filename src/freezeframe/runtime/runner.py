@@ -261,7 +261,8 @@ class GraphRunner:
         self._scaled_leaves: dict[int, int] = {}
         # Steps and capture hold this lock (see "Threads" in the class docstring).
         self._lock = threading.Lock()
-        self._lock_owner: int | None = None
+        self._lock_owner: int | None = None  # the thread holding the lock, while it does
+        self._last_holder: int | None = None  # the thread that took the lock last (kept)
         self._copy_after_overlap = False
         # Per buffer: the rows from this index on are known to hold the input's fill value (a
         # step whose padding lies there need not reset it). Staging and the model's writes
@@ -340,7 +341,7 @@ class GraphRunner:
         # the rest.
         if not self._lock.acquire(blocking=False):
             self._wait_for_lock("a step")
-        self._lock_owner = _get_ident()
+        self._lock_owner = self._last_holder = _get_ident()
         # Inference only: no autograd graph may hang on the static buffers or graph outputs.
         # One switch for the whole step (torch.no_grad() as a context costs more than the
         # rest of a planned step's Python).
@@ -372,12 +373,12 @@ class GraphRunner:
                 f"GraphRunner: {what} was started from inside a step or capture on the same "
                 "thread (the model called its own runner); the static buffers hold the outer "
                 "call, so the inner one cannot run. Call the runner only from outside it")
+        self._lock.acquire()
         background = self._background
-        if background is not None and self._lock_owner == background.ident:
-            self._lock.acquire()  # the background capture of one graph: not another step
+        if background is not None and self._last_holder == background.ident:
+            # it waited for the background capture of one graph, not for another step
             self.stats.inc("capture_waits")
             return
-        self._lock.acquire()
         self._overlapped()
 
     def _overlapped(self) -> None:
@@ -981,7 +982,7 @@ class GraphRunner:
         """
         if not self._lock.acquire(blocking=False):
             self._wait_for_lock("capture()")
-        self._lock_owner = _get_ident()
+        self._lock_owner = self._last_holder = _get_ident()
         try:
             return self._capture_all()
         finally:
@@ -1233,7 +1234,7 @@ class GraphRunner:
         ident = _get_ident()
         while True:
             self._lock.acquire()
-            self._lock_owner = ident
+            self._lock_owner = self._last_holder = ident
             try:
                 key = deferred.next()
                 if key is None:
