@@ -224,6 +224,10 @@ class _Recorder(TorchDispatchMode):
         self.steps: list[_Step] = self._root.steps if joining is not None else []
         self.saw_inference = False  # whether any op ran under inference_mode (root only)
         self._recorded = 0  # steps this recorder appended (another thread appends to steps too)
+        # Addresses of the storages allocated during the capture (shared with joiners): the
+        # graph's own memory, as opposed to the inputs and weights it reads. Addresses only, so
+        # a temporary the graph does not keep is not kept alive by this set.
+        self.born: set[int] = self._root.born if joining is not None else set()
 
     def _append(self, step: _Step) -> None:
         self.steps.append(step)
@@ -251,15 +255,21 @@ class _Recorder(TorchDispatchMode):
 
     def _record(self, func: torch._ops.OpOverload, args: tuple[Any, ...],
                 kwargs: dict[str, Any], out: Any) -> None:
-        if func in _ALLOCATION_ONLY or (func.is_view and _aliases_an_input(args, kwargs, out)):
-            # A view aliases memory the graph already tracks; an allocation has no contents.
-            # An op that *may* return a view (``aten.to.dtype``, which reaches the mode under
-            # inference_mode) but returned new memory is recorded like any other.
+        if func in _ALLOCATION_ONLY:
+            # An allocation has no contents: nothing to replay, but its memory is the graph's
+            # (a later ``out=`` op writes into it).
+            self._note_born([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+            return
+        if func.is_view and _aliases_an_input(args, kwargs, out):
+            # A view aliases memory the graph already tracks. An op that *may* return a view
+            # (``aten.to.dtype``, which reaches the mode under inference_mode) but returned new
+            # memory is recorded like any other.
             return
         if func.is_view:  # returned new memory (see above): all of it is the step's output
             targets = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         else:
             targets = _fresh_outputs(func, out)
+        self._note_born(targets)
         if not targets and not _mutates_an_argument(func):
             return  # a query with no effect on any tensor (e.g. a size or a flag)
         self._append(_OpStep(func, args, kwargs, targets))
@@ -281,9 +291,14 @@ class _Recorder(TorchDispatchMode):
         if self._recorded == before:
             logger.debug("custom op %s showed no ATen work; recording it as one step", func)
             targets = _fresh_outputs(func, out)
+            self._note_born(targets)
             if targets or _mutates_an_argument(func):
                 self._append(_OpStep(func, args, kwargs, targets))
         return out
+
+    def _note_born(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            self.born.add(t.untyped_storage().data_ptr())
 
     def record_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Any:
@@ -291,6 +306,10 @@ class _Recorder(TorchDispatchMode):
         with torch.utils._python_dispatch._disable_current_modes():
             out = fn(*_clone_containers(args), **_clone_containers(kwargs))
         targets = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        # what the opaque call returned is new memory unless it is one of its arguments'
+        read = {t.untyped_storage().data_ptr()
+                for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self._note_born([t for t in targets if t.untyped_storage().data_ptr() not in read])
         self._append(_OpaqueStep(fn, _clone_containers(args), _clone_containers(kwargs),
                                  targets))
         return out
@@ -332,16 +351,40 @@ def is_opaque(fn: Any) -> bool:
     return bool(getattr(fn, _OPAQUE_ATTR, False))
 
 
+def _held_bytes(steps: Sequence[_Step], born: set[int]) -> int:
+    """Bytes of the distinct storages allocated during the capture that ``steps`` keep alive
+    (each storage once, whole, however many views of it the steps hold)."""
+    sizes: dict[int, int] = {}
+    for step in steps:
+        for leaf in pytree.tree_leaves((step.targets, step.args, step.kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                storage = leaf.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr in born:
+                    sizes[ptr] = storage.nbytes()
+    return sum(sizes.values())
+
+
 class EmulatedGraph:
-    """The recorded steps of one capture; :meth:`replay` re-runs them on the same tensors."""
+    """The recorded steps of one capture; :meth:`replay` re-runs them on the same tensors.
 
-    __slots__ = ("_inference", "_steps")
+    ``memory_bytes`` is the graph's own memory: the bytes of the distinct storages allocated
+    during the capture that the recorded steps hold (the outputs a replay writes into, and the
+    buffers an ``out=`` op writes into), each storage counted once. The static inputs and the
+    weights it reads are not counted; they existed before the capture. Unlike CUDA graphs, which
+    share one pool (a smaller graph captured after a larger one reuses its memory), every
+    emulated graph holds its own tensors, so the memory of several graphs is their sum.
+    """
 
-    def __init__(self, steps: list[_Step], *, inference: bool) -> None:
+    __slots__ = ("_inference", "_steps", "memory_bytes")
+
+    def __init__(self, steps: list[_Step], *, inference: bool,
+                 born: set[int] | None = None) -> None:
         self._steps = steps
         # Replay under the grad mode of the capture: tensors made under inference_mode can
         # only be written to under inference_mode; otherwise no_grad keeps autograd out of it.
         self._inference = inference
+        self.memory_bytes: int = _held_bytes(steps, born) if born else 0
 
     @property
     def ops(self) -> list[str]:
@@ -355,7 +398,7 @@ class EmulatedGraph:
                 step.run()
 
     def __repr__(self) -> str:
-        return f"EmulatedGraph({len(self._steps)} steps)"
+        return f"EmulatedGraph({len(self._steps)} steps, {self.memory_bytes} bytes)"
 
 
 class EmulatedBackend:
@@ -375,7 +418,7 @@ class EmulatedBackend:
         # A region that entered inference_mode itself (a compiled model does) made inference
         # tensors, which only inference_mode may write again on replay.
         inference = inference or recorder.saw_inference
-        return EmulatedGraph(recorder.steps, inference=inference), output
+        return EmulatedGraph(recorder.steps, inference=inference, born=recorder.born), output
 
     def weak_ref(self, output: Any) -> Any:
         # Every emulated graph keeps its own tensors alive anyway; a weak view would save

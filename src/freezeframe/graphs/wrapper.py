@@ -237,6 +237,18 @@ class GraphWrapper:
         entry = self._entries.get(self._key(descriptor))
         return None if entry is None else entry.graph
 
+    def memory_bytes(self) -> int:
+        """The graph memory this wrapper's graphs report holding, summed: each graph's
+        ``memory_bytes`` where its type has one (an emulated graph counts the tensors it keeps
+        alive), 0 for a graph that does not (a CUDA graph's memory lives in the shared pool,
+        which only the device's free memory shows)."""
+        total = 0
+        for entry in self._entries.values():
+            held = getattr(entry.graph, "memory_bytes", None) if entry.graph is not None else None
+            if isinstance(held, int):
+                total += held
+        return total
+
     def clear(self) -> None:
         """Drop every captured graph and stored output so their memory can be freed; the next
         sight of a descriptor captures again (if the window is open)."""
