@@ -195,3 +195,50 @@ def test_inductor_two_processes_compile_once(tmp_path: Path) -> None:
     assert compiles == [0, 3] and hits == [0, 3]
     leftovers = [p for p in (tmp_path / "c").rglob("*.tmp")]
     assert leftovers == []
+
+
+# One process: a 4-layer ExampleMLP (5 capturable pieces, 3 distinct) compiled with Inductor in
+# the given artifact format; prints the counters, the outputs and eager's outputs.
+_LAYERS_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{src!r}, {root!r}]
+    import torch
+    import freezeframe as ff
+    from freezeframe.compilation.compilers import InductorCompiler
+    from freezeframe.models.example import MIX_OP, ExampleMLP
+    module = ExampleMLP(hidden_size=8, num_layers=4).eval()
+    cfg = ff.CompilationConfig(mode="piecewise", backend="inductor", splitting_ops=[MIX_OP],
+                               cudagraph_mode="none", max_num_tokens=64,
+                               cache_dir={cache_dir!r})
+    model = ff.compile(module, cfg, dynamic_arg_dims={{"x": 0}})
+    model.manager.compiler = InductorCompiler(model.stats, artifact_format={fmt!r})
+    xs = [module.example_input(n) for n in (3, 7)]
+    outs = [model(x).tolist() for x in xs]
+    with torch.no_grad():
+        ref = [module(x).tolist() for x in xs]
+    print(json.dumps({{"stats": model.stats.snapshot(), "outs": outs, "eager": ref}}))
+""")
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("fmt", ["aot", "standalone"])
+def test_inductor_layers_compile_once_in_either_format(tmp_path: Path, fmt: str) -> None:
+    code = _LAYERS_CHILD.format(src=str(ROOT / "src"), root=str(ROOT),
+                                cache_dir=str(tmp_path / "c"), fmt=fmt)
+    cold = _run(code)
+    s = cold["stats"]
+    # 5 capturable pieces, 3 distinct: Inductor runs 3 times (1 range), the others reuse
+    assert (s["capturable_pieces"], s["distinct_pieces"], s["pieces_reused"]) == (5, 3, 2)
+    assert (s["inductor_compiles"], s[f"inductor_compiles_{fmt}"], s["cache_misses"]) == (3, 3, 3)
+    assert s["artifacts_saved"] == 4  # 3 distinct pieces + the trace
+    for out, ref in zip(cold["outs"], cold["eager"], strict=True):
+        torch.testing.assert_close(torch.tensor(out), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+    warm = _run(code)
+    w = warm["stats"]
+    assert w.get("inductor_compiles", 0) == 0 and w.get("cache_misses", 0) == 0
+    assert (w["cache_hits"], w["pieces_reused"], w["traces_loaded"]) == (3, 2, 1)
+    assert warm["outs"] == cold["outs"]  # bit-identical to the cold start
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    index = json.loads((entry.path / "index.json").read_text())["artifacts"]
+    assert sorted(index) == [f"piece_{i}_range_1_64.bin" for i in (0, 2, 8)]
+    assert {rec["compiler"] for rec in index.values()} == {f"inductor:{fmt}"}

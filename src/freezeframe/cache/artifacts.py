@@ -15,6 +15,7 @@ trace helps an eager model.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import tempfile
@@ -24,11 +25,55 @@ from typing import Any, Protocol
 
 from freezeframe.cache.key import graph_hash
 from freezeframe.cache.store import CompileCache, range_bounds
-from freezeframe.errors import CacheError
+from freezeframe.errors import CacheError, ConfigError
 
-__all__ = ["PieceCache"]
+__all__ = ["ARTIFACT_FORMATS", "PieceCache", "choose_artifact_format"]
 
 logger = logging.getLogger(__name__)
+
+ARTIFACT_FORMATS = ("auto", "aot", "standalone", "none")
+"""What :func:`choose_artifact_format` accepts."""
+
+
+def choose_artifact_format(requested: str = "auto", *, torch_module: Any = None) -> str | None:
+    """How Inductor pieces are compiled and saved with this torch: the one place that decides.
+
+    * ``"aot"``: ``torch._inductor.standalone_compile(..., aot=True)``, torch's bundled AOT
+      artifact (``AOTCompiledArtifact``): a self-contained callable whose load needs neither
+      Inductor's compile module nor its FX-graph cache (torch builds whose ``standalone_compile``
+      takes ``aot``);
+    * ``"standalone"``: ``standalone_compile`` without ``aot``: Inductor's cache artifacts
+      (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts`` inside
+      ``CompiledArtifact``), the fallback for torch builds without the AOT artifact;
+    * ``None``: ``compile_fx``, nothing saved (torch without ``standalone_compile``, or
+      ``"none"`` asked for).
+
+    ``"auto"`` takes the first of these the installed torch has; naming a format forces it (the
+    tests force the fallback this way), and one this torch lacks is a :class:`ConfigError`.
+    ``torch_module`` stands in for ``torch`` (tests).
+    """
+    if requested not in ARTIFACT_FORMATS:
+        raise ConfigError(f"artifact_format: {requested!r} is not one of {ARTIFACT_FORMATS}; "
+                          "use 'auto' to let freezeframe pick what this torch has")
+    if requested == "none":
+        return None
+    if torch_module is None:
+        import torch as torch_module
+    standalone = getattr(getattr(torch_module, "_inductor", None), "standalone_compile", None)
+    has_aot = False
+    if standalone is not None:
+        try:
+            has_aot = "aot" in inspect.signature(standalone).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+            has_aot = False
+    if requested == "auto":
+        return "aot" if has_aot else ("standalone" if standalone is not None else None)
+    if standalone is None or (requested == "aot" and not has_aot):
+        version = getattr(torch_module, "__version__", "?")
+        raise ConfigError(f"artifact_format: {requested!r} needs torch._inductor."
+                          f"standalone_compile{'(aot=True)' if requested == 'aot' else ''}, "
+                          f"which torch {version} lacks; use 'auto'")
+    return requested
 
 
 def _compiled_artifact_class() -> Any:
@@ -44,11 +89,21 @@ def _compiled_artifact_class() -> Any:
 
 
 def _returns_tuple(graph: Any) -> bool:
-    try:
-        from torch._inductor.compile_fx import graph_returns_tuple
-    except ImportError:  # pragma: no cover
+    """Whether a piece's graph returns a tuple (what Inductor's compiled code returns as it is)
+    rather than one value (which a loaded artifact returns as a 1-list). Read off the output
+    node here, so loading an artifact does not import Inductor's compile module for it."""
+    nodes = getattr(getattr(graph, "graph", None), "nodes", None)
+    if nodes is None:
         return True
-    return bool(graph_returns_tuple(graph))
+    out = next((n for n in reversed(nodes) if n.op == "output"), None)
+    if out is None or not out.args:
+        return True
+    (value,) = out.args[:1]
+    if isinstance(value, (list, tuple)):
+        return True
+    schema = getattr(getattr(value, "target", None), "_schema", None)
+    returns = getattr(schema, "returns", ())
+    return len(returns) > 1 and all(str(r.type) == "Tensor" for r in returns)
 
 
 class _SingleOutput:
@@ -79,6 +134,11 @@ class NamedCompiler(Protocol):
     name: str
 
 
+def _format_of(compiler: Any) -> str | None:
+    """The artifact format a compiler writes (``InductorCompiler.artifact_format``)."""
+    return getattr(compiler, "artifact_format", None) if compiler.name == "inductor" else None
+
+
 class PieceCache:
     """The ``cache=`` object of :class:`~freezeframe.compilation.compilers.CompilerManager`.
 
@@ -93,14 +153,14 @@ class PieceCache:
 
     @staticmethod
     def _cacheable(compiler: NamedCompiler) -> bool:
-        return compiler.name == "inductor" and _compiled_artifact_class() \
-            is not None
+        return _format_of(compiler) is not None and _compiled_artifact_class() is not None
 
     @staticmethod
     def _graph_key(compiler: NamedCompiler, graph: Any, example_inputs: Sequence[Any],
                    compile_range: Any) -> str:
+        # the format joins the key: an artifact of the other format is a miss, never loaded
         return graph_hash(graph, example_inputs, [list(range_bounds(compile_range)),
-                                                  compiler.name])
+                                                  compiler.name, _format_of(compiler)])
 
     def load(self, compiler: NamedCompiler, graph: Any, example_inputs: list[Any],
              compile_range: Any,
@@ -164,7 +224,7 @@ class PieceCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             self.cache.save_artifact(piece_index, compile_range, payload, graph_key=gkey,
-                                     compiler=compiler.name)
+                                     compiler=f"{compiler.name}:{_format_of(compiler)}")
         except CacheError:
             raise
         except Exception as exc:  # e.g. a graph standalone_compile cannot serialise

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import fx
 
+from freezeframe.cache.artifacts import choose_artifact_format
 from freezeframe.cache.key import graph_hash, hash_sources
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.sizes import Range
@@ -229,8 +230,10 @@ def _make_pass_chain(passes: Sequence[tuple[str, Callable[..., Any]]],
 
 
 class InductorCompiler:
-    """Inductor code generation, through ``torch._inductor.standalone_compile`` when torch has
-    it (an artifact that can be saved and loaded by the cache) and ``compile_fx`` otherwise.
+    """Inductor code generation in the artifact format
+    :func:`~freezeframe.cache.artifacts.choose_artifact_format` picks for this torch (torch's
+    AOT artifact, ``standalone_compile``'s cache artifact, or ``compile_fx`` with nothing to
+    save); ``artifact_format`` forces one (``"standalone"`` exercises the fallback).
 
     Single sizes compile with ``dynamic_shapes="from_example_inputs"`` (static shapes, real
     example sizes); ranges with ``"from_graph"`` (the graph's symbolic shapes). The user's
@@ -242,8 +245,11 @@ class InductorCompiler:
     launches_kernels = True
 
     def __init__(self, stats: Stats, compile_config: Mapping[str, Any] | None = None,
-                 passes: Mapping[str, str | Callable[..., Any]] | None = None) -> None:
+                 passes: Mapping[str, str | Callable[..., Any]] | None = None, *,
+                 artifact_format: str = "auto") -> None:
         self._stats = stats
+        # "aot", "standalone" or None (compile_fx): what is compiled, saved and loaded
+        self.artifact_format = choose_artifact_format(artifact_format)
         self._compile_config = dict(compile_config or {})
         self._passes = [(n, resolve_pass(n, v)) for n, v in (passes or {}).items()]
         if self._passes and "post_grad_custom_post_pass" in self._compile_config:
@@ -265,16 +271,19 @@ class InductorCompiler:
 
     def compile_artifact(self, graph: fx.GraphModule, example_inputs: list[Any],
                          compile_range: Range, piece_index: int) -> tuple[Any, Callable[..., Any]]:
-        """``(artifact, runnable)``; ``artifact`` is the standalone ``CompiledArtifact`` (has
-        ``save``) or ``None`` on the ``compile_fx`` path."""
+        """``(artifact, runnable)``; ``artifact`` is the ``CompiledArtifact`` (has ``save``) or
+        ``None`` on the ``compile_fx`` path."""
         from torch._inductor import config as inductor_config
 
         self._stats.inc("inductor_compiles")
+        self._stats.inc(f"inductor_compiles_{self.artifact_format or 'compile_fx'}")
         dynamic = "from_example_inputs" if compile_range.is_single_size() else "from_graph"
-        standalone = getattr(torch._inductor, "standalone_compile", None)
         with inductor_config.patch(self._patches(compile_range)), _compiling(compile_range):
-            if standalone is not None:
-                artifact = standalone(graph, list(example_inputs), dynamic_shapes=dynamic)
+            if self.artifact_format is not None:
+                extra: dict[str, Any] = {"aot": True} if self.artifact_format == "aot" else {}
+                standalone = cast(Callable[..., Any], torch._inductor.standalone_compile)
+                artifact = standalone(graph, list(example_inputs), dynamic_shapes=dynamic,
+                                      **extra)
                 return artifact, artifact
             from torch._inductor.compile_fx import compile_fx
 
@@ -286,12 +295,14 @@ class InductorCompiler:
 
 
 def make_compiler(backend: str, stats: Stats, compile_config: Mapping[str, Any] | None = None,
-                  passes: Mapping[str, str | Callable[..., Any]] | None = None) -> Compiler:
-    """The compiler a config's ``backend`` names."""
+                  passes: Mapping[str, str | Callable[..., Any]] | None = None, *,
+                  artifact_format: str = "auto") -> Compiler:
+    """The compiler a config's ``backend`` names (``artifact_format``: Inductor's, see
+    :func:`~freezeframe.cache.artifacts.choose_artifact_format`)."""
     if backend == "eager":
         return EagerCompiler(stats)
     if backend == "inductor":
-        return InductorCompiler(stats, compile_config, passes)
+        return InductorCompiler(stats, compile_config, passes, artifact_format=artifact_format)
     raise ConfigError(f"backend: unknown compiler {backend!r}; use 'eager' or 'inductor'")
 
 
