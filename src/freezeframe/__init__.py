@@ -25,6 +25,7 @@ _EXPORTS = {
     "forward_context": "freezeframe.context",
     "BatchDescriptor": "freezeframe.batch",
     "Stats": "freezeframe.stats",
+    "plan_capture_sizes": "freezeframe.planning",
     "FreezeframeError": "freezeframe.errors",
     "ConfigError": "freezeframe.errors",
     "CompileError": "freezeframe.errors",
@@ -45,9 +46,11 @@ _ALSO = {
     "CacheError": "freezeframe.errors",
 }
 
-# public submodules, imported on first attribute access (``ff.ubatch.yield_to_comm()``,
-# ``ff.errors.CaptureError``: every error type is there)
-_SUBMODULES = ("errors", "ubatch")
+# public submodules -> the module each names, imported on first attribute access
+# (``ff.ubatch.yield_to_comm()``, ``ff.errors.CaptureError``: every error type is there;
+# ``ff.hf.compile(model)``: Hugging Face models, which imports transformers only then)
+_SUBMODULES = {"errors": "freezeframe.errors", "ubatch": "freezeframe.ubatch",
+               "hf": "freezeframe.integrations.hf"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
@@ -67,6 +70,8 @@ if TYPE_CHECKING:  # pragma: no cover
         InputMismatchError,
         ShapeOutOfRangeError,
     )
+    from freezeframe.integrations import hf
+    from freezeframe.planning import plan_capture_sizes
     from freezeframe.runtime import Dispatcher, GraphRunner, Requests, Static, Tokens
     from freezeframe.sizes import Range
     from freezeframe.stats import Stats
@@ -74,7 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(f"freezeframe.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     module = _EXPORTS.get(name) or _ALSO.get(name)
     if module is None:
         raise AttributeError(f"module 'freezeframe' has no attribute {name!r}")

@@ -11,14 +11,14 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "freezeframe"
 # Each stage may use every stage on an earlier line.
 STAGES: list[set[str]] = [
     {"_version", "errors", "sizes"},
-    {"config", "batch", "stats"},
+    {"config", "batch", "stats", "planning"},
     {"context"},
     {"graphs"},
     {"cache"},
     {"compilation"},
     {"runtime", "ubatch"},
     {"models"},
-    {"bench", "cli", "__init__"},
+    {"bench", "cli", "__init__", "integrations"},
 ]
 # Command-line front doors of a stage sit on top with the CLI they plug into.
 FRONT_DOORS = {"freezeframe.cache.cli"}

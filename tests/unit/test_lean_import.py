@@ -73,12 +73,12 @@ def test_compile_is_the_function_even_after_importing_the_subpackage() -> None:
     assert proc.stdout.split() == ["True", "True"]
 
 
-def test_the_public_surface_is_sixteen_names_and_older_names_still_resolve() -> None:
+def test_the_public_surface_is_seventeen_names_and_older_names_still_resolve() -> None:
     assert sorted(freezeframe._EXPORTS) == [
         "BatchDescriptor", "CUDAGraphMode", "CompilationConfig", "CompilationMode",
         "CompileError", "ConfigError", "FreezeframeError", "GraphRunner", "InputMismatchError",
         "Requests", "Static", "Stats", "Tokens", "compile", "current_compile_range",
-        "forward_context"]
+        "forward_context", "plan_capture_sizes"]
     from freezeframe import errors, sizes
 
     assert freezeframe.errors is errors
