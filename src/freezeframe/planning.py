@@ -50,6 +50,7 @@ __all__ = [
     "evaluate_ladder",
     "plan_capture_sizes",
     "read_histogram",
+    "read_size_map",
 ]
 
 # A per-size model: a callable ``size -> value`` or measured ``{size: value}`` points.
@@ -566,19 +567,25 @@ def _pareto(found: list[tuple[float, int, float, int, int]],
 def read_histogram(text: str, source: str = "histogram") -> dict[int, int]:
     """A histogram from JSON text: ``{"1": 120, "3": 40}`` (size -> step count; JSON keys are
     strings) or the same object under a ``"histogram"`` key. ``source`` names the text in
-    errors."""
+    errors. The counts are checked when the histogram is used."""
+    return read_size_map(text, source, "histogram", "step count")
+
+
+def read_size_map(text: str, source: str, wrapper: str, value: str) -> dict[int, Any]:
+    """``{"SIZE": VALUE, ...}`` from JSON text, or the same object under the key ``wrapper``;
+    keys become ints, values are returned as they are (their user checks them)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{source}: not valid JSON ({exc}); write an object such as "
-                          '{"1": 120, "3": 40}') from None
-    if isinstance(data, dict) and set(data) == {"histogram"}:
-        data = data["histogram"]
+                          f'{{"1": 120, "3": 40}} (size -> {value})') from None
+    if isinstance(data, dict) and set(data) == {wrapper}:
+        data = data[wrapper]
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a JSON object of size -> step count such as "
+        raise ConfigError(f"{source}: expected a JSON object of size -> {value} such as "
                           f'{{"1": 120, "3": 40}}, got {data!r}')
-    out: dict[int, int] = {}
-    for key, count in data.items():
+    out: dict[int, Any] = {}
+    for key, item in data.items():
         try:
             size = int(key)
         except ValueError:
@@ -586,5 +593,5 @@ def read_histogram(text: str, source: str = "histogram") -> dict[int, int]:
                               'strings, such as "8"') from None
         if str(size) != key.strip():
             raise ConfigError(f"{source}: key {key!r} is not a batch size written as an int")
-        out[size] = count
+        out[size] = item
     return out
