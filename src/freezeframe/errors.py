@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "FallbackError",
     "FreezeframeError",
+    "GraphMemoryBudgetError",
     "InputMismatchError",
     "MicroBatchError",
     "ShapeOutOfRangeError",
@@ -40,6 +41,11 @@ class ShapeOutOfRangeError(FreezeframeError, ValueError):
 class CaptureError(FreezeframeError, RuntimeError):
     """A graph capture was attempted where it is not allowed (outside the capture window,
     a host sync inside the captured region, ...)."""
+
+
+class GraphMemoryBudgetError(CaptureError):
+    """The graphs a runner would capture are predicted to need more memory than its
+    ``graph_memory_budget``; nothing was kept."""
 
 
 class InputMismatchError(FreezeframeError, RuntimeError):

@@ -351,17 +351,18 @@ def is_opaque(fn: Any) -> bool:
     return bool(getattr(fn, _OPAQUE_ATTR, False))
 
 
-def _held_bytes(steps: Sequence[_Step], born: set[int]) -> int:
-    """Bytes of the distinct storages allocated during the capture that ``steps`` keep alive
-    (each storage once, whole, however many views of it the steps hold)."""
+def _held_bytes(steps: Sequence[_Step], output: Any, born: set[int]) -> int:
+    """Bytes of the distinct storages allocated during the capture that ``steps`` or the
+    captured ``output`` (which the graph's owner keeps) hold: each storage once, whole, however
+    many views of it there are."""
     sizes: dict[int, int] = {}
-    for step in steps:
-        for leaf in pytree.tree_leaves((step.targets, step.args, step.kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                storage = leaf.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr in born:
-                    sizes[ptr] = storage.nbytes()
+    held = [(step.targets, step.args, step.kwargs) for step in steps]
+    for leaf in pytree.tree_leaves((held, output)):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in born:
+                sizes[ptr] = storage.nbytes()
     return sum(sizes.values())
 
 
@@ -369,8 +370,9 @@ class EmulatedGraph:
     """The recorded steps of one capture; :meth:`replay` re-runs them on the same tensors.
 
     ``memory_bytes`` is the graph's own memory: the bytes of the distinct storages allocated
-    during the capture that the recorded steps hold (the outputs a replay writes into, and the
-    buffers an ``out=`` op writes into), each storage counted once. The static inputs and the
+    during the capture that the recorded steps or the captured output hold (the outputs a
+    replay writes into, the buffers an ``out=`` op writes into, an allocated output a splitting
+    op fills after the graph), each storage counted once. The static inputs and the
     weights it reads are not counted; they existed before the capture. Unlike CUDA graphs, which
     share one pool (a smaller graph captured after a larger one reuses its memory), every
     emulated graph holds its own tensors, so the memory of several graphs is their sum.
@@ -378,13 +380,13 @@ class EmulatedGraph:
 
     __slots__ = ("_inference", "_steps", "memory_bytes")
 
-    def __init__(self, steps: list[_Step], *, inference: bool,
+    def __init__(self, steps: list[_Step], *, inference: bool, output: Any = None,
                  born: set[int] | None = None) -> None:
         self._steps = steps
         # Replay under the grad mode of the capture: tensors made under inference_mode can
         # only be written to under inference_mode; otherwise no_grad keeps autograd out of it.
         self._inference = inference
-        self.memory_bytes: int = _held_bytes(steps, born) if born else 0
+        self.memory_bytes: int = _held_bytes(steps, output, born) if born else 0
 
     @property
     def ops(self) -> list[str]:
@@ -418,7 +420,9 @@ class EmulatedBackend:
         # A region that entered inference_mode itself (a compiled model does) made inference
         # tensors, which only inference_mode may write again on replay.
         inference = inference or recorder.saw_inference
-        return EmulatedGraph(recorder.steps, inference=inference, born=recorder.born), output
+        graph = EmulatedGraph(recorder.steps, inference=inference, output=output,
+                              born=recorder.born)
+        return graph, output
 
     def weak_ref(self, output: Any) -> Any:
         # Every emulated graph keeps its own tensors alive anyway; a weak view would save

@@ -63,6 +63,7 @@ from freezeframe.errors import (
     ConfigError,
     FallbackError,
     FreezeframeError,
+    GraphMemoryBudgetError,
     InputMismatchError,
     ShapeOutOfRangeError,
 )
@@ -72,6 +73,12 @@ from freezeframe.graphs.wrapper import GraphWrapper, StaleReplay
 from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures, GraphKey
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
+from freezeframe.runtime.graph_memory import (
+    GraphMemoryPrediction,
+    format_bytes,
+    measurement_plan,
+    predict_graph_memory,
+)
 from freezeframe.runtime.inputs import InputSpec
 from freezeframe.runtime.step_plan import Padding, Staging, StepPlan, plan_key
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
@@ -118,24 +125,41 @@ FALLBACK_REASONS: Mapping[str, tuple[int, str]] = {
 # -- capture report --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GraphCapture:
-    """One captured graph: its key, the wall time of its warm-ups and capture, and the device
-    memory it took (free-memory delta on CUDA; 0 where graphs do not hold device memory)."""
+    """One captured graph: its key, the wall time of its warm-ups and capture, and the memory
+    it took: on CUDA the device's free-memory delta over its capture (graphs share one pool, so
+    a graph captured after a larger one may take almost nothing); where the graphs account for
+    their own memory (``emulated``: the tensors each one keeps), the bytes it added; 0 where
+    neither applies.
+
+    ``predicted_bytes`` is what the graph-memory prediction said for it (None when no
+    prediction was made), and ``probe`` whether it was one of the measured sizes the prediction
+    was fitted on (captured first when the runner has a budget; see
+    :mod:`freezeframe.runtime.graph_memory`)."""
 
     mode: CUDAGraphMode
     descriptor: BatchDescriptor
     seconds: float
     memory_bytes: int
+    predicted_bytes: int | None = None
+    probe: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class CaptureReport:
-    """What :meth:`GraphRunner.capture` did. ``memory_bytes`` is the free-memory delta over the
-    whole capture (on CUDA), which also counts pool growth shared by several graphs."""
+    """What :meth:`GraphRunner.capture` did. ``memory_bytes`` is the graph memory of the whole
+    capture: the free-memory delta on CUDA (which also counts pool growth shared by several
+    graphs), the sum of the graphs' own accounting on ``emulated``.
+
+    ``prediction`` is the graph-memory prediction (made before the capture when the runner has a
+    ``graph_memory_budget``, from the same measured sizes after it on ``emulated`` otherwise),
+    ``budget_bytes`` the budget it was checked against."""
 
     graphs: tuple[GraphCapture, ...] = ()
     seconds: float = 0.0
     memory_bytes: int = 0
     device: str = "cpu"
+    prediction: GraphMemoryPrediction | None = None
+    budget_bytes: int | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -144,10 +168,41 @@ class CaptureReport:
     def count(self, mode: CUDAGraphMode) -> int:
         return sum(1 for g in self.graphs if g.mode is mode)
 
+    @property
+    def predicted_bytes(self) -> int | None:
+        """The predicted graph memory of the whole capture, or None."""
+        return self.prediction.total_bytes if self.prediction is not None else None
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured for the whole capture, or None without a
+        prediction or with nothing measured."""
+        if self.prediction is None or self.memory_bytes <= 0:
+            return None
+        return (self.prediction.total_bytes - self.memory_bytes) / self.memory_bytes
+
+    @property
+    def worst_graph_error(self) -> float | None:
+        """The largest |predicted - measured| / measured over the graphs that were predicted
+        (not measured) and took memory, or None."""
+        errors = [abs(g.predicted_bytes - g.memory_bytes) / g.memory_bytes
+                  for g in self.graphs
+                  if g.predicted_bytes is not None and not g.probe and g.memory_bytes > 0]
+        return max(errors) if errors else None
+
     def summary(self) -> str:
-        return (f"captured {self.num_graphs} graphs ({self.count(_PIECEWISE)} piecewise, "
+        text = (f"captured {self.num_graphs} graphs ({self.count(_PIECEWISE)} piecewise, "
                 f"{self.count(_FULL)} full) in {self.seconds:.2f} s, using "
-                f"{self.memory_bytes / 2**20:.1f} MiB of {self.device} memory")
+                f"{format_bytes(self.memory_bytes)} of {self.device} memory")
+        error = self.prediction_error
+        if self.prediction is not None and error is not None:
+            worst = self.worst_graph_error
+            text += (f"; predicted {format_bytes(self.prediction.total_bytes)} (error "
+                     f"{error:+.1%}" + (f", worst graph {worst:.1%}" if worst is not None
+                                        else "") + ")")
+        if self.budget_bytes is not None:
+            text += f", budget {format_bytes(self.budget_bytes)}"
+        return text
 
 
 # -- the runner ----------------------------------------------------------------------------
@@ -177,6 +232,12 @@ class GraphRunner:
             :mod:`freezeframe.runtime.capture_policy`.
         lazy_warmups: steps of a graph key that run without a graph before the lazy policy
             captures it.
+        graph_memory_budget: bytes of graph memory :meth:`capture` may use, or None (no
+            limit). With a budget, capture() first captures the two smallest sizes of each
+            family of keys, predicts every other size's memory from them
+            (:mod:`freezeframe.runtime.graph_memory`) and raises
+            :class:`~freezeframe.errors.GraphMemoryBudgetError`, keeping nothing, when the
+            prediction is over the budget. Only with ``capture_policy="eager"``.
 
     Threads: a step and :meth:`capture` hold the runner's lock (about 0.1-0.2 us when no other
     thread holds it), so calls from several threads run one at a time, each on its own inputs,
@@ -207,6 +268,7 @@ class GraphRunner:
         progress: bool = True,
         capture_policy: CapturePolicy | str = CapturePolicy.EAGER,
         lazy_warmups: int = 1,
+        graph_memory_budget: int | None = None,
     ) -> None:
         # A model holding its own graphs (ff.compile's); None for a plain callable.
         self._held: Capturable | None = model if isinstance(model, Capturable) else None
@@ -232,6 +294,7 @@ class GraphRunner:
                 or lazy_warmups < 0:
             raise ConfigError(f"lazy_warmups must be an int >= 0, got {lazy_warmups!r}")
         self.lazy_warmups = lazy_warmups
+        self.graph_memory_budget = _check_budget(graph_memory_budget, self.capture_policy)
         if self.capture_policy is CapturePolicy.BACKGROUND and dp_sync:
             raise ConfigError(
                 "capture_policy='background' with dp_sync=True: data-parallel ranks must "
@@ -1006,9 +1069,13 @@ class GraphRunner:
         if self.capture_policy is not CapturePolicy.EAGER:
             return self._defer(groups, device_name)
         window = self._held.capture_window if self._held is not None else None
-        total = sum(len(descs) for _, descs in groups)
+        keys = [(mode, desc) for mode, descs in groups for desc in descs]
         records: list[GraphCapture] = []
         on_cuda = self.device.type == "cuda"
+        budget = self.graph_memory_budget
+        # With a budget the sizes measured for the prediction go first (see _capture_planned)
+        probes = measurement_plan(keys) if budget is not None else []
+        prediction: GraphMemoryPrediction | None = None
         # Copied aside before the clock and the memory baseline start: the report measures
         # graphs, not the copies.
         saved = _SavedBuffers(self.model)
@@ -1016,7 +1083,7 @@ class GraphRunner:
         if on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        free_before = _free_memory(self.device)
+        used_before = self._graph_memory_in_use()
         self.stats.inc("capture_runs")
         primed = set(self._primed_sizes)
         stream = torch.cuda.current_stream(self.device) if on_cuda else None
@@ -1024,15 +1091,24 @@ class GraphRunner:
         try:
             if window is not None:
                 window.open()
-            with _gc_frozen(), _progress(total, self.progress) as bar:
-                for mode, descs in groups:
-                    for desc in descs:
+            with _gc_frozen(), _progress(len(keys), self.progress) as bar:
+                for mode, desc in probes:
+                    records.append(self._capture_one(mode, desc))
+                    bar.update(1)
+                if budget is not None:
+                    prediction = self._predict(keys, records, used_before)
+                    if prediction.total_bytes > budget:
+                        raise GraphMemoryBudgetError(
+                            self._over_budget(budget, prediction, len(records)))
+                measured = set(probes)
+                for mode, desc in keys:
+                    if (mode, desc) not in measured:
                         records.append(self._capture_one(mode, desc))
                         bar.update(1)
             if on_cuda:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
-            free_after = _free_memory(self.device)
+            used_after = self._graph_memory_in_use()
         except BaseException:
             self._forget_failed_capture(primed, stream)
             raise
@@ -1047,9 +1123,18 @@ class GraphRunner:
                 self.stats.inc("buffers_restored", restored)
         self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
         self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+        if prediction is None and self._graphs_account_memory():
+            # emulated graphs do not depend on the capture order: the prediction the same
+            # measured sizes would have made, for the report's predicted-vs-actual columns
+            prediction = self._predict(keys, records, None)
+        if prediction is not None:
+            probed = set(probes) if probes else set(measurement_plan(keys))
+            records = [dataclasses.replace(
+                r, predicted_bytes=prediction.for_key(r.mode, r.descriptor).predicted_bytes,
+                probe=(r.mode, r.descriptor) in probed) for r in records]
         report = CaptureReport(graphs=tuple(records), seconds=seconds,
-                               memory_bytes=max(0, free_before - free_after),
-                               device=device_name)
+                               memory_bytes=max(0, used_after - used_before),
+                               device=device_name, prediction=prediction, budget_bytes=budget)
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
         return report
@@ -1133,7 +1218,7 @@ class GraphRunner:
         plan = self._plan_micro_batches(None, tokens, reqs, tokens, reqs, desc.uniform) \
             if mode is _FULL else None
         on_cuda = self.device.type == "cuda"
-        free_before = _free_memory(self.device)
+        used_before = self._graph_memory_in_use()
         t0 = time.perf_counter()
         for _ in range(self._num_warmups(tokens)):
             self._forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
@@ -1150,8 +1235,67 @@ class GraphRunner:
             name for (name, _kind, buf), before in zip(self._slots, versions, strict=True)
             if buf._version != before)
         self.stats.inc("captures")
-        return GraphCapture(mode=mode, descriptor=desc, seconds=time.perf_counter() - t0,
-                            memory_bytes=max(0, free_before - _free_memory(self.device)))
+        seconds = time.perf_counter() - t0
+        return GraphCapture(mode=mode, descriptor=desc, seconds=seconds,
+                            memory_bytes=max(0, self._graph_memory_in_use() - used_before))
+
+    # -- graph memory (graph_memory.py) --------------------------------------------------
+    def _graphs_account_memory(self) -> bool:
+        """Whether the model's graphs count their own memory (``emulated``: each graph holds
+        its own tensors) rather than living in a CUDA pool only free memory shows."""
+        backend = self._held.graph_backend if self._held is not None else None
+        return backend is not None and backend.name != "cuda"
+
+    def _graph_memory_in_use(self) -> int:
+        """A reading whose growth over a capture is the graph memory it added.
+
+        Emulated graphs: the bytes the model's graphs hold, summed over its wrappers (and the
+        micro-batch wrapper's split graphs). They differ from CUDA's because each emulated graph
+        keeps its own tensors, so graphs add up. CUDA graphs: minus the device's free memory.
+        All of a model's CUDA graphs share one pool, captured largest first, so a smaller
+        graph reuses the blocks the largest one left and only free memory tells what the pool
+        grew by; a CUDA graph has no count of its own."""
+        if self._graphs_account_memory():
+            assert self._held is not None
+            held = sum(w.memory_bytes() for w in self._held.graph_wrappers())
+            return held + (self._ubatch.memory_bytes() if self._ubatch is not None else 0)
+        return -_free_memory(self.device)
+
+    def _predict(self, keys: list[tuple[CUDAGraphMode, BatchDescriptor]],
+                 records: Sequence[GraphCapture],
+                 used_before: int | None) -> GraphMemoryPrediction:
+        """Predict every key's graph memory from the measured probes (measurement_plan).
+
+        Emulated: each probe's own bytes. CUDA (``used_before`` given): the pool's growth
+        since the capture began, at the end of each probe's capture. The probes are captured
+        smallest first, so the later probe of a family reuses the earlier's blocks and its own
+        delta understates it; the growth so far is its footprint when it is the largest graph
+        yet, and an overestimate otherwise, the safe side for a budget."""
+        wanted = set(measurement_plan(keys))
+        measured: dict[tuple[CUDAGraphMode, BatchDescriptor], int] = {}
+        pooled = not self._graphs_account_memory()
+        grown = 0
+        for record in records:
+            grown += record.memory_bytes
+            key = (record.mode, record.descriptor)
+            if key in wanted:
+                measured[key] = grown if pooled and used_before is not None \
+                    else record.memory_bytes
+        return predict_graph_memory(keys, measured, pooled=pooled)
+
+    def _over_budget(self, budget: int, prediction: GraphMemoryPrediction,
+                     measured: int) -> str:
+        largest = "; ".join(p.describe() for p in prediction.largest(3))
+        sizes = sorted({p.descriptor.num_tokens for p in prediction.sizes})
+        return (
+            f"graph_memory_budget={budget} bytes ({format_bytes(budget)}): capturing the "
+            f"{len(prediction.sizes)} graphs of capture sizes {sizes} is predicted to need "
+            f"{prediction.total_bytes} bytes ({format_bytes(prediction.total_bytes)}, "
+            f"{'one shared pool' if prediction.pooled else 'summed over graphs'}), from the "
+            f"{measured} smallest graphs, captured and measured first. Largest: {largest}. "
+            "Nothing was kept (the measured graphs were freed). Fix: capture fewer or smaller "
+            "sizes (cudagraph_capture_sizes, max_cudagraph_capture_size), choose sizes under the "
+            "budget with `freezeframe plan`, or raise graph_memory_budget")
 
     def _record_leaf_sizes(self, out: Any, tokens: int, reqs: int) -> None:
         for i, leaf in enumerate(_tensor_leaves(out)):
@@ -1493,6 +1637,22 @@ def _resolve_device(device: torch.device | str | None, model: Any) -> torch.devi
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _check_budget(budget: Any, policy: CapturePolicy) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"graph_memory_budget: expected a number of bytes (an int >= 0) or "
+                          f"None, got {budget!r}")
+    if policy is not CapturePolicy.EAGER:
+        raise ConfigError(
+            f"graph_memory_budget={budget} with capture_policy={policy.value!r}: the budget is "
+            "checked by capture() before it captures every size, and the lazy and background "
+            "policies capture sizes one at a time later, when their steps come; use "
+            "capture_policy='eager' with a budget, or leave graph_memory_budget=None (choose "
+            "sizes under a budget with `freezeframe plan` instead)")
+    return budget
 
 
 def _free_memory(device: torch.device) -> int:

@@ -472,6 +472,10 @@ class MicroBatchWrapper:
         """The descriptors that have a split FULL graph, in capture order."""
         return self._graphs.captured_descriptors if self._graphs is not None else []
 
+    def memory_bytes(self) -> int:
+        """The memory its split graphs report holding (see GraphWrapper.memory_bytes)."""
+        return self._graphs.memory_bytes() if self._graphs is not None else 0
+
     def clear(self) -> None:
         """Drop every split graph (the next split step of each size captures again)."""
         if self._graphs is not None:
