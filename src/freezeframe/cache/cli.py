@@ -1,23 +1,28 @@
-"""``freezeframe cache list|info|clear``: look at and manage the on-disk compile cache.
+"""``freezeframe cache list|info|clear|prewarm``: look at, manage and fill the on-disk compile
+cache.
 
 Registered by :mod:`freezeframe.cli` through :func:`add_parser`; it imports nothing heavy, so
-``freezeframe cache list`` starts fast.
+``freezeframe cache list`` starts fast (``prewarm`` imports torch and the models when it runs).
+``list`` and ``info`` show each entry's size and what its starts found (piece hits and misses,
+from the entry's ``usage.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from freezeframe.cache import store as _cache
 from freezeframe.errors import ConfigError
 
-__all__ = ["add_parser", "main"]
+__all__ = ["MODELS", "PrewarmSpec", "add_parser", "main", "prewarm_spec"]
 
 
 def _root(args: argparse.Namespace) -> Path:
@@ -42,12 +47,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if not entries:
         print("no entries")
         return 0
-    print(f"{'key':<18}{'pieces':>7}{'trace':>7}{'size':>12}  {'modified':<20} model")
+    print(f"{'key':<18}{'pieces':>7}{'trace':>7}{'size':>12}{'starts':>8}{'hits':>7}"
+          f"{'misses':>8}  {'modified':<20} model")
     for e in entries:
         model = e.factors.get("factors", {}).get("model", "?")
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.modified))
+        u = e.usage
         print(f"{e.key:<18}{e.num_artifacts:>7}{'yes' if e.has_trace else 'no':>7}"
-              f"{_human(e.size_bytes):>12}  {stamp:<20} {model}")
+              f"{_human(e.size_bytes):>12}{u.get('starts', 0):>8}{u.get('hits', 0):>7}"
+              f"{u.get('misses', 0):>8}  {stamp:<20} {model}")
     total = sum(e.size_bytes for e in entries)
     inductor = _cache.inductor_cache_path(root)
     kernels = _cache._dir_size(inductor) if inductor.is_dir() else 0
@@ -72,6 +80,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"entry {entry.key}  ({entry.path})")
         print(f"  size: {_human(entry.size_bytes)}; saved trace: "
               f"{'yes' if entry.has_trace else 'no'}")
+        u = entry.usage
+        print(f"  starts: {u.get('starts', 0)} ({u.get('trace_loads', 0)} loaded the saved "
+              f"trace); piece hits: {u.get('hits', 0)}, misses: {u.get('misses', 0)}")
         print("  key factors:")
         for line in json.dumps(entry.factors, indent=2, sort_keys=True,
                                default=repr).splitlines():
@@ -115,6 +126,103 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- prewarm ----------------------------------------------------------------------------------
+MODELS = ("example", "tiny", "1b")
+"""The built-in model specs ``prewarm`` builds: ``example`` is :class:`ExampleMLP`, ``tiny``
+and ``1b`` the reference Llama presets (seeded random weights, the KV cache of
+:func:`prewarm_spec`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrewarmSpec:
+    """A built-in model, the dims that vary per call, and the first call a start makes."""
+
+    module: Any
+    dynamic_arg_dims: dict[str, int]
+    first_call: Callable[[Any], Any]
+
+
+def prewarm_spec(name: str, *, layers: int | None = None, device: str = "cpu") -> PrewarmSpec:
+    """The model spec ``name`` (one of :data:`MODELS`), with ``layers`` layers when given.
+
+    A process that wants the prewarmed entry builds the same spec (same ``name``, ``layers``
+    and ``device``) and compiles it with the same config: the cache key covers the module's
+    structure and the first call's input signature.
+    """
+    import torch
+
+    if name not in MODELS:
+        raise ConfigError(f"--model: unknown model {name!r}; choose one of {list(MODELS)}")
+    if layers is not None and layers < 1:
+        raise ConfigError(f"--layers: must be at least 1, got {layers}")
+    if name == "example":
+        from freezeframe.models.example import ExampleMLP
+
+        mlp = ExampleMLP(hidden_size=32, num_layers=layers or 2).to(device).eval()
+        x = mlp.example_input(5).to(device)
+        return PrewarmSpec(mlp, {"x": 0}, lambda model: model(x))
+
+    import freezeframe as ff
+    from freezeframe.models.attention import ATTN_METADATA_KEY
+    from freezeframe.models.inputs import RequestChunk, build_step
+    from freezeframe.models.kv_cache import KVCacheConfig
+    from freezeframe.models.llama import LlamaConfig, LlamaModel, build_llama
+
+    kv = KVCacheConfig(num_blocks=32, block_size=16, max_model_len=128)
+    overrides = {} if layers is None else {"num_layers": layers}
+    llama = build_llama(LlamaConfig.preset(name, **overrides), kv, seed=0, device=device)
+    # a mixed step of several tokens (a dynamic dim first seen with size 1 is specialised)
+    step = build_step([RequestChunk((1, 2, 3, 4, 5), 0, (0,)), RequestChunk((7, 8, 9), 0, (1,))],
+                      kv, device=device)
+
+    extras: dict[str, Any] = {ATTN_METADATA_KEY: step.host}
+
+    def first_call(model: Any) -> Any:
+        with torch.no_grad(), ff.forward_context(None, **extras):
+            return model(*step.args)
+
+    return PrewarmSpec(llama, dict(LlamaModel.DYNAMIC_ARG_DIMS), first_call)
+
+
+def _cmd_prewarm(args: argparse.Namespace) -> int:
+    import freezeframe as ff
+    from freezeframe.cli import _read_config_text
+
+    try:
+        data = json.loads(_read_config_text(args.config)) if args.config else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config: not valid JSON ({exc}); give a JSON object, '-' or "
+                          "@FILE") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a JSON object, got {type(data).__name__}")
+    if args.dir:
+        data["cache_dir"] = str(Path(args.dir).expanduser())
+    if data.get("use_cache") is False:
+        raise ConfigError("config: use_cache is false, so there is no cache to fill; drop it")
+    spec = prewarm_spec(args.model, layers=args.layers, device=args.device)
+    if args.model == "example":
+        data.setdefault("splitting_ops", ["freezeframe_example::mix"])
+    else:
+        data.setdefault("splitting_ops", ["freezeframe::attention"])
+    data.setdefault("mode", "piecewise")
+    cfg = ff.CompilationConfig.from_dict(data)
+    if not _cache.cache_enabled(cfg):
+        raise ConfigError(f"the cache is off by environment ({_cache.ENV_DISABLE_CACHE}); "
+                          "unset it to prewarm")
+    start = time.perf_counter()
+    model = ff.compile(spec.module, cfg, dynamic_arg_dims=spec.dynamic_arg_dims)
+    spec.first_call(model)
+    elapsed = time.perf_counter() - start
+    s = model.stats
+    print(f"prewarmed {args.model} ({type(spec.module).__name__}) with backend {cfg.backend} "
+          f"in {elapsed:.2f} s under {_cache.resolve_cache_root(cfg)}")
+    print(f"  pieces: {s.capturable_pieces} capturable, {s.distinct_pieces} distinct; "
+          f"compiles: {s.inductor_compiles + s.eager_compiles}; piece hits: {s.cache_hits}, "
+          f"misses: {s.cache_misses}; saved trace loaded: {'yes' if s.traces_loaded else 'no'}"
+          f"; files saved: {s.artifacts_saved}")
+    return 0
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``cache`` with ``list``, ``info`` and ``clear`` to a subparsers object."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -134,6 +242,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p_clear.add_argument("key", nargs="*", help="entry keys (default: all)")
     p_clear.add_argument("-y", "--yes", action="store_true", help="do not ask")
     p_clear.set_defaults(func=_cmd_clear)
+    p_warm = sub.add_parser(
+        "prewarm", parents=[common], help="fill the cache for a config and a built-in model",
+        description="Compile a built-in model with a config and keep what it compiled, so "
+        "that a later process starting the same model with the same config (a deployment "
+        "baking its image) loads instead of compiling.")
+    p_warm.add_argument("config", nargs="?", default="",
+                        help="the compilation config: a JSON object, '-' (stdin) or @FILE "
+                        "(default: {}); splitting_ops defaults to the model's splitting op")
+    p_warm.add_argument("--model", default="tiny", choices=MODELS,
+                        help="built-in model spec (default: tiny)")
+    p_warm.add_argument("--layers", type=int, help="number of layers (default: the spec's)")
+    p_warm.add_argument("--device", default="cpu", help="where the model lives (default: cpu)")
+    p_warm.set_defaults(func=_cmd_prewarm)
     return parser
 
 

@@ -30,6 +30,7 @@ Layout (``<root>`` from :func:`resolve_cache_root`)::
       <key>/                        one entry per (base factors, traced sources and code)
         key_factors.json            every factor that went into the key, readable
         index.json                  this entry's artifacts (informational; files self-check)
+        usage.json                  starts, piece hits and misses so far (informational)
         trace.bin                   the saved Dynamo traces (optional): one per set of values
                                     the trace specialised on, each with the checks it needs
         piece_<i>_range_<s>_<e>.bin one compiled piece for one compile range or size
@@ -91,6 +92,7 @@ __all__ = [
     "ensure_private_dir",
     "list_entries",
     "pack_artifact",
+    "read_usage",
     "resolve_cache_root",
     "unpack_artifact",
 ]
@@ -107,6 +109,7 @@ _HEADER_LEN_BYTES = 4
 _TRACE_NAME = "trace.bin"
 _FACTORS_NAME = "key_factors.json"
 _INDEX_NAME = "index.json"
+_USAGE_NAME = "usage.json"
 _KEY_RE = re.compile(r"^[0-9a-f]{16}$")
 # How many source variants one model's pointer lists, and how many saved traces (one per set of
 # checked values) one entry keeps; the oldest go first.
@@ -402,6 +405,8 @@ class CompileCache:
         self._traced_code: dict[str, set[str]] = {}
         self._code: dict[str, list[str]] | None = None  # frozen with the sources
         self._inductor_active: Path | None = None  # inside inductor_dir(): the directory
+        self._hits = 0  # piece lookups of this process (record_start adds them to usage.json)
+        self._misses = 0
         ensure_private_dir(self.root)
 
     # -- construction ----------------------------------------------------------------------
@@ -609,10 +614,29 @@ class CompileCache:
             self.stats.inc(name)
 
     def record_hit(self) -> None:
+        self._hits += 1
         self._inc("cache_hits")
 
     def record_miss(self) -> None:
+        self._misses += 1
         self._inc("cache_misses")
+
+    def record_start(self, *, trace_loaded: bool) -> None:
+        """Add this start's piece hits and misses to the entry's ``usage.json`` (for
+        ``freezeframe cache list``): starts, starts that loaded the saved trace, hits, misses,
+        last use. Only an entry that exists is updated; a failure is logged, never raised."""
+        path = self.entry_dir / _USAGE_NAME
+        if not self.entry_dir.is_dir():
+            return
+        usage = read_usage(self.entry_dir)
+        usage.update(starts=usage["starts"] + 1,
+                     trace_loads=usage["trace_loads"] + int(trace_loaded),
+                     hits=usage["hits"] + self._hits, misses=usage["misses"] + self._misses,
+                     last_used=time.time())
+        try:
+            atomic_write(path, json.dumps(usage, sort_keys=True).encode())
+        except OSError as exc:
+            logger.debug("could not record the cache usage in %s: %s", path, exc)
 
     # -- files -----------------------------------------------------------------------------
     def _read_verified(self, path: Path) -> tuple[dict[str, Any], bytes] | None:
@@ -819,6 +843,22 @@ class CacheEntryInfo:
     has_trace: bool
     modified: float
     factors: dict[str, Any]
+    usage: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def read_usage(entry: Path) -> dict[str, Any]:
+    """An entry's ``usage.json`` (starts, trace loads, piece hits and misses, last use); zeros
+    when it is missing or unreadable."""
+    usage: dict[str, Any] = {"starts": 0, "trace_loads": 0, "hits": 0, "misses": 0,
+                             "last_used": None}
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        loaded = json.loads((entry / _USAGE_NAME).read_text())
+        for name in ("starts", "trace_loads", "hits", "misses"):
+            if isinstance(loaded.get(name), int):
+                usage[name] = loaded[name]
+        if isinstance(loaded.get("last_used"), (int, float)):
+            usage["last_used"] = loaded["last_used"]
+    return usage
 
 
 def _dir_size(path: Path) -> int:
@@ -845,7 +885,7 @@ def list_entries(root: Path) -> list[CacheEntryInfo]:
         out.append(CacheEntryInfo(
             key=child.name, path=child, size_bytes=_dir_size(child),
             num_artifacts=len(artifacts), has_trace=(child / _TRACE_NAME).exists(),
-            modified=child.stat().st_mtime, factors=factors,
+            modified=child.stat().st_mtime, factors=factors, usage=read_usage(child),
         ))
     return sorted(out, key=lambda e: e.modified, reverse=True)
 

@@ -184,9 +184,12 @@ class ModelCache:
             loaded = self._try_saved_trace(args, kwargs)
             if loaded is not None:
                 self._run = loaded
-                return loaded(*args, **kwargs)
+                out = loaded(*args, **kwargs)
+                self.cache.record_start(trace_loaded=True)
+                return out
             out = trace(*args, **kwargs)
             self._save_trace(out, args, kwargs)
+            self.cache.record_start(trace_loaded=False)
         self._run = trace
         return out
 
