@@ -256,7 +256,7 @@ BAD_ARGUMENTS = [
     (["--bogus"], "freezeframe: error: unrecognized arguments: --bogus (see 'freezeframe "
                   "--help')"),
     (["nosuch"], "freezeframe: error: argument COMMAND: invalid choice: 'nosuch' (choose from "
-                 "'config', 'demo', 'bench', 'cache') (see 'freezeframe --help')"),
+                 "'config', 'demo', 'bench', 'cache', 'plan') (see 'freezeframe --help')"),
 ]
 
 
