@@ -13,8 +13,13 @@ MLP inputs, logits) or none (a fixed workspace, a scalar). So within one *family
 
 Keys of other families hold other work (a FULL graph holds attention's metadata, a PIECEWISE
 one does not; a LoRA graph holds adapter intermediates), so each family gets its own line.
-:func:`measurement_plan` picks what to measure: the two smallest sizes of each family (the
-cheapest to capture, and two points fix a line). A family with one key is measured whole.
+:func:`measurement_plan` picks what to measure: the two smallest sizes of each family above one
+token (the cheapest to capture, and two points fix a line), and the one-token size too when the
+family has it. One token is off the line: a tensor with a dimension of one is contiguous
+whatever its strides, so a ``.contiguous()`` or ``reshape`` after a transpose that copies at
+every other size returns a view at size one (the tiny Llama's piecewise graphs hold 256 bytes
+less at one token than the line through the larger sizes). So size one is measured, counted as
+measured, and left out of the line whenever two larger sizes are there to fit it.
 Where a step's request count stops following its tokens (mixed FULL keys have
 ``min(tokens, max_num_seqs)`` requests), request-sized tensors bend the line; the report's
 predicted-vs-actual columns show how much.
@@ -171,8 +176,9 @@ class GraphMemoryPrediction:
 
 
 def measurement_plan(keys: Sequence[GraphKey], per_family: int = 2) -> list[GraphKey]:
-    """The keys to capture first and measure: the ``per_family`` smallest (by tokens, then
-    requests) of each family, smallest first, families in the order they first appear."""
+    """The keys to capture first and measure: per family, its one-token key if it has one and
+    the ``per_family`` smallest keys above one token (by tokens, then requests), smallest
+    first; families in the order they first appear."""
     if isinstance(per_family, bool) or not isinstance(per_family, int) or per_family < 1:
         raise ConfigError(f"measurement_plan per_family: expected an int >= 1, got "
                           f"{per_family!r}")
@@ -182,7 +188,8 @@ def measurement_plan(keys: Sequence[GraphKey], per_family: int = 2) -> list[Grap
     plan: list[GraphKey] = []
     for members in by_family.values():
         members = sorted(members, key=lambda k: (k[1].num_tokens, k[1].num_reqs or 0))
-        plan.extend(members[:per_family])
+        ones = [k for k in members if k[1].num_tokens <= 1]
+        plan.extend(ones + [k for k in members if k[1].num_tokens > 1][:per_family])
     return plan
 
 
@@ -191,8 +198,9 @@ def predict_graph_memory(keys: Sequence[GraphKey], measured: Mapping[GraphKey, i
                          per_graph_overhead_bytes: int = 0) -> GraphMemoryPrediction:
     """Predict the memory of every key in ``keys`` from the ``measured`` bytes of some of them.
 
-    Each family's line is fitted on its own measured keys; a family with none borrows the line
-    of the measured keys of its mode (or of all measured keys). ``pooled`` picks how the total
+    Each family's line is fitted on its own measured keys (those above one token when it has
+    two such sizes); a family with none borrows the line of the measured keys of its mode (or
+    of all measured keys). ``pooled`` picks how the total
     adds up (see :class:`GraphMemoryPrediction`)."""
     if not measured:
         raise ValueError("predict_graph_memory needs the measured memory of at least one key")
@@ -204,7 +212,7 @@ def predict_graph_memory(keys: Sequence[GraphKey], measured: Mapping[GraphKey, i
     samples: dict[Family, list[tuple[int, int]]] = {}
     for (mode, desc), nbytes in measured.items():
         samples.setdefault(family_of((mode, desc)), []).append((desc.num_tokens, nbytes))
-    fits = {fam: fit_linear(points) for fam, points in samples.items()}
+    fits = {fam: fit_linear(_on_the_line(points)) for fam, points in samples.items()}
 
     def line(key: GraphKey) -> LinearFit:
         fam = family_of(key)
@@ -230,6 +238,13 @@ def predict_graph_memory(keys: Sequence[GraphKey], measured: Mapping[GraphKey, i
     return GraphMemoryPrediction(sizes=sizes, fits=family_fits, pooled=pooled,
                                  per_graph_overhead_bytes=per_graph_overhead_bytes,
                                  total_bytes=total)
+
+
+def _on_the_line(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The samples to fit: those above one token when two distinct such sizes are there (see
+    the module docstring on size one), else all."""
+    larger = [p for p in points if p[0] > 1]
+    return larger if len({t for t, _ in larger}) >= 2 else points
 
 
 def format_bytes(nbytes: float) -> str:

@@ -234,7 +234,7 @@ class GraphRunner:
             captures it.
         graph_memory_budget: bytes of graph memory :meth:`capture` may use, or None (no
             limit). With a budget, capture() first captures the two smallest sizes of each
-            family of keys, predicts every other size's memory from them
+            family of keys (and size 1), predicts every other size's memory from them
             (:mod:`freezeframe.runtime.graph_memory`) and raises
             :class:`~freezeframe.errors.GraphMemoryBudgetError`, keeping nothing, when the
             prediction is over the budget. Only with ``capture_policy="eager"``.
