@@ -414,7 +414,7 @@ class _Problem:
         if self.memory(fast) <= budget:
             return fast
         n, top = self.n, self.n - 1
-        lam, _, incumbent = self._relax(limit, budget)
+        lam, incumbent = self._relax(limit, budget)
         ahead = self._ahead(lam, self._most_rungs(limit, budget), limit)
         labels: list[list[tuple[float, int, float, int, int]]] = []  # per highest rung:
         # (work, rungs, memory, rung below, index of its label there)
@@ -490,34 +490,34 @@ class _Problem:
         return [at_most[most - k] if k <= most else [inf] * n
                 for k in range(max(most, limit) + 2)]
 
-    def _relax(self, limit: int, budget: float) -> tuple[float, list[float], float]:
+    def _relax(self, limit: int, budget: float) -> tuple[float, float]:
         """The memory price ``lam`` that makes the Lagrangian bound tightest (by bisection on
-        its subgradient), the least priced work after each rung at that price (``after[r]``:
-        work plus ``lam`` x memory of the rungs above ``r``), and the best plan the search met
-        (its work), starting from the top rung alone."""
+        its subgradient), and the least work of a plan within the limits met on the way (the
+        top rung alone to start with)."""
         incumbent = self.block(-1, self.n - 1)
         # Any price gives a valid bound; the search only looks for a tight one. At hi no rung
         # whose memory is above a millionth of the budget is worth its memory.
         positive = [m for m in self.mib if m > 0]
         lo, hi = 0.0, (incumbent + 1.0) / max(min(positive), 1e-6 * budget, 1e-12)
-        best_value, best_lam, best_after = -math.inf, 0.0, [0.0] * self.n
+        best_value, best_lam = -math.inf, 0.0
         for _ in range(30):
             lam = (lo + hi) / 2
-            after, value, chain = self._priced(lam)
-            mib = self.memory(chain)
-            if mib <= budget:
+            value, chain = self._priced(lam)
+            if self.memory(chain) <= budget:
                 hi = lam
                 if len(chain) <= limit:
-                    incumbent = min(incumbent, value - lam * mib)
+                    incumbent = min(incumbent, self.work(chain))
             else:
                 lo = lam
             if value - lam * budget > best_value:
-                best_value, best_lam, best_after = value - lam * budget, lam, after
-        return best_lam, best_after, incumbent
+                best_value, best_lam = value - lam * budget, lam
+        return best_lam, incumbent
 
-    def _priced(self, lam: float) -> tuple[list[float], float, list[int]]:
-        """Least ``work + lam * memory``: after each rung (``after[r]``, rungs above ``r``
-        only), over whole plans, and the whole plan that reaches it."""
+    def work(self, chosen: Sequence[int]) -> float:
+        return sum(self.block(j, r) for j, r in zip([-1, *chosen], chosen, strict=False))
+
+    def _priced(self, lam: float) -> tuple[float, list[int]]:
+        """The least ``work + lam * memory`` of a whole plan, and that plan."""
         n, top, cost, prefix = self.n, self.n - 1, self.cost, self.prefix
         priced = [lam * mib for mib in self.mib]
         after, nxt = [0.0] * n, [top] * n
@@ -531,7 +531,7 @@ class _Problem:
         chain = [first]
         while chain[-1] != top:
             chain.append(nxt[chain[-1]])
-        return after, value, chain
+        return value, chain
 
 
 def _pareto(found: list[tuple[float, int, float, int, int]],
