@@ -215,6 +215,9 @@ def test_the_runner_keeps_a_histogram_of_real_step_sizes() -> None:
     for n in (3, 3, 1, 8, 3, 5, 8):  # planned and unplanned steps alike
         runner(torch.ones(n, 3))
     assert runner.size_histogram == {1: 1, 3: 3, 5: 1, 8: 2}
+    # what the planner takes: with two sizes, 3 and 8 cost 148 units of the default step cost
+    # (16 + padded tokens per step) against 153 for 5 and 8, and 161 for 1 and 8
+    assert ff.plan_capture_sizes(runner.size_histogram, max_sizes=2).sizes == (3, 8)
     with pytest.raises(ff.errors.InputMismatchError):
         runner(torch.ones(3, 4))  # refused steps are not counted
     assert runner.size_histogram == {1: 1, 3: 3, 5: 1, 8: 2}
