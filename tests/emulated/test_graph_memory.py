@@ -299,6 +299,8 @@ def test_prediction_sums_or_pools_and_fits_each_family() -> None:
     assert pooled.describe(1) == (
         "8.25 KiB predicted for 8 graphs (one shared pool: the largest graph plus 64 B per "
         "other graph); largest: FULL 8 tokens, 8 reqs, decode: 7.81 KiB")
+    assert summed.mib_by_size() == {1: 1090 / 2**20, 2: 2200 / 2**20, 4: 400 / 2**20,
+                                    8: 8000 / 2**20, 16: 1600 / 2**20, 32: 3200 / 2**20}
     # a family with nothing measured borrows its mode's line
     borrowed = predict_graph_memory([key(PW, 8, lora=1)], {key(PW, 2): 200, key(PW, 4): 400})
     assert borrowed.sizes[0].predicted_bytes == 800

@@ -162,6 +162,16 @@ class GraphMemoryPrediction:
                 return size
         raise KeyError(f"no prediction for the {mode.name} graph of {descriptor}")
 
+    def mib_by_size(self) -> dict[int, float]:
+        """Per token count, the expected MiB of all its graphs (every mode and request layout):
+        the ``memory={size: MiB}`` that ``ff.plan_capture_sizes`` and ``freezeframe plan
+        --graph-mib`` take (they interpolate between the sizes given)."""
+        out: dict[int, float] = {}
+        for size in self.sizes:
+            n = size.descriptor.num_tokens
+            out[n] = out.get(n, 0.0) + size.expected_bytes / 2**20
+        return dict(sorted(out.items()))
+
     def largest(self, n: int = 3) -> list[SizePrediction]:
         """The ``n`` keys predicted to take the most memory, largest first."""
         return sorted(self.sizes, key=lambda s: -s.expected_bytes)[:n]
