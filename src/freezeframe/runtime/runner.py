@@ -1038,6 +1038,13 @@ class GraphRunner:
         window (``model.capture_window``) is open during capture and closed afterwards, so a
         later step reaching an uncaptured key raises instead of capturing mid-serving.
 
+        With ``graph_memory_budget`` the order changes: the sizes the prediction is made from
+        (size 1 and the two smallest above it, per family of keys: see
+        :func:`~freezeframe.runtime.graph_memory.measurement_plan`) are captured first, smallest
+        first, then the memory of every other key is predicted; over the budget, capture()
+        raises :class:`~freezeframe.errors.GraphMemoryBudgetError` and keeps nothing, as a
+        failed capture does (below); within it, the rest follow in the default order.
+
         Calling it again returns the first report; graphs are captured once. If a capture pass
         or warm-up raises, the exception propagates and the attempt leaves nothing behind: the
         graphs it captured are freed, the window is closed, the garbage collector unfrozen,
@@ -1073,7 +1080,7 @@ class GraphRunner:
         records: list[GraphCapture] = []
         on_cuda = self.device.type == "cuda"
         budget = self.graph_memory_budget
-        # With a budget the sizes measured for the prediction go first (see _capture_planned)
+        # With a budget the sizes measured for the prediction go first (see capture())
         probes = measurement_plan(keys) if budget is not None else []
         prediction: GraphMemoryPrediction | None = None
         # Copied aside before the clock and the memory baseline start: the report measures
