@@ -14,7 +14,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= test,bench
+EXTRAS ?= test,bench,hf
 TESTS ?=
 PYTEST_ARGS ?= -q
 BENCH_ARGS ?= --preset tiny

@@ -34,4 +34,4 @@ else
     echo "install_torch: no GPU; installing '$spec' (CPU build) from $cpu_index"
     "${pip[@]}" "$spec" --index-url "$cpu_index"
 fi
-"$py" -c 'import torch; print("install_torch: torch", torch.__version__, "ready")'
+"$py" -W ignore -c 'import torch; print("install_torch: torch", torch.__version__, "ready")'

@@ -8,6 +8,9 @@
   skipped.
 * A ```bash block's ``freezeframe ...`` lines must parse with the CLI's own parser; the quick
   ones (``config``, ``demo``) are run and must exit 0.
+* The two commands (``make bench``, ``make test``) are Makefile targets whose recipes, as
+  ``make -n`` prints them, run ``freezeframe bench --preset tiny`` and ``pytest -q`` in the
+  project's virtualenv.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import itertools
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +165,38 @@ def test_every_bash_block_names_a_command() -> None:
     for block in BASH:
         for line in block.code.splitlines():
             words = shlex.split(line, comments=True)
-            assert not words or words[0] in ("freezeframe", "python3", "pip"), (
+            assert not words or words[0] in ("freezeframe", "python3", "pip", "make"), (
                 f"README.md:{block.line}: unexpected command {line!r}")
     assert sum(len(_freezeframe_commands(b)) for b in BASH) >= 4
+
+
+# The Makefile's knobs, cleared from the environment so the dry run shows the defaults.
+MAKE_KNOBS = ("PYTHON", "VENV", "EXTRAS", "TESTS", "PYTEST_ARGS", "BENCH_ARGS", "MAKEFLAGS")
+
+
+def _make_dry_run(target: str) -> str:
+    """What ``make TARGET`` runs, the set-up aside (-o: the install stamp counts as up to date)."""
+    make = shutil.which("make")
+    assert make is not None, "the README's two commands need make (GNU make) on PATH"
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_KNOBS}
+    proc = subprocess.run([make, "-n", "-o", ".venv/.freezeframe-installed", target], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"make -n {target}: {proc.stderr}"
+    return proc.stdout
+
+
+def test_two_commands_are_make_targets_running_the_main_job_and_the_tests() -> None:
+    first = BASH[0]
+    make_lines = [shlex.split(line, comments=True) for line in first.code.splitlines()]
+    assert make_lines == [["make", "bench"], ["make", "test"]]
+
+    venv_bin = REPO / ".venv" / "bin"
+    bench = shlex.split(_make_dry_run("bench"))
+    assert bench[:2] == [f'PATH={venv_bin}:$PATH', f"VIRTUAL_ENV={REPO / '.venv'}"]
+    assert bench[2:] == ["freezeframe", "bench", "--preset", "tiny"]
+    args = cli.build_parser().parse_args(bench[3:])
+    assert (args.command, args.preset) == ("bench", "tiny")
+
+    test = _make_dry_run("test").splitlines()[0]
+    assert test.startswith(f'PATH="{venv_bin}:$PATH" VIRTUAL_ENV="{REPO / ".venv"}" '
+                           f"{venv_bin / 'python'} -m pytest -q ;"), test
