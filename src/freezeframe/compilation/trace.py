@@ -236,6 +236,11 @@ class TraceOnce:
         """True once later calls run the captured bytecode directly (no Dynamo at all)."""
         return self._fast is not None
 
+    @property
+    def bytecode(self) -> types.CodeType | None:
+        """The code Dynamo generated for ``forward`` (what later calls run), once traced."""
+        return self._fast.__code__ if self._fast is not None else None
+
     def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Mark the dynamic dims of the first call's tensors."""
         try:
