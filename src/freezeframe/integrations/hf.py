@@ -276,6 +276,7 @@ class CompiledCausalLM:
         self._flat = flat
         self._num_layers = num_layers
         self._device: torch.device = flat.k_cache.device
+        self._split_checked = False
 
     @property
     def stats(self) -> Stats:
@@ -288,7 +289,9 @@ class CompiledCausalLM:
         return int(self.config.max_num_tokens)
 
     def capture(self) -> CaptureReport:
-        """Trace (once) and capture a graph per capture size; idempotent."""
+        """Trace (once) and capture a graph per capture size; idempotent. Without a graph
+        backend (``graph_backend="auto"`` on a CPU) it captures nothing and the first step
+        traces."""
         if self.runner.report is not None:
             return self.runner.report
         report = self.runner.capture()
@@ -296,6 +299,10 @@ class CompiledCausalLM:
         return report
 
     def _check_split(self) -> None:
+        """Once traced: every layer's attention must have gone through the op."""
+        if self._split_checked or not self.compiled.traced:
+            return
+        self._split_checked = True
         if self.config.mode is not CompilationMode.PIECEWISE:
             return
         split = sum(1 for p in self.compiled.pieces if p.is_splitting_op)
@@ -315,9 +322,11 @@ class CompiledCausalLM:
         ``uniform_decode=True`` says every row has one token (FULL graphs key on it)."""
         self.capture()
         num_tokens = int(input_ids.shape[0])
-        return self.runner(  # type: ignore[no-any-return]
-            input_ids=input_ids, positions=positions, seq_ids=seq_ids,
-            uniform_decode=uniform_decode, num_reqs=num_tokens if uniform_decode else None)
+        logits = self.runner(input_ids=input_ids, positions=positions, seq_ids=seq_ids,
+                             uniform_decode=uniform_decode,
+                             num_reqs=num_tokens if uniform_decode else None)
+        self._check_split()  # the first traced step, when capture() traced nothing
+        return logits  # type: ignore[no-any-return]
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                  output_logits: bool = False) -> Generation:
