@@ -310,8 +310,11 @@ class CompiledCausalLM:
             raise CompileError(
                 f"ff.hf: the trace of {type(self.model).__name__} calls {HF_ATTENTION_OP} "
                 f"{split} times, but the model has {self._num_layers} layers: some attention "
-                "does not go through transformers.AttentionInterface, so its tokens would "
-                "attend across sequences; this model cannot be served by ff.hf")
+                "does not go through transformers.AttentionInterface with freezeframe's step "
+                "metadata (its forward must pass **kwargs on to the attention function; "
+                "GPT2LMHeadModel does from some 5.x release: 4.53.3, 4.57.1 and 5.0.0 do not, "
+                f"5.24 does; this is {transformers.__version__}), so its tokens would attend "
+                "across sequences; upgrade transformers, or serve this model without ff.hf")
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
              *, uniform_decode: bool = False) -> torch.Tensor:
