@@ -53,8 +53,10 @@ from freezeframe.compilation.saved_trace import (
     _KEEP_META,
     ValueCheck,
     _CannotCheck,
+    _detached,
     _first_mismatch,
     _Frame,
+    _holds_view,
     _load_graph,
     _LoadedTrace,
     _OutputRecorder,
@@ -64,6 +66,7 @@ from freezeframe.compilation.saved_trace import (
     _wrapped_frame_code,
     failed_check,
     value_checks,
+    valued_nodes,
 )
 from freezeframe.compilation.signature import Signer
 from freezeframe.errors import CacheError
@@ -118,6 +121,8 @@ class ModelCache:
         self._backend: Callable[..., Any] | None = None
         self._recorder: _OutputRecorder | None = None
         self._graph_blob: bytes | None = None
+        # the nodes the graph blob holds a fake value for (None: the placeholders' only)
+        self._valued: list[str] | None = None
         self._sources: list[str] | None = None
         self._frame_kind: str | None = None
         self._not_saved: str | None = None  # why this trace cannot be saved, once known
@@ -208,34 +213,53 @@ class ModelCache:
                 self._not_saved = f"graph input {node.name} has no plain source"
                 return
             sources.append(name)
-        # Only the placeholders' fake values are stored (some intermediate fake tensors hold
-        # unpicklable state); the loader re-derives the others by fake propagation.
         # A placeholder that is a view (say a reshaped block table) is stored as a plain tensor
         # of the same sizes and strides: what the graph sees, without the view's base.
-        stripped: dict[tuple[Any, str], Any] = {}
-        for node in gm.graph.nodes:
-            for key in ("example_value", "val"):
-                if key not in node.meta:
-                    continue
-                if node.op != "placeholder":
-                    stripped[(node, key)] = node.meta.pop(key)
-                else:
-                    value = node.meta[key]
-                    plain = _unviewed(value)
-                    if plain is not value:
-                        stripped[(node, key)] = value
-                        node.meta[key] = plain
+        # Every other node's fake value is stored too, a view as its ``detach()`` (the graph
+        # pickler cannot write a view's base), so a warm start need not re-derive them by fake
+        # propagation through the whole graph; ``valued`` lists the nodes stored with one. If
+        # they cannot all be written (a value holding state the pickler cannot write), only the
+        # placeholders' are stored (``valued`` None) and the loader propagates, as before.
+        # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold real
+        # tensors and weak references).
+        options = Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__)
+        replaced: dict[tuple[Any, str], Any] = {}
+
+        def put(node: Any, key: str, value: Any) -> None:
+            replaced.setdefault((node, key), node.meta[key])
+            node.meta[key] = value
+
         try:
-            # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold
-            # real tensors and weak references).
-            self._graph_blob = GraphPickler.dumps(
-                gm, Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__))
+            for node in gm.graph.nodes:
+                for key in ("example_value", "val"):
+                    if key in node.meta and node.op == "placeholder":
+                        put(node, key, _unviewed(node.meta[key]))
+            try:
+                for node in gm.graph.nodes:
+                    for key in ("example_value", "val"):
+                        if key in node.meta and node.op != "placeholder":
+                            put(node, key, _detached(node.meta[key]))
+                            if _holds_view(node.meta[key]):
+                                raise CacheError(f"the value of {node.name} is still a view")
+                self._graph_blob = GraphPickler.dumps(gm, options)
+                self._valued = valued_nodes(gm)
+            except Exception as exc:
+                logger.debug("pickling the nodes' fake values failed (%s: %s); keeping the "
+                             "placeholders' only", type(exc).__name__, exc)
+                for node in gm.graph.nodes:
+                    for key in ("example_value", "val"):
+                        if node.op != "placeholder" and key in node.meta:
+                            replaced.setdefault((node, key), node.meta[key])
+                            del node.meta[key]
+                self._graph_blob = GraphPickler.dumps(gm, options)
+                self._valued = None
         except Exception as exc:
+            self._graph_blob = None
             self._not_saved = f"the traced graph cannot be serialised ({type(exc).__name__}: {exc})"
             logger.debug("graph pickling failed", exc_info=True)
             return
         finally:
-            for (node, key), value in stripped.items():
+            for (node, key), value in replaced.items():
                 node.meta[key] = value
         self._sources = sources
 
@@ -301,7 +325,8 @@ class ModelCache:
                                args, kwargs)
         payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
                                 "out_spec": spec_text, "out_leaves": described,
-                                "frame": self._frame_kind, "sizes": sizes.to_data()})
+                                "frame": self._frame_kind, "sizes": sizes.to_data(),
+                                "valued": self._valued})
         try:
             cache.save_trace(payload, {"inputs": len(self._sources)},
                              [c.as_tuple() for c in checks])
@@ -347,7 +372,7 @@ class ModelCache:
             if why is not None:
                 return why
             try:
-                gm, example_inputs = _load_graph(data["graph"])
+                gm, example_inputs = _load_graph(data["graph"], data.get("valued"))
                 loaded = _LoadedTrace(frame, data["sources"], data["out_spec"],
                                       data["out_leaves"])
             except Exception as exc:

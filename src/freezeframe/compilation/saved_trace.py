@@ -47,7 +47,7 @@ from freezeframe.errors import CacheError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["ValueCheck", "failed_check", "value_checks"]
+__all__ = ["ValueCheck", "failed_check", "missing_values", "value_checks", "valued_nodes"]
 
 
 _IMPORT_ALIAS = "__import_"
@@ -557,8 +557,16 @@ class _SavedSizes:
                 f"{dict(self.traced_at)})")
 
 
-def _load_graph(blob: bytes) -> tuple[Any, list[Any]]:
-    """A saved graph with fresh fake values on every node, and its placeholders' values."""
+def _load_graph(blob: bytes, valued: Sequence[str] | None = None) -> tuple[Any, list[Any]]:
+    """A saved graph with a fake value on every node, and its placeholders' values.
+
+    ``valued`` names the nodes that held a fake value in a trace saved with every node's value
+    (:meth:`~freezeframe.compilation.cached_trace.ModelCache._keep_graph`). When each of them
+    has its value back, the values are used as they are: no fake propagation through the whole
+    graph, which is what made a warm start slow. Otherwise (``valued`` is None: a trace saved
+    with its placeholders' values only; or a value did not come back) every node's value is
+    re-derived from the placeholders' by fake propagation.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -568,8 +576,43 @@ def _load_graph(blob: bytes) -> tuple[Any, list[Any]]:
     gm.recompile()
     example_inputs = [n.meta.get("example_value", n.meta.get("val"))
                       for n in gm.graph.nodes if n.op == "placeholder"]
-    _propagate_fake_values(gm, example_inputs, fake_mode)
+    if valued is None or missing_values(gm, valued):
+        _propagate_fake_values(gm, example_inputs, fake_mode)
     return gm, example_inputs
+
+
+def valued_nodes(gm: Any) -> list[str]:
+    """The names of a graph's nodes that hold a fake value (``example_value`` or ``val``)."""
+    return [n.name for n in gm.graph.nodes
+            if n.meta.get("example_value", n.meta.get("val")) is not None]
+
+
+def missing_values(gm: Any, valued: Sequence[str]) -> list[str]:
+    """The nodes named in ``valued`` that hold no fake value in ``gm``."""
+    have = set(valued_nodes(gm))
+    return [name for name in valued if name not in have]
+
+
+def _holds_view(value: Any) -> bool:
+    """Whether a node's fake value is, or (a tuple/list) holds, a tensor that is a view."""
+    import torch
+
+    if isinstance(value, (tuple, list)):
+        return any(_holds_view(v) for v in value)
+    return isinstance(value, torch.Tensor) and value._is_view()
+
+
+def _detached(value: Any) -> Any:
+    """A node's fake value with each tensor that is a view replaced by ``detach()`` of it: the
+    same sizes, strides, storage offset and storage, without the view's base (which the graph
+    pickler cannot write). Fake propagation, the loader's fallback, records such values too."""
+    import torch
+
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, torch.Tensor) and value._is_view():
+        return value.detach()
+    return value
 
 
 _KEEP_META = frozenset({"example_value", "val", "stack_trace", "tensor_meta"})
