@@ -605,6 +605,107 @@ def test_planned_steps_by_name_and_with_copied_outputs() -> None:
     assert model.stats.replays == 3
 
 
+# -- the plan of a PIECEWISE step: the piece chain without the model's Python ----------------
+def _piecewise_runner(module: nn.Module | None = None,
+                      **kw: Any) -> tuple[ff.compilation.CompiledModel, GraphRunner]:
+    cfg = config("piecewise", use_cache=False)
+    model = ff.compile(module if module is not None else SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False, **kw)
+    runner.capture()
+    return model, runner
+
+
+def test_planned_piecewise_steps_replay_the_pieces_and_call_the_ops() -> None:
+    model, runner = _piecewise_runner()
+    runner(torch.zeros(3, 3))  # the first step of each input shape makes its plan
+    runner(torch.zeros(4, 3))
+    signer = model._signer
+    assert signer is not None
+
+    def no_routing(*args: Any) -> Any:
+        raise AssertionError("a planned PIECEWISE step routed its call through the model")
+
+    signer.key = no_routing  # type: ignore[method-assign]
+    for step, n in enumerate([3, 4, 3, 3]):
+        x = torch.randn(n, 3, generator=torch.Generator().manual_seed(step))
+        reset_counter()
+        with runner.stats.expect(steps=1, steps_piecewise=1, padded_tokens=4 - n), \
+                model.stats.expect(replays=3, graphs_captured=0):
+            out = runner(x)
+        assert get_counter() == 2  # both silly::attention calls ran, between the pieces
+        with torch.no_grad():
+            assert torch.equal(out, SillyModel()(x)), step
+
+
+def test_a_planned_piecewise_step_still_refuses_a_changed_module() -> None:
+    model, runner = _piecewise_runner()
+    runner(torch.zeros(3, 3))
+    model.module.scale = 2.0
+    with pytest.raises(ff.CompileError, match="the module changed after its first call"):
+        runner(torch.zeros(3, 3))
+
+
+def test_a_planned_piecewise_step_whose_graphs_were_dropped_goes_back_through_the_model(
+) -> None:
+    model, runner = _piecewise_runner()
+    x = torch.ones(3, 3)
+    assert torch.equal(runner(x), torch.full((3, 3), 28.0))
+    for wrapper in model.graph_wrappers():
+        wrapper.clear()
+    reset_counter()
+    with pytest.raises(ff.CaptureError, match="capture window is closed"):
+        runner(x)
+    assert get_counter() == 0  # the plan noticed before running any op
+    with model.capture_window.opened(), model.stats.expect(graphs_captured=3):
+        assert torch.equal(runner(x), torch.full((3, 3), 28.0))
+    with model.stats.expect(graphs_captured=0, replays=3):
+        assert torch.equal(runner(2 * x), torch.full((3, 3), 37.0))
+
+
+class DictOut(nn.Module):
+    """A dict output with a constant beside the tensors: the plan rebuilds it every step."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = attention(x + 1, x, x)
+        return {"h": h * 2, "tag": 7, "x2": x * 2}
+
+
+def test_a_planned_piecewise_step_rebuilds_the_output_structure() -> None:
+    _, runner = _piecewise_runner(DictOut())
+    for step, n in enumerate([3, 3, 2, 3]):
+        x = torch.randn(n, 3, generator=torch.Generator().manual_seed(step))
+        out = runner(x)
+        with torch.no_grad():
+            want = DictOut()(x)
+        assert out.keys() == want.keys() and out["tag"] == 7
+        assert torch.equal(out["h"], want["h"]) and torch.equal(out["x2"], want["x2"]), step
+
+
+class KeepsLast(nn.Module):
+    """Stores its output on itself: Dynamo's code does the store after the graph, so steps of
+    this model are never planned (a plan skips that code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = torch.zeros(1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = attention(x, x, x) + 1
+        self.last = out
+        return out
+
+
+def test_a_forward_with_a_python_side_effect_is_not_planned() -> None:
+    module = KeepsLast()
+    _, runner = _piecewise_runner(module)
+    for n in (3, 3, 3):
+        x = torch.full((n, 3), float(n))
+        out = runner(x)
+        assert torch.equal(out, 3 * x + 1)
+        assert module.last is not None and torch.equal(module.last[:n], 3 * x + 1)
+    assert not runner._plans
+
+
 class WritesInput(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x * 2

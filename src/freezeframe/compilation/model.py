@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import dis
 import inspect
 import logging
 import operator
@@ -39,6 +41,7 @@ from freezeframe.graphs import (
     GraphWrapper,
     resolve_backend,
 )
+from freezeframe.graphs.wrapper import PieceReplay, StaleReplay
 from freezeframe.stats import Stats
 
 __all__ = ["CompiledModel", "compile"]
@@ -84,6 +87,7 @@ class _Variant:
     cache: ModelCache
     full_wrapper: GraphWrapper | None
     guards: SizeGuards | None = None  # the trace's conditions on sizes; None until traced
+    stitched: _Stitched | None = None  # what the trace's code calls, once traced
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.full_wrapper is not None:
@@ -185,12 +189,21 @@ class CompiledModel(nn.Module):
                                  model_key=self.model_key)
         # The on-disk cache wraps the backend (traced files, saved trace) and the first call.
         cache = ModelCache(self, self._dims, model_key=self._user_key, signer=self._signer)
-        trace = TraceOnce(self.module, cache.wrap_backend(backend), self._dims)
+        holder: list[_Variant] = []
+
+        def stitched_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
+            stitched = _Stitched(backend(gm, example_inputs))
+            holder[0].stitched = stitched
+            return stitched
+
+        trace = TraceOnce(self.module, cache.wrap_backend(stitched_backend), self._dims)
         cache.trace = trace
         full = None
         if self._graph_backend is not None and self._graph_mode.has_full_cudagraphs():
             full = self._make_full_wrapper(cache)
-        return _Variant(signature, trace, backend, cache, full)
+        variant = _Variant(signature, trace, backend, cache, full)
+        holder.append(variant)
+        return variant
 
     def _accepts(self, variant: _Variant, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> bool:
@@ -499,6 +512,80 @@ class CompiledModel(nn.Module):
 
         return checked
 
+    def plan_piecewise(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], run: Callable[[], Any]
+                       ) -> tuple[Any, Callable[[], Any] | None]:
+        """Call ``run()`` (this model on ``args``/``kwargs``, a runner's static buffers, inside
+        a PIECEWISE forward context for ``descriptor``) and watch it: the flat inputs Dynamo's
+        code passed to the stitching graph and what it returned. Return ``run()``'s output and,
+        when the call can be repeated without the model's Python, a zero-argument function
+        that repeats it on the same buffers: the stitching graph called directly on the
+        recorded flat inputs, each capturable piece a planned replay
+        (:meth:`GraphWrapper.piece_replayer`), the splitting ops called as the graph calls
+        them, the output rebuilt from the graph's outputs. The module-state check stays on
+        every call; the caller keeps the forward context. None when anything about the call
+        is not plannable: no split trace, Python side effects in the generated code, an
+        output that is not the graph's own, a piece without a graph."""
+        variant = self._routed(args, kwargs) if self._signer is not None else None
+        stitched = variant.stitched if variant is not None else None
+        if variant is None or stitched is None:
+            return run(), None
+        calls: list[tuple[tuple[Any, ...], Any]] = []
+        stitched.recording = calls
+        try:
+            out = run()
+        finally:
+            stitched.recording = None
+        return out, self._piecewise_plan(variant, stitched, descriptor, calls, out)
+
+    def _piecewise_plan(self, variant: _Variant, stitched: _Stitched,
+                        descriptor: BatchDescriptor,
+                        calls: list[tuple[tuple[Any, ...], Any]], out: Any
+                        ) -> Callable[[], Any] | None:
+        backend = variant.backend
+        stitching = backend.stitching
+        if len(calls) != 1 or stitching is None or not _free_of_side_effects(variant.trace):
+            return None
+        flat_args, flat_out = calls[0]
+        rebuild = _rebuilder(out, flat_out)
+        # the stitching graph's own forward (not behind cudagraph_copy_inputs' copies)
+        if rebuild is None or not inspect.ismethod(stitched.fn) \
+                or stitched.fn.__self__ is not stitching:
+            return None
+        names = [p.name for p in backend.pieces if p.capturable]
+        wrappers = [getattr(stitching, name) for name in names]
+        if not all(isinstance(w, GraphWrapper) for w in wrappers):
+            return None
+        replays = [w.piece_replayer(descriptor) for w in wrappers]
+        if any(r is None for r in replays):
+            return None
+        planned = _planned_stitching(stitching, dict(zip(names, replays, strict=True)))
+        forward = planned.forward
+        pieces = cast(list[PieceReplay], replays)
+        state, every_call, check = self._state, self._check_state_every_call, self._check_state
+        inference = self.inference_mode
+
+        def replay() -> Any:
+            if not all(piece.live for piece in pieces):
+                for piece in pieces:
+                    piece.retire()
+                raise StaleReplay(f"a PIECEWISE graph for {descriptor} was dropped")
+            if state is not None and (every_call or state.changed_cheaply()):
+                check(state)
+            try:
+                if inference:
+                    with torch.inference_mode():
+                        flat = forward(*flat_args)
+                else:
+                    flat = forward(*flat_args)
+            except StaleReplay as exc:  # part of the step ran: it must not run again
+                raise CaptureError(
+                    f"{self.model_key}: a planned PIECEWISE step for {descriptor} met a piece "
+                    f"argument unlike its capture halfway through ({exc})") from None
+            return rebuild(flat)
+
+        return replay
+
     def _routed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Variant | None:
         assert self._signer is not None
         return self._route_of(self._signer.key(args, kwargs), args, kwargs)
@@ -598,3 +685,90 @@ def compile(module: nn.Module, config: CompilationConfig,
     """
     return CompiledModel(module, config, dynamic_arg_dims, model_key=model_key,
                          inference_mode=inference_mode)
+
+
+class _Stitched:
+    """What Dynamo's code (or a saved trace) calls with the flat graph inputs: the compiled
+    stitching graph, which records its calls' inputs and outputs while ``recording`` is a
+    list (:meth:`CompiledModel.plan_piecewise`)."""
+
+    __slots__ = ("fn", "recording")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.recording: list[tuple[tuple[Any, ...], Any]] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if self.recording is not None:
+            self.recording.append((args, out))
+        return out
+
+
+# Bytecode that changes Python state outside the graph: a planned step skips the generated
+# code, so a trace whose code does any of this is not planned. Dynamo replays a forward's
+# mutations after the graph call with stores, or with calls it names (an attribute set
+# through ``object_setattr_ignore_descriptor``, a dict through ``clear``/``update``...); the
+# check refuses every name that could mutate, so it errs towards not planning.
+_SIDE_EFFECT_OPS = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR",
+                              "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF",
+                              "STORE_NAME", "DELETE_NAME"})
+_SIDE_EFFECT_NAMES = frozenset({
+    "setattr", "delattr", "object_setattr_ignore_descriptor", "__setattr__", "__delattr__",
+    "__setitem__", "__delitem__", "append", "extend", "insert", "pop", "remove", "clear",
+    "update", "setdefault", "popitem", "add", "discard", "sort", "reverse"})
+_NAME_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME"})
+
+
+def _free_of_side_effects(trace: TraceOnce) -> bool:
+    """Whether the code Dynamo generated for ``forward`` does nothing but call the graph."""
+    code = trace.bytecode
+    if code is None:  # no bytecode: a saved trace, which already assumes no side effects
+        return trace.traced
+    for ins in dis.get_instructions(code):
+        if ins.opname in _SIDE_EFFECT_OPS:
+            return False
+        if ins.opname in _NAME_OPS and ins.argval in _SIDE_EFFECT_NAMES:
+            return False
+    return True
+
+
+def _rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
+    """A function that builds the model's output from the stitching graph's outputs as Dynamo's
+    code did for ``out``; None unless every tensor of ``out`` is one of them."""
+    flat = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
+    leaves, spec = pytree.tree_flatten(out)
+    picks: list[int | None] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            where = next((j for j, t in enumerate(flat) if t is leaf), None)
+            if where is None:
+                return None
+            picks.append(where)
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            picks.append(None)  # a constant of the trace
+        else:
+            return None
+    single = isinstance(flat_out, (tuple, list))
+    if len(leaves) == 1 and isinstance(out, torch.Tensor):
+        j = picks[0]
+        return (lambda f: f[j]) if single else (lambda f: f)
+    constants = list(leaves)
+
+    def rebuild(f: Any) -> Any:
+        items = f if single else (f,)
+        values = [constants[k] if j is None else items[j] for k, j in enumerate(picks)]
+        return pytree.tree_unflatten(values, spec)
+
+    return rebuild
+
+
+def _planned_stitching(stitching: torch.fx.GraphModule,
+                       pieces: Mapping[str, Any]) -> torch.fx.GraphModule:
+    """A shallow copy of the stitching module whose piece attributes are ``pieces``: it shares
+    the graph and its generated code, and the original keeps its own attributes."""
+    planned = copy.copy(stitching)
+    planned.__dict__ = dict(stitching.__dict__)
+    for name, piece in pieces.items():
+        planned.__dict__[name] = piece
+    return planned

@@ -49,3 +49,11 @@ class Capturable(Protocol):
                  kwargs: dict[str, Any]) -> Callable[[], Any] | None:
         """A zero-argument replay of the model's FULL graph for ``descriptor`` on exactly these
         arguments, or None (see :meth:`~freezeframe.compilation.CompiledModel.replayer`)."""
+
+    def plan_piecewise(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], run: Callable[[], Any]
+                       ) -> tuple[Any, Callable[[], Any] | None]:
+        """Call ``run()`` (this model on these arguments inside a PIECEWISE forward context for
+        ``descriptor``) and return its output with, when the call can be repeated without the
+        model's Python, a zero-argument function that repeats it (see
+        :meth:`~freezeframe.compilation.CompiledModel.plan_piecewise`)."""

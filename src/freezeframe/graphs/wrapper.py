@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -39,7 +39,7 @@ from freezeframe.errors import CaptureError, ConfigError, InputMismatchError
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend
 from freezeframe.stats import Stats
 
-__all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper", "StaleReplay"]
+__all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper", "PieceReplay", "StaleReplay"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +289,25 @@ class GraphWrapper:
 
         return replay
 
+    def piece_replayer(self, descriptor: BatchDescriptor) -> PieceReplay | None:
+        """The replay of this PIECEWISE wrapper's graph for ``descriptor``, for a caller that
+        calls the pieces of one step shape again and again in the same order (a runner's
+        planned step): the forward context, the key and the argument layout are looked up
+        once, here. Each call still takes the piece's arguments: those that are the captured
+        tensors are read as they are; a new tensor (a splitting op's fresh output) of the
+        captured shape, dtype and device is copied in first, as :meth:`__call__` does, and
+        copied back out if the graph writes into it. Anything else raises
+        :class:`StaleReplay` before the graph runs (the caller goes back to calling the
+        wrapper). ``None`` when there is no graph for ``descriptor`` or it was captured with
+        keyword arguments. Call it from one thread at a time."""
+        key = self._key(descriptor)
+        entry = self._entries.get(key)
+        if entry is None or entry.graph is None or entry.layout[1]:
+            return None
+        if not all(isinstance(c.name, int) for c in entry.inputs):
+            return None
+        return PieceReplay(self, key, entry)
+
     def __repr__(self) -> str:
         return (f"GraphWrapper({self.runtime_mode.name}, backend={self.backend.name}, "
                 f"graphs={len(self.captured_descriptors)})")
@@ -456,3 +475,63 @@ class GraphWrapper:
             "copy a replay would otherwise make: write the new data into the captured buffer "
             "(captured.copy_(new), or a slice of a persistent buffer) instead of passing a new "
             "tensor")
+
+
+class PieceReplay:
+    """One PIECEWISE graph's replay with its arguments, planned once (see
+    :meth:`GraphWrapper.piece_replayer`)."""
+
+    __slots__ = ("_copies", "_entry", "_graph", "_inputs", "_key", "_mode", "_nargs",
+                 "_output", "_replays", "_stats")
+
+    def __init__(self, wrapper: GraphWrapper, key: BatchDescriptor, entry: _Entry) -> None:
+        assert entry.graph is not None
+        self._key = key
+        self._mode = wrapper.runtime_mode.name
+        self._entry = entry
+        self._graph = entry.graph
+        self._output = entry.output
+        self._nargs = len(entry.layout[0])
+        # (position, the captured tensor, whether the capture wrote into it)
+        self._inputs = tuple((cast(int, c.name), c.tensor, written)
+                             for c, written in zip(entry.inputs, entry.written, strict=True))
+        self._stats = wrapper.stats
+        self._replays = wrapper.stats.tally("replays")
+        self._copies = wrapper.stats.tally("replay_input_copies")
+
+    @property
+    def live(self) -> bool:
+        """Whether the graph is still the one planned (not dropped by a clear or recapture)."""
+        return self._entry.graph is self._graph
+
+    def retire(self) -> None:
+        """Fold this replay's counts into the plain counters (its plan is forgotten)."""
+        self._stats.retire(self._replays)
+        self._stats.retire(self._copies)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._entry.graph is not self._graph:
+            raise StaleReplay(f"the {self._mode} graph for {self._key} was dropped")
+        if len(args) != self._nargs:
+            raise StaleReplay(f"the {self._mode} graph for {self._key} got {len(args)} "
+                              f"arguments, its capture {self._nargs}")
+        copied: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        for i, then, written in self._inputs:
+            now = args[i]
+            if now is then or _reads_captured(now, then):
+                continue
+            if now.__class__ is not torch.Tensor or now.shape != then.shape \
+                    or now.dtype != then.dtype or now.device != then.device:
+                raise StaleReplay(f"argument {i} of the {self._mode} graph for {self._key} "
+                                  "does not fit the captured tensor")
+            then.copy_(now)
+            self._copies.n += 1
+            if written:
+                copied = [] if copied is None else copied
+                copied.append((now, then))
+        self._graph.replay()
+        if copied:
+            for now, then in copied:  # the graph wrote into its copy: the caller's tensor too
+                now.copy_(then)
+        self._replays.n += 1
+        return self._output

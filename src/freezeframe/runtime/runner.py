@@ -57,7 +57,7 @@ import torch
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
-from freezeframe.context import forward_context
+from freezeframe.context import ForwardContext, entered, forward_context
 from freezeframe.errors import (
     CaptureError,
     ConfigError,
@@ -503,6 +503,10 @@ class GraphRunner:
         writes = self._graph_writes.get((mode, desc))
         if aliased and writes:
             self._refuse_written_alias(values, aliased, writes)
+        plannable = writes is not None and not writes and plan is None \
+            and self._held is not None and not (kwargs or extras or invalid_modes or has_lora
+                                                or self.dp_sync
+                                                or num_scheduled_tokens is not None)
         replay = None
         try:
             replay = self._replayer(mode, desc, padded_tokens, padded_reqs) \
@@ -510,22 +514,39 @@ class GraphRunner:
             out = self._replay(replay, desc, padded_reqs) if replay is not None else _STALE
             if out is _STALE:
                 replay = None
-                out = self._forward(mode, desc, padded_tokens, padded_reqs, num_tokens, reqs,
-                                    step_extras, plan)
+                if mode is _PIECEWISE and plannable:
+                    out, replay = self._planned_piecewise(desc, padded_tokens, padded_reqs,
+                                                          num_tokens, reqs)
+                else:
+                    out = self._forward(mode, desc, padded_tokens, padded_reqs, num_tokens,
+                                        reqs, step_extras, plan)
         except BaseException:
             self._after_failure(values, versions, writes, num_tokens, reqs)
             raise
         slots = self._written(versions, writes)
         out = self._finish(out, values, slots, aliased, padded_tokens, num_tokens, padded_reqs,
                            reqs)
-        if replay is not None and not slots and writes is not None and not writes \
-                and not (kwargs or extras or invalid_modes or has_lora or self.dp_sync
-                         or num_scheduled_tokens is not None):
+        if replay is not None and not slots and plannable:
+            context = ForwardContext(mode=mode, batch_descriptor=desc,
+                                     num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs) \
+                if mode is _PIECEWISE else None
             self._keep_plan(args, num_reqs, uniform_decode, replay, (desc, padded_reqs), out,
-                            counters, num_tokens, reqs, padded_tokens, padded_reqs)
+                            counters, num_tokens, reqs, padded_tokens, padded_reqs, context)
         if self.copy_outputs or self._copy_after_overlap:
             out = _map_tensors(out, lambda t: t.clone())
         return out
+
+    def _planned_piecewise(self, desc: BatchDescriptor, padded_tokens: int,
+                           padded_reqs: int | None, num_tokens: int, reqs: int | None
+                           ) -> tuple[Any, Callable[[], Any] | None]:
+        """A PIECEWISE step through the model that the model watches, to hand back a replay
+        of it for later steps of the shape (see CompiledModel.plan_piecewise)."""
+        assert self._held is not None
+        views = self._views(padded_tokens, padded_reqs)
+        args, kwargs = (tuple(views.values()), {}) if self.call_positional else ((), views)
+        return self._held.plan_piecewise(
+            desc, args, kwargs, lambda: self._forward(_PIECEWISE, desc, padded_tokens,
+                                                      padded_reqs, num_tokens, reqs, {}, None))
 
     def _after_failure(self, values: Mapping[str, torch.Tensor], versions: list[int],
                        writes: frozenset[str] | None, num_tokens: int, reqs: int | None
@@ -556,9 +577,11 @@ class GraphRunner:
     def _keep_plan(self, args: tuple[Any, ...], num_reqs: int | None, uniform_decode: bool,
                    replay: Callable[[], Any], replay_key: tuple[BatchDescriptor, int | None],
                    out: Any, counters: tuple[tuple[str, int], ...], num_tokens: int,
-                   reqs: int | None, padded_tokens: int, padded_reqs: int | None) -> None:
+                   reqs: int | None, padded_tokens: int, padded_reqs: int | None,
+                   context: ForwardContext | None) -> None:
         """Keep what this step worked out, for later steps of its shape: it replayed a FULL
-        graph, wrote no input and took only options a plan covers."""
+        graph (or a planned PIECEWISE chain, run in ``context``), wrote no input and took only
+        options a plan covers."""
         if len(args) != len(self.specs):
             return
         key = plan_key(args, num_reqs, uniform_decode)
@@ -569,7 +592,7 @@ class GraphRunner:
             staging=self._stagings[(num_tokens, padded_tokens, reqs, padded_reqs)],
             replay=replay, replay_key=replay_key, output=out,
             counts=tuple((self.stats.tally(name), by) for name, by in counters),
-            num_tokens=num_tokens, num_reqs=reqs)
+            num_tokens=num_tokens, num_reqs=reqs, context=context)
 
     def _forget_plan(self, key: tuple[Any, ...]) -> None:
         plan = self._plans.pop(key)
@@ -585,7 +608,11 @@ class GraphRunner:
         buffers = self._buffer_list
         versions = [buf._version for buf in buffers]
         try:
-            out = plan.replay()  # grad mode is off for the whole step (see __call__)
+            if plan.context is None:
+                out = plan.replay()  # grad mode is off for the whole step (see __call__)
+            else:
+                with entered(plan.context):
+                    out = plan.replay()
         except StaleReplay:
             self._forget_plan(key)
             self._replays.pop(plan.replay_key, None)
@@ -608,7 +635,9 @@ class GraphRunner:
                                    padded_reqs, plan.num_reqs)
                 break
         else:
-            out = plan.output
+            out = plan.output if plan.context is None else self._slice(
+                out, self.outputs, plan.replay_key[0].num_tokens, plan.num_tokens,
+                plan.replay_key[1], plan.num_reqs, [0])
         if self.copy_outputs or self._copy_after_overlap:
             out = _map_tensors(out, lambda t: t.clone())
         return out

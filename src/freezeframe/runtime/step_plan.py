@@ -2,27 +2,34 @@
 
 The first step of a shape goes the whole way through :class:`~freezeframe.runtime.GraphRunner`:
 bind and check the inputs, dispatch, stage, run the model in its forward context, detect the
-inputs it wrote, slice the outputs. When that step replayed a FULL graph and touched nothing
-but the graph's own buffers, everything it worked out depends only on the inputs' shapes,
-dtypes and devices and on the step options, so the runner keeps it as a :class:`StepPlan`::
+inputs it wrote, slice the outputs. When that step replayed captured graphs and touched nothing
+but their buffers, everything it worked out depends only on the inputs' shapes, dtypes and
+devices and on the step options, so the runner keeps it as a :class:`StepPlan`::
 
     first step of a shape                         later steps of that shape
     ---------------------                         -------------------------
     bind, check every input                       same shapes/dtypes/devices? (one pass)
-    dispatch -> (FULL, descriptor)                (planned)
+    dispatch -> (mode, descriptor)                (planned)
     staging views, padding rows                   copy the inputs (one launch), reset padding
-    route the call, check the graph's inputs      (planned)
-    module-state check, replay                    module-state check, replay
+    route the call through the model              (planned)
+    module-state check                            module-state check
+    FULL: replay the graph                        replay the graph
+    PIECEWISE: Dynamo's code, the stitching       the stitching graph on the recorded flat
+      graph, each piece's wrapper and checks        inputs, each piece a planned replay, the
+                                                    splitting ops called as before
     which inputs were written?                    none were (version counters unchanged)
-    slice the outputs                             (planned: the same views of the same
-                                                   static outputs)
+    slice the outputs                             FULL: (planned: the same views of the same
+                                                    static outputs); PIECEWISE: slice again
 
-A later step whose inputs differ in anything the plan assumed misses it and takes the whole
-way; so does any step with options the plan does not cover (keyword inputs, ``extras``,
-``invalid_modes``, LoRA, micro-batching, data-parallel agreement). A plan ends when its graph
-is dropped (the replay raises :class:`~freezeframe.graphs.StaleReplay`) or when a step of it
-sees an input written (a version counter moved): that step finishes the whole way and the plan
-is forgotten.
+A PIECEWISE step is planned only when the code Dynamo generated for ``forward`` does nothing
+but call the graph (no Python side effect a plan would skip: see
+``CompiledModel.plan_piecewise``). A later step whose inputs differ in anything the plan
+assumed misses it and takes the whole way; so does any step with options the plan does not
+cover (keyword inputs, ``extras``, ``invalid_modes``, LoRA, micro-batching, data-parallel
+agreement). A plan ends when a graph of it is dropped (the replay raises
+:class:`~freezeframe.graphs.StaleReplay` before anything runs) or when a step of it sees an
+input written (a version counter moved): that step finishes the whole way and the plan is
+forgotten.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from freezeframe.batch import BatchDescriptor
+from freezeframe.context import ForwardContext
 from freezeframe.stats import Tally
 
 __all__ = ["Padding", "Staging", "StepPlan", "plan_key"]
@@ -83,6 +91,10 @@ class StepPlan:
     counts: tuple[tuple[Tally, int], ...]
     num_tokens: int
     num_reqs: int | None
+    #: None for a FULL step (``output`` is its answer); for a PIECEWISE step, the forward
+    #: context its splitting ops read, and ``output`` is unused (each step's outputs are cut
+    #: to the real rows anew: a splitting op may return fresh tensors)
+    context: ForwardContext | None = None
 
     def accepts(self, args: Sequence[Any]) -> bool:
         """Whether ``args`` (positional, one per input, shapes already matched by the key) are
