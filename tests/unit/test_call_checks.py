@@ -244,14 +244,17 @@ def test_outputs_are_inference_tensors_by_default():
 
 
 # -- Dynamo disabled ---------------------------------------------------------------------------
-def test_dynamo_disabled_runs_eagerly_warns_once_and_counts(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    model = ff.compile(Scale(), config())
-    with pytest.warns(UserWarning, match=r"Dynamo is disabled .*runs the module eagerly"):
-        assert model(torch.ones(1, 3)).tolist() == [[1.0, 2.0, 3.0]]
-    assert model(torch.ones(2, 3)).tolist() == [[1.0, 2.0, 3.0]] * 2
-    assert (model.stats.compile_disabled, model.stats.graphs_traced) == (2, 0)
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+def test_dynamo_disabled_runs_eagerly_warns_once_and_counts():
+    # torch's own config.patch, not monkeypatch.setattr: pytest >= 9.2 undoes a setattr on an
+    # object lacking the name in its __dict__ by deleting it, which removes the option from
+    # torch's config module for every later test.
+    with torch._dynamo.config.patch(disable=True):
+        model = ff.compile(Scale(), config())
+        with pytest.warns(UserWarning, match=r"Dynamo is disabled .*runs the module eagerly"):
+            assert model(torch.ones(1, 3)).tolist() == [[1.0, 2.0, 3.0]]
+        assert model(torch.ones(2, 3)).tolist() == [[1.0, 2.0, 3.0]] * 2
+        assert (model.stats.compile_disabled, model.stats.graphs_traced) == (2, 0)
+    assert torch._dynamo.config.disable is False
     assert model(torch.ones(2, 3)).tolist() == [[1.0, 2.0, 3.0]] * 2
     assert model.stats.graphs_traced == 1
 

@@ -171,7 +171,9 @@ def test_every_bash_block_names_a_command() -> None:
 
 
 # The Makefile's knobs, cleared from the environment so the dry run shows the defaults.
-MAKE_KNOBS = ("PYTHON", "VENV", "EXTRAS", "TESTS", "PYTEST_ARGS", "BENCH_ARGS", "MAKEFLAGS")
+# MAKELEVEL and MAKEFLAGS too: under `make test` they would make this make print its directory.
+MAKE_KNOBS = ("PYTHON", "VENV", "EXTRAS", "TESTS", "PYTEST_ARGS", "BENCH_ARGS", "MAKEFLAGS",
+              "MAKELEVEL", "MFLAGS")
 
 
 def _make_dry_run(target: str) -> str:
@@ -179,7 +181,8 @@ def _make_dry_run(target: str) -> str:
     make = shutil.which("make")
     assert make is not None, "the README's two commands need make (GNU make) on PATH"
     env = {k: v for k, v in os.environ.items() if k not in MAKE_KNOBS}
-    proc = subprocess.run([make, "-n", "-o", ".venv/.freezeframe-installed", target], cwd=REPO,
+    proc = subprocess.run([make, "-n", "--no-print-directory", "-o",
+                           ".venv/.freezeframe-installed", target], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"make -n {target}: {proc.stderr}"
     return proc.stdout
