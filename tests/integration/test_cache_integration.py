@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -242,3 +243,30 @@ def test_inductor_layers_compile_once_in_either_format(tmp_path: Path, fmt: str)
     index = json.loads((entry.path / "index.json").read_text())["artifacts"]
     assert sorted(index) == [f"piece_{i}_range_1_64.bin" for i in (0, 2, 8)]
     assert {rec["compiler"] for rec in index.values()} == {f"inductor:{fmt}"}
+
+
+@pytest.mark.inductor
+def test_inductor_warm_start_runs_no_isa_probe(tmp_path: Path) -> None:
+    """A warm start takes the ISA probe result the compiling process recorded (same CPU
+    features, compiler and torch) instead of building and loading a probe library: in the warm
+    process the probe raises if it is called, and every piece still loads."""
+    code = _child_code(tmp_path / "c", "inductor")
+    cold = _run(code)
+    assert cold["outs"] == OUTS
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    header, _ = ff_cache.unpack_artifact((entry.path / "piece_0_range_1_8192.bin").read_bytes())
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert header["host"] == {"isa": None}  # Inductor probes only on x86
+        return
+    assert header["host"]["isa"]["cpu"] == list(torch._inductor.cpu_vec_isa.x86_isa_checker())
+    no_probe = textwrap.dedent("""
+        from tests.helpers.toy_models import SillyModel
+        import torch._inductor.cpu_vec_isa as _isa
+        def _probe(self, code):
+            raise RuntimeError("the ISA probe ran")
+        _isa.VecISA.check_build = _probe
+    """)
+    warm = _run(_child_code(tmp_path / "c", "inductor", model_import=no_probe))
+    assert warm["outs"] == OUTS
+    w = warm["stats"]
+    assert (w["cache_hits"], w.get("cache_misses", 0), w["traces_loaded"]) == (3, 0, 1)

@@ -19,7 +19,7 @@ import inspect
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,7 +27,8 @@ from freezeframe.cache.key import graph_hash
 from freezeframe.cache.store import CompileCache, range_bounds
 from freezeframe.errors import CacheError, ConfigError
 
-__all__ = ["ARTIFACT_FORMATS", "PieceCache", "choose_artifact_format"]
+__all__ = ["ARTIFACT_FORMATS", "PieceCache", "choose_artifact_format", "isa_probe_record",
+           "isa_probe_trusted", "prefetch_torch_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,95 @@ class _SingleOutput:
         return out
 
 
+def isa_probe_record() -> dict[str, Any] | None:
+    """Inductor's CPU vector-ISA probe as this process found it, with what its result depends
+    on: the CPU's features (read with cpuid, no subprocess), the C++ compiler's version, and
+    each ISA the probe accepted with its compiler flags. None off x86 (the probe is x86's
+    only) or on a torch without these functions.
+
+    The probe (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``) builds a small library with
+    each ISA's flags and loads it in a child Python: about a second, paid by every process
+    that loads a CPU artifact, because the ISA is part of each generated kernel's file name.
+    """
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+        return {"cpu": list(cpu_vec_isa.x86_isa_checker()),
+                "compiler": get_compiler_version_info(get_cpp_compiler()),
+                "valid": [[str(isa), isa.build_arch_flags()]
+                          for isa in cpu_vec_isa.valid_vec_isa_list()]}
+    except Exception as exc:  # pragma: no cover - depends on the torch build and toolchain
+        logger.debug("no record of the CPU ISA probe: %s: %s", type(exc).__name__, exc)
+        return None
+
+
+def isa_probe_trusted(record: Any) -> bool:
+    """Whether a load may skip the ISA probe, taking ``record`` (:func:`isa_probe_record` of
+    the process that compiled the artifact) as its result: this CPU has the same features, the
+    compiler is the same version (torch is the same: the cache key says so), the user did not
+    set ``cpp.vec_isa_ok`` themselves, and the probe had accepted every ISA those features
+    allow, with the flags this process would use, so trusting the features picks exactly the
+    ISA (and kernel files) the probe picked. Any doubt (no record, another torch layout) is
+    False: the probe runs, as without a cache."""
+    import platform
+
+    if not isinstance(record, dict) or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+        if inductor_config.cpp.vec_isa_ok is not None:
+            return False
+        cpu = list(cpu_vec_isa.x86_isa_checker())
+        allowed = [[str(isa), isa.build_arch_flags()]
+                   for isa in cpu_vec_isa.supported_vec_isa_list
+                   if all(flag in cpu for flag in str(isa).split())]
+        return (record.get("cpu") == cpu and record.get("valid") == allowed
+                and record.get("compiler") == get_compiler_version_info(get_cpp_compiler()))
+    except Exception as exc:  # pragma: no cover - depends on the torch build and toolchain
+        logger.debug("the CPU ISA probe record cannot be checked: %s: %s",
+                     type(exc).__name__, exc)
+        return False
+
+
+@contextlib.contextmanager
+def _replay_settings(trust_isa_probe: bool) -> Iterator[None]:
+    """Inductor settings while an artifact loads (and its generated module loads its kernels):
+    with ``trust_isa_probe``, the recorded ISA probe result in place of the probe
+    (``cpp.vec_isa_ok``; see :func:`isa_probe_trusted`). Nothing else may differ from the
+    compile: a setting that reaches a kernel's compile command (``cpp_cache_precompile_headers``
+    adds a macro, for one) changes the kernel's file name, so the load would build it again."""
+    if not trust_isa_probe:
+        yield
+        return
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+        yield
+
+
+def prefetch_torch_key() -> None:
+    """Start computing ``torch_key`` (a hash of torch's own source files, which every artifact
+    load compares with the one it was saved with: most of a second) in torch's background
+    thread, so that it overlaps with loading the saved trace; a torch without the prefetch
+    computes it on first use, as before."""
+    try:
+        from torch._inductor.codecache import torch_key
+
+        prefetch = getattr(torch_key, "prefetch", None)
+        if callable(prefetch):
+            prefetch()
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        logger.debug("torch_key cannot be prefetched: %s: %s", type(exc).__name__, exc)
+
+
 class NamedCompiler(Protocol):
     """What the piece cache needs of a compiler: its name (``"inductor"``, ``"eager"``), part
     of every artifact's key (the compile stage's compilers have it)."""
@@ -168,13 +258,16 @@ class PieceCache:
         if not self._cacheable(compiler):
             return None
         gkey = self._graph_key(compiler, graph, example_inputs, compile_range)
-        found = self.cache.load_artifact(piece_index, compile_range, gkey)
+        found = self.cache.load_artifact_with_header(piece_index, compile_range, gkey)
         if found is None:
             self.cache.record_miss()
             return None
-        path, payload = found
+        path, payload, header = found
         try:
-            runnable = self._load_payload(payload, path.parent)
+            host = header.get("host")
+            isa = host.get("isa") if isinstance(host, dict) else None
+            with _replay_settings(isa_probe_trusted(isa)):
+                runnable = self._load_payload(payload, path.parent)
         except Exception as exc:  # any failure is a miss: torch key mismatch, unpickling, ...
             why = f"{type(exc).__name__}: {exc}"
             self.cache.discard(path, why)
@@ -224,7 +317,8 @@ class PieceCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             self.cache.save_artifact(piece_index, compile_range, payload, graph_key=gkey,
-                                     compiler=f"{compiler.name}:{_format_of(compiler)}")
+                                     compiler=f"{compiler.name}:{_format_of(compiler)}",
+                                     host={"isa": isa_probe_record()})
         except CacheError:
             raise
         except Exception as exc:  # e.g. a graph standalone_compile cannot serialise

@@ -66,7 +66,8 @@ def _sha(obj: Any) -> str:
 
 
 def torch_factors() -> dict[str, Any]:
-    """torch's version and Inductor's system factors (device, CUDA/HIP and Triton versions).
+    """torch's version and Inductor's system factors (device, CUDA/HIP and Triton versions;
+    ``"no gpu"`` where torch sees no GPU).
 
     ``torch_key()`` (a hash of torch's own sources) is left out on purpose: it costs seconds,
     the version plus git revision identify a build, and Inductor's artifact loader checks
@@ -81,10 +82,17 @@ def torch_factors() -> dict[str, Any]:
         "machine": platform.machine(),
     }
     try:  # torch 2.11-2.13 keep this in codecache; guard against it moving
-        from torch._inductor.codecache import CacheBase
+        if not torch.cuda.is_available():
+            # Inductor's system factors describe the GPU (device name, CUDA/HIP version) and
+            # Triton; without a GPU they hash nothing, but computing them still hashes
+            # Triton's files (about a second of every start).
+            factors["inductor_system"] = "no gpu"
+        else:
+            from torch._inductor.codecache import CacheBase
 
-        system = CacheBase.get_system()
-        factors["inductor_system"] = system.get("hash") if isinstance(system, dict) else system
+            system = CacheBase.get_system()
+            factors["inductor_system"] = (system.get("hash") if isinstance(system, dict)
+                                          else system)
     except Exception as exc:  # pragma: no cover - depends on the torch build
         logger.debug("Inductor system factors unavailable: %s", exc)
         factors["inductor_system"] = None

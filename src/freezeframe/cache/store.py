@@ -672,6 +672,14 @@ class CompileCache:
         Does not count hits or misses: the caller does once it knows whether the payload
         turned into a runnable (:meth:`record_hit` / :meth:`record_miss`).
         """
+        found = self.load_artifact_with_header(piece_index, compile_range, graph_key)
+        return None if found is None else (found[0], found[1])
+
+    def load_artifact_with_header(self, piece_index: int, compile_range: Any,
+                                  graph_key: str | None = None
+                                  ) -> tuple[Path, bytes, dict[str, Any]] | None:
+        """:meth:`load_artifact` with the artifact's header (what :meth:`save_artifact` wrote:
+        piece, range, graph, compiler and its ``host`` record)."""
         path = self.entry_dir / artifact_name(piece_index, compile_range)
         found = self._read_verified(path)
         if found is None:
@@ -681,16 +689,21 @@ class CompileCache:
             logger.info("cache artifact %s was compiled from another graph; recompiling", path)
             return None
         self._inc("artifacts_loaded")
-        return path, payload
+        return path, payload, header
 
     def save_artifact(self, piece_index: int, compile_range: Any, payload: bytes, *,
-                      graph_key: str | None = None, compiler: str = "") -> Path:
-        """Write one piece's artifact atomically and list it in the index."""
+                      graph_key: str | None = None, compiler: str = "",
+                      host: Mapping[str, Any] | None = None) -> Path:
+        """Write one piece's artifact atomically and list it in the index. ``host`` is plain
+        data about the process that compiled it, kept in the header (the piece cache records
+        Inductor's CPU vector-ISA probe there)."""
         entry = self._entry()
         start, end = range_bounds(compile_range)
         name = artifact_name(piece_index, compile_range)
-        meta = {"piece": piece_index, "range": [start, end], "graph": graph_key,
-                "compiler": compiler}
+        meta: dict[str, Any] = {"piece": piece_index, "range": [start, end],
+                                "graph": graph_key, "compiler": compiler}
+        if host is not None:
+            meta["host"] = dict(host)
         atomic_write(entry / name, pack_artifact(payload, meta))
         self._update_index(name, {**meta, "bytes": len(payload)})
         self._inc("artifacts_saved")

@@ -39,7 +39,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from freezeframe.cache.artifacts import PieceCache
+from freezeframe.cache.artifacts import PieceCache, prefetch_torch_key
 from freezeframe.cache.key import (
     _code_mismatch,
     _primitive,
@@ -185,6 +185,8 @@ class ModelCache:
         manager = getattr(model, "manager", None)
         if manager is not None:
             manager.cache = PieceCache(self.cache)
+        if model.config.backend == "inductor":
+            prefetch_torch_key()  # every artifact load compares it; overlaps the trace's load
         with self.cache.lock(), self.cache.inductor_dir(model.config.backend == "inductor"):
             loaded = self._try_saved_trace(args, kwargs)
             if loaded is not None:
