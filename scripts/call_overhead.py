@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tests.helpers.silly import attention
 from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama
 
 import freezeframe as ff
@@ -174,6 +175,54 @@ def piecewise_overhead(name: str, module: torch.nn.Module, args: tuple[torch.Ten
     return {"step_us": rows["step"], "bare_us": rows["bare"], "per_piece_us": per_piece}
 
 
+class Chain(torch.nn.Module):
+    """``k`` silly attentions with an add between them: k + 1 capturable pieces."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.k):
+            x = attention(x + 1, x, x)
+        return x + 1
+
+
+def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
+    """What one more piece costs a planned PIECEWISE step: the host time of a step (graphs
+    emptied, splitting-op calls subtracted) for chains of ``few`` and ``many`` attentions,
+    timed interleaved in one measurement, and the difference per added capturable piece."""
+    variants: dict[str, Callable[[], Any]] = {}
+    for k in (few, many):
+        args = (torch.randn(3),)
+        model, runner, desc = _captured_runner(Chain(k), {"x": Tokens()}, args,
+                                               ["silly::attention"], ff.CUDAGraphMode.PIECEWISE)
+        graphs = [w.graph_for(desc) for w in model.graph_wrappers()]
+        assert len(graphs) == k + 1 and all(g is not None for g in graphs)
+        for graph in graphs:
+            graph._steps = []  # type: ignore[union-attr]
+        x4, out4 = torch.randn(4), torch.empty(4)
+
+        def bare(graphs: list[Any] = graphs, k: int = k, x4: torch.Tensor = x4,
+                 out4: torch.Tensor = out4) -> None:
+            for graph in graphs:
+                graph.replay()
+            # the op alone (the rest of attention() is inside the pieces), in the mode the
+            # compiled model calls it in: custom_op's call path costs less in inference mode
+            with torch.inference_mode():
+                for _ in range(k):
+                    torch.ops.silly.attention(x4, x4, x4, out4)
+
+        variants[f"step{k}"] = lambda r=runner, a=args: r(*a)
+        variants[f"bare{k}"] = bare
+    rows = per_call_us(variants)
+    hosts = {k: rows[f"step{k}"] - rows[f"bare{k}"] for k in (few, many)}
+    slope = (hosts[many] - hosts[few]) / (many - few)
+    print(f"\nPlanned PIECEWISE step, graphs emptied: host {hosts[few]:.1f} us with {few + 1} "
+          f"pieces, {hosts[many]:.1f} us with {many + 1}: {slope:.1f} us per added piece")
+    return {"host_few_us": hosts[few], "host_many_us": hosts[many], "per_piece_us": slope}
+
+
 class Doubler(torch.nn.Module):
     """A model that does (almost) nothing: one multiply."""
 
@@ -196,6 +245,7 @@ def main() -> None:
     x4 = torch.randn(4)
     piecewise_overhead("SillyModel", SillyModel(), (torch.randn(3),),
                        torch.ops.silly.attention, (x4, x4, x4, torch.empty(4)))
+    piece_slope()
     runner_overhead("ToyLlama(2 layers)", ToyLlama(LlamaConfig(num_layers=2)),
                     {"input_ids": Tokens(**long), "positions": Tokens(**long)},
                     (torch.randint(0, 128, (3,)), torch.arange(3)), ["silly::attention"])

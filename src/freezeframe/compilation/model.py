@@ -771,4 +771,9 @@ def _planned_stitching(stitching: torch.fx.GraphModule,
     planned.__dict__ = dict(stitching.__dict__)
     for name, piece in pieces.items():
         planned.__dict__[name] = piece
+    # the splitting-op pieces are child GraphModules: their forward, called directly, skips
+    # nn.Module.__call__ (hooks, tracing state), which cost more than the op's own dispatch
+    for name, child in stitching.named_children():
+        if name not in pieces and isinstance(child, torch.fx.GraphModule):
+            planned.__dict__[name] = child.forward
     return planned
