@@ -1714,13 +1714,8 @@ def _gc_frozen() -> Iterator[None]:
         finally:
             gc.unfreeze()
         return
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():
         yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager
