@@ -4,8 +4,9 @@
   exit 0; when the next block is a ```text block preceded by ``<!-- output -->``, the python
   block's stdout must equal it exactly.
 * A python block that truly cannot run here (it needs CUDA, say) is preceded, on the line right
-  before its fence, by ``<!-- not-run: REASON -->``; it must still compile. No other block is
-  skipped.
+  before its fence, by ``<!-- not-run: REASON -->``; it must still compile. A block that
+  imports Hugging Face ``transformers`` (the optional ``hf`` extra, installed in CI) is skipped
+  where it is not installed. No other block is skipped.
 * A ```bash block's ``freezeframe ...`` lines must parse with the CLI's own parser; the quick
   ones (``config``, ``demo``) are run and must exit 0.
 * The two commands (``make bench``, ``make test``) are Makefile targets whose recipes, as
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import os
 import re
@@ -126,6 +128,9 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     compile(block.code, f"README.md:{block.line}", "exec")
     if block.not_run_reason is not None:
         return  # marked <!-- not-run: ... --> (compiled above, like every block)
+    if re.search(r"^\s*(import|from) transformers\b", block.code, re.MULTILINE) \
+            and importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs Hugging Face transformers (pip install -e '.[hf]')")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     env.pop("FREEZEFRAME_DEBUG", None)
     proc = subprocess.run([sys.executable, "-"], input=block.code, capture_output=True,
