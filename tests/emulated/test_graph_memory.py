@@ -207,6 +207,15 @@ def test_over_budget_refuses_names_the_prediction_and_leaves_nothing_behind(
     assert not model.capture_window.is_open
     assert gc.get_freeze_count() == frozen and gc.isenabled()
     assert runner.stats.capture_failures == 1
+    # until a capture succeeds, steps run without graphs (they would otherwise reach the closed
+    # capture window), counted and logged
+    x = torch.arange(9.0).reshape(3, 3)
+    with caplog.at_level(logging.WARNING, logger="freezeframe.runtime.runner"), \
+            runner.stats.expect(fallback_capture_failed=2, steps_eager=2, steps_full=0), \
+            model.stats.expect(graphs_captured=0):
+        assert torch.equal(runner(x, uniform_decode=True), SillyModel()(x))
+        assert torch.equal(runner(x), SillyModel()(x))
+    assert "failed earlier (the error was raised then)" in caplog.text
     # a later capture with a budget that fits captures everything
     runner.graph_memory_budget = 3240
     report = runner.capture()

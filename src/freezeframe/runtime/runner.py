@@ -114,8 +114,9 @@ FALLBACK_REASONS: Mapping[str, tuple[int, str]] = {
                      "the graph for this step ({desc}) is not captured yet (capture_policy="
                      "{policy}); the step runs without a graph until it is"),
     "capture_failed": (logging.WARNING,
-                       "capturing the graph for this step ({desc}) failed earlier; such steps "
-                       "run without a graph"),
+                       "capturing the graph for this step ({desc}) failed earlier (the error "
+                       "was raised then); such steps run without a graph until a capture of "
+                       "it succeeds"),
     "no_key": (logging.WARNING,
                "no captured graph matches the step ({desc}); check the LoRA settings "
                "(max_loras, cudagraph_specialize_lora)"),
@@ -304,6 +305,9 @@ class GraphRunner:
         self._deferred: DeferredCaptures | None = None
         self._background: threading.Thread | None = None
         self._background_error: BaseException | None = None
+        # capture() failed (and freed its graphs): until one succeeds, steps run without
+        # graphs (counted fallback_capture_failed) instead of reaching a closed capture window
+        self._capture_failed = False
         self._logged_reasons: set[str] = set()
         self._primed_sizes: set[int] = set()
         self.device = _resolve_device(device, model)
@@ -473,6 +477,12 @@ class GraphRunner:
             else self.invalid_modes
         mode, desc = self._dispatch(step_tokens, step_uniform, has_lora, num_active_loras,
                                     invalid)
+        if mode is not _NONE and self._capture_failed:
+            key = (mode, desc)
+            mode, desc = self.dispatcher.dispatch(step_tokens, step_uniform, has_lora,
+                                                  num_active_loras, invalid_modes=_GRAPH_MODES)
+            self._fallback("capture_failed", num_tokens=step_tokens, uniform=step_uniform,
+                           desc=key[1], invalid=[])
         if mode is not _NONE and self._deferred and self._deferred.waiting((mode, desc)):
             mode, desc = self._deferred_step((mode, desc), step_tokens, step_uniform, has_lora,
                                              num_active_loras)
@@ -1147,6 +1157,7 @@ class GraphRunner:
             used_after = self._graph_memory_in_use()
         except BaseException:
             self._forget_failed_capture(primed, stream)
+            self._capture_failed = True
             raise
         finally:
             self._reset_padding()  # the dummy steps wrote their rows and the model may have too
@@ -1168,6 +1179,7 @@ class GraphRunner:
             records = [dataclasses.replace(
                 r, predicted_bytes=prediction.for_key(r.mode, r.descriptor).predicted_bytes,
                 probe=(r.mode, r.descriptor) in probed) for r in records]
+        self._capture_failed = False
         report = CaptureReport(graphs=tuple(records), seconds=seconds,
                                memory_bytes=max(0, used_after - used_before),
                                device=device_name, prediction=prediction, budget_bytes=budget)
