@@ -208,12 +208,15 @@ def _check_pass_config(value: Any) -> dict[str, Any]:
         if not isinstance(key, str):
             raise ConfigError(f"pass_config: key {key!r} is not a string")
         if option is not None and option is not False:
+            fix = (f"Remove pass_config.{key} or set it to false" if isinstance(option, bool)
+                   else f"Remove pass_config.{key}")
             raise ConfigError(
                 f"not supported: pass_config.{key}={json.dumps(option, default=repr)}; "
-                "freezeframe runs none of vLLM's fusion passes (they rewrite vLLM's own "
-                f"quantisation, norm and collective ops). Remove pass_config.{key} or set it "
-                "to false; to run a pass of your own on every piece, give it in "
-                "inductor_passes")
+                "freezeframe runs none of vLLM's compilation passes (fusions of vLLM's own "
+                "quantisation, norm and collective ops, no-op elimination, sequence "
+                "parallelism), so it accepts a pass_config only with every option off and "
+                f"does not check the names (a misspelt key is reported the same way). {fix}; "
+                "to run a pass of your own on every piece, give it in inductor_passes")
     return dict(value)
 
 
