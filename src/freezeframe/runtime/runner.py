@@ -478,11 +478,8 @@ class GraphRunner:
         mode, desc = self._dispatch(step_tokens, step_uniform, has_lora, num_active_loras,
                                     invalid)
         if mode is not _NONE and self._capture_failed:
-            key = (mode, desc)
-            mode, desc = self.dispatcher.dispatch(step_tokens, step_uniform, has_lora,
-                                                  num_active_loras, invalid_modes=_GRAPH_MODES)
-            self._fallback("capture_failed", num_tokens=step_tokens, uniform=step_uniform,
-                           desc=key[1], invalid=[])
+            mode, desc = self._without_graph((mode, desc), "capture_failed", step_tokens,
+                                             step_uniform, has_lora, num_active_loras)
         if mode is not _NONE and self._deferred and self._deferred.waiting((mode, desc)):
             mode, desc = self._deferred_step((mode, desc), step_tokens, step_uniform, has_lora,
                                              num_active_loras)
@@ -823,9 +820,16 @@ class GraphRunner:
         if self.capture_policy is CapturePolicy.LAZY and deferred.due(key):
             self._capture_deferred(key)
             return key
+        reason = "capture_failed" if key in deferred.failed else "not_captured"
+        return self._without_graph(key, reason, num_tokens, uniform, has_lora, num_active_loras)
+
+    def _without_graph(self, key: GraphKey, reason: str, num_tokens: int, uniform: bool,
+                       has_lora: bool, num_active_loras: int
+                       ) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """The step's graph (``key``) cannot run: dispatch it without a graph, counted and
+        logged as ``reason`` (strict runners raise)."""
         mode, desc = self.dispatcher.dispatch(num_tokens, uniform, has_lora, num_active_loras,
                                               invalid_modes=_GRAPH_MODES)
-        reason = "capture_failed" if key in deferred.failed else "not_captured"
         self._fallback(reason, num_tokens=num_tokens, uniform=uniform, desc=key[1],
                        invalid=[])
         return mode, desc
@@ -1160,16 +1164,10 @@ class GraphRunner:
             self._capture_failed = True
             raise
         finally:
-            self._reset_padding()  # the dummy steps wrote their rows and the model may have too
             if window is not None:
                 window.close()
-            # The dummy steps' writes into the model's buffers (a running count, a cache) are
-            # undone: eagerly, those steps never happened.
-            restored = saved.restore()
-            if restored:
-                self.stats.inc("buffers_restored", restored)
-        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
-        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+            self._undo_dummy_steps(saved)
+        self._classify_leaves()
         if prediction is None and self._graphs_account_memory():
             # emulated graphs do not depend on the capture order: the prediction the same
             # measured sizes would have made, for the report's predicted-vs-actual columns
@@ -1345,6 +1343,20 @@ class GraphRunner:
             "sizes (cudagraph_capture_sizes, max_cudagraph_capture_size), choose sizes under the "
             "budget with `freezeframe plan`, or raise graph_memory_budget")
 
+    def _undo_dummy_steps(self, saved: _SavedBuffers) -> None:
+        """After warm-ups and captures: refill the input buffers (the dummy steps wrote their
+        rows, and the model may have too) and restore the model's buffers they wrote into (a
+        running count, a cache): eagerly, those steps never happened."""
+        self._reset_padding()
+        restored = saved.restore()
+        if restored:
+            self.stats.inc("buffers_restored", restored)
+
+    def _classify_leaves(self) -> None:
+        """Which output leaves follow the padded size, from every dummy step seen so far."""
+        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
+        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+
     def _record_leaf_sizes(self, out: Any, tokens: int, reqs: int) -> None:
         for i, leaf in enumerate(_tensor_leaves(out)):
             self._leaf_sizes.setdefault(i, set()).add(
@@ -1369,12 +1381,8 @@ class GraphRunner:
                 self._record_leaf_sizes(out, tokens, reqs)
                 self.stats.inc("warmups")
         finally:
-            self._reset_padding()
-            restored = saved.restore()
-            if restored:
-                self.stats.inc("buffers_restored", restored)
-        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
-        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+            self._undo_dummy_steps(saved)
+        self._classify_leaves()
         self._deferred = DeferredCaptures(order, self.lazy_warmups)
         self.report = CaptureReport(device=device_name)
         if self.capture_policy is CapturePolicy.BACKGROUND:
@@ -1407,13 +1415,9 @@ class GraphRunner:
             self._deferred.failed_on(key)
             raise
         finally:
-            self._reset_padding()
-            restored = saved.restore()
-            if restored:
-                self.stats.inc("buffers_restored", restored)
+            self._undo_dummy_steps(saved)
         self._deferred.captured(key)
-        self._fixed_leaves = _fixed_leaves(self._leaf_sizes)
-        self._scaled_leaves = _scaled_leaves(self._leaf_sizes)
+        self._classify_leaves()
         report = self.report
         self.report = dataclasses.replace(
             report, graphs=(*report.graphs, record), seconds=report.seconds + record.seconds,
