@@ -729,10 +729,34 @@ def test_a_model_that_writes_its_input_copies_it_back_at_every_step() -> None:
         assert torch.equal(x, torch.full((3,), 2.0))
 
 
+class TwoOutputs(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"a": x * 2, "b": [x + 1, x - 1]}
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_a_planned_step_returns_new_containers_the_caller_may_change(mode: str) -> None:
+    """A caller that pops a key from one step's dict (or appends to its list) does not find
+    the next step's output changed: every step builds its containers anew, planned or not."""
+    cfg = config(mode, use_cache=False)
+    runner = GraphRunner(ff.compile(TwoOutputs(), cfg), cfg, inputs={"x": Tokens(3)},
+                         progress=False)
+    runner.capture()
+    for step in range(4):
+        x = torch.full((3, 3), float(step))
+        out = runner(x)
+        assert sorted(out) == ["a", "b"] and len(out["b"]) == 2, step
+        assert torch.equal(out["a"], 2 * x) and torch.equal(out["b"][1], x - 1), step
+        out.pop("a")
+        out["b"].append(out["b"][0])
+    assert len(runner._plans) == 1  # the later steps were planned
+
+
 def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way() -> None:
-    """The guard behind the plan: should a replay of a planned shape move an input buffer's
-    version counter after all, the step copies the write back and the plan is dropped."""
-    _, runner = _full_runner()
+    """The guard behind a PIECEWISE plan (its splitting ops run their Python every step):
+    should a planned step move an input buffer's version counter after all, the step copies
+    the write back and the plan is dropped."""
+    _, runner = _piecewise_runner()
     runner(torch.ones(3, 3))
     runner(torch.ones(3, 3))
     (key, plan), = runner._plans.items()
@@ -745,13 +769,30 @@ def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way() -> N
 
     runner._plans[key] = dataclasses.replace(plan, replay=writes)
     x = torch.ones(3, 3)
-    with runner.stats.expect(inputs_copied_back=1, steps_full=1):
+    with runner.stats.expect(inputs_copied_back=1, steps_piecewise=1):
         assert torch.equal(runner(x), torch.full((3, 3), 28.0))
     assert torch.equal(x, torch.full((3, 3), 2.0))
     assert key not in runner._plans
     x = torch.ones(3, 3)
     assert torch.equal(runner(x), torch.full((3, 3), 28.0))  # planned again, from scratch
     assert torch.equal(x, torch.ones(3, 3))
+
+
+def test_planned_steps_reset_the_padding_an_earlier_shape_wrote() -> None:
+    """A planned step skips resetting its padding only while its shape was the last one
+    staged: a larger step in between wrote those rows, and the next planned step of the
+    smaller shape fills them again (the model reads every row, padding included)."""
+    _, runner = _full_runner()
+    runner(torch.ones(3, 3))
+    runner(torch.ones(3, 3))  # planned: 3 rows padded to 4
+    assert len(runner._plans) == 1
+    for step, n in enumerate([3, 4, 3, 3, 2, 3, 8, 3]):
+        x = torch.randn(n, 3, generator=torch.Generator().manual_seed(step))
+        out = runner(x)
+        with torch.no_grad():
+            assert torch.equal(out, SillyModel()(x)), (step, n)
+        pad = next(s for s in SIZES if s >= n)
+        assert torch.equal(runner.buffers["x"][n:pad], torch.zeros(pad - n, 3)), (step, n)
 
 
 class ReadsPadding(nn.Module):

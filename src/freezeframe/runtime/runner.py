@@ -335,12 +335,15 @@ class GraphRunner:
         # step whose padding lies there need not reset it). Staging and the model's writes
         # raise it; capture and a failed step refill the whole buffer (back to 0).
         self._fill_from: dict[str, int] = dict.fromkeys(self._buffers, 0)
+        # The staging of the last step, while nothing else wrote the buffers since: a step of
+        # the same shape then finds its padding reset already (see _stage_into)
+        self._staged: Staging | None = None
         # (tokens, padded tokens, requests, padded requests) -> where a step is staged
         self._stagings: dict[tuple[int, int, int | None, int | None], Staging] = {}
         # real token count -> steps of that many tokens (see size_histogram)
         self._sizes: dict[int, int] = {}
         # plan_key(...) -> a FULL step of that shape, planned (step_plan.py)
-        self._plans: dict[tuple[Any, ...], StepPlan] = {}
+        self._plans: dict[Any, StepPlan] = {}  # (a None key, no tensor input, is never kept)
         # (descriptor, padded requests) -> (graphs captured when looked up, the model's direct
         # FULL replay for that shape or None); see _replayer
         self._replays: dict[tuple[BatchDescriptor, int | None],
@@ -419,8 +422,8 @@ class GraphRunner:
             if self._plans and not (kwargs or extras or invalid_modes or has_lora
                                     or num_scheduled_tokens is not None):
                 key = plan_key(args, num_reqs, uniform_decode)
-                plan = self._plans.get(key) if key is not None else None
-                if plan is not None and key is not None and plan.accepts(args):
+                plan = self._plans.get(key)
+                if plan is not None:
                     out = self._run_plan(key, plan, args)
                     if out is not _STALE:
                         return out
@@ -573,6 +576,7 @@ class GraphRunner:
         cut the outputs to the real rows."""
         for name, _, buf in slots:  # the model wrote there: its padding may not hold the fill
             self._fill_from[name] = _rows(buf)
+            self._staged = None
         out = self._detach_from_written(out, values, slots)
         written = self._copy_back(values, slots, num_tokens, reqs)
         if aliased and written:
@@ -595,9 +599,8 @@ class GraphRunner:
         if key is None:
             return
         self._plans[key] = StepPlan(
-            dtypes=tuple(a.dtype for a in args), devices=tuple(a.get_device() for a in args),
             staging=self._stagings[(num_tokens, padded_tokens, reqs, padded_reqs)],
-            replay=replay, replay_key=replay_key, output=out,
+            replay=replay, replay_key=replay_key, output=_map_tensors(out, _same),
             counts=tuple((self.stats.tally(name), by) for name, by in counters),
             num_tokens=num_tokens, num_reqs=reqs, context=context)
 
@@ -606,20 +609,49 @@ class GraphRunner:
         for tally, _ in plan.counts:
             self.stats.retire(tally)
 
-    def _run_plan(self, key: tuple[Any, ...], plan: StepPlan, args: tuple[Any, ...]) -> Any:
+    def _run_plan(self, key: Any, plan: StepPlan, args: tuple[Any, ...]) -> Any:
         """One step of a planned shape: stage, replay, answer. ``_STALE`` when the plan no
         longer holds (its graph was dropped): the caller takes the whole way."""
         self._stage_into(plan.staging, args)
-        sizes = self._sizes
-        sizes[plan.num_tokens] += 1  # the first step of the shape put it there
+        self._sizes[plan.num_tokens] += 1  # the first step of the shape put it there
+        context = plan.context
+        if context is None:
+            # FULL: the replay repeats the work of the step that made the plan, which wrote
+            # no input, so no version counter is read (see step_plan.py)
+            try:
+                out = plan.replay()  # grad mode is off for the whole step (see __call__)
+            except StaleReplay:
+                self._forget_plan(key)
+                self._replays.pop(plan.replay_key, None)
+                return _STALE
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._reset_padding()
+                raise
+            for tally, by in plan.counts:
+                tally.n += by
+            out = plan.output
+            if out.__class__ is not torch.Tensor:
+                # new containers every step, as a step taking the whole way makes: the caller
+                # may change the last one (pop a key, append)
+                out = _map_tensors(out, _same)
+        else:
+            out = self._run_piecewise_plan(key, plan, args, context)
+            if out is _STALE:
+                return out
+        if self.copy_outputs or self._copy_after_overlap:
+            out = _map_tensors(out, lambda t: t.clone())
+        return out
+
+    def _run_piecewise_plan(self, key: tuple[Any, ...], plan: StepPlan, args: tuple[Any, ...],
+                            context: ForwardContext) -> Any:
+        """The replay and answer of a planned PIECEWISE step: its splitting ops run their
+        Python, so the inputs' version counters are compared around it."""
         buffers = self._buffer_list
         versions = [buf._version for buf in buffers]
         try:
-            if plan.context is None:
-                out = plan.replay()  # grad mode is off for the whole step (see __call__)
-            else:
-                with entered(plan.context):
-                    out = plan.replay()
+            with entered(context):
+                out = plan.replay()
         except StaleReplay:
             self._forget_plan(key)
             self._replays.pop(plan.replay_key, None)
@@ -630,6 +662,7 @@ class GraphRunner:
             raise
         for tally, by in plan.counts:
             tally.n += by
+        padded_tokens, padded_reqs = plan.replay_key[0].num_tokens, plan.replay_key[1]
         for buf, before in zip(buffers, versions, strict=True):
             if buf._version != before:
                 # The model wrote an input after all: finish the whole way, without the plan.
@@ -637,17 +670,15 @@ class GraphRunner:
                 values = dict(zip(self.specs, args, strict=True))
                 slots = self._written(versions, None)
                 aliased = self._aliased(values) if len(self._slots) > 1 else ()
-                padded_tokens, padded_reqs = plan.replay_key[0].num_tokens, plan.replay_key[1]
-                out = self._finish(out, values, slots, aliased, padded_tokens, plan.num_tokens,
-                                   padded_reqs, plan.num_reqs)
-                break
-        else:
-            out = plan.output if plan.context is None else self._slice(
-                out, self.outputs, plan.replay_key[0].num_tokens, plan.num_tokens,
-                plan.replay_key[1], plan.num_reqs, [0])
-        if self.copy_outputs or self._copy_after_overlap:
-            out = _map_tensors(out, lambda t: t.clone())
-        return out
+                return self._finish(out, values, slots, aliased, padded_tokens,
+                                    plan.num_tokens, padded_reqs, plan.num_reqs)
+        if out is plan.last_out:  # the same static tensor as last step: the same cut of it
+            return plan.last_cut
+        cut = self._slice(out, self.outputs, padded_tokens, plan.num_tokens, padded_reqs,
+                          plan.num_reqs, [0])
+        if out.__class__ is torch.Tensor:
+            plan.last_out, plan.last_cut = out, cut
+        return cut
 
     def _aliased(self, values: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
         """Groups of inputs whose byte ranges overlap (the same tensor passed twice, views of
@@ -864,12 +895,14 @@ class GraphRunner:
     def _stage_into(self, staging: Staging, sources: Sequence[torch.Tensor]) -> None:
         """Copy ``sources`` (one per input, in spec order) to where ``staging`` says and reset
         the padding rows that may not hold the fill value."""
-        fill_from = self._fill_from
         # (no autograd: the step runs with grad mode off, see __call__)
         if len(sources) == 1:
             staging.targets[0].copy_(sources[0])
         else:
             torch._foreach_copy_(staging.targets, list(sources))
+        if staging is self._staged:
+            return  # this shape was staged last and nothing wrote the buffers since
+        fill_from = self._fill_from
         for pad in staging.padding:
             if fill_from[pad.name] > pad.start:
                 pad.view.fill_(pad.fill)
@@ -878,6 +911,7 @@ class GraphRunner:
         for name, real in zip(staging.names, staging.rows, strict=True):
             if real > fill_from[name]:
                 fill_from[name] = real
+        self._staged = staging
 
     def _staging(self, num_tokens: int, padded_tokens: int, reqs: int | None,
                  padded_reqs: int | None) -> Staging:
@@ -906,6 +940,7 @@ class GraphRunner:
         """Fill every token and request buffer with its input's fill value (after capture's
         dummy steps, or a step that raised, wrote who knows which rows): from here on, a step
         resets only the padded rows an earlier step may have written."""
+        self._staged = None
         with torch.no_grad():
             for name, spec in self.specs.items():
                 if spec.kind != "static":
@@ -1250,6 +1285,7 @@ class GraphRunner:
         tokens = desc.num_tokens
         reqs = desc.num_reqs if desc.num_reqs is not None else min(tokens,
                                                                     self.config.max_num_seqs)
+        self._staged = None
         with torch.no_grad():
             for name, spec in self.specs.items():
                 if spec.kind != "static":
@@ -1667,6 +1703,10 @@ class _SavedBuffers:
 def _version_of(t: torch.Tensor) -> int | None:
     """The version counter, or None for an inference tensor (it has none)."""
     return None if t.is_inference() else t._version
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -8,16 +8,21 @@ devices and on the step options, so the runner keeps it as a :class:`StepPlan`::
 
     first step of a shape                         later steps of that shape
     ---------------------                         -------------------------
-    bind, check every input                       same shapes/dtypes/devices? (one pass)
+    bind, check every input                       one dict lookup: the key holds each input's
+                                                    class, shape, dtype and device
     dispatch -> (mode, descriptor)                (planned)
-    staging views, padding rows                   copy the inputs (one launch), reset padding
+    staging views, padding rows                   copy the inputs (one launch); the padding
+                                                    only when another shape was staged since
     route the call through the model              (planned)
     module-state check                            module-state check
     FULL: replay the graph                        replay the graph
     PIECEWISE: Dynamo's code, the stitching       the stitching graph on the recorded flat
       graph, each piece's wrapper and checks        inputs, each piece a planned replay, the
                                                     splitting ops called as before
-    which inputs were written?                    none were (version counters unchanged)
+    which inputs were written?                    FULL: none (a replay repeats the writes of
+                                                    the step that made the plan, which wrote
+                                                    none); PIECEWISE: the version counters are
+                                                    compared (a splitting op runs its Python)
     slice the outputs                             FULL: (planned: the same views of the same
                                                     static outputs); PIECEWISE: slice again
 
@@ -29,12 +34,14 @@ cover (keyword inputs, ``extras``, ``invalid_modes``, LoRA, micro-batching, data
 agreement). A plan ends when a graph of it is dropped (the replay raises
 :class:`~freezeframe.graphs.StaleReplay` before anything runs) or when a step of it sees an
 input written (a version counter moved): that step finishes the whole way and the plan is
-forgotten.
+forgotten (PIECEWISE only: a FULL replay runs exactly the recorded work, and the step that
+made the plan wrote no input).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,9 +52,6 @@ from freezeframe.context import ForwardContext
 from freezeframe.stats import Tally
 
 __all__ = ["Padding", "Staging", "StepPlan", "plan_key"]
-
-_Tensor = torch.Tensor
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Padding:
@@ -74,16 +78,13 @@ class Staging:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class StepPlan:
-    """A FULL step of one input shape, planned (see the module docstring).
+    """A step of one input shape, planned (see the module docstring). What each input must be
+    (class, shape, dtype, device) is the plan's key (:func:`plan_key`).
 
-    ``dtypes``/``devices``: what each positional input must have (``Tensor.get_device()``
-    numbers, -1 for the CPU); the shapes are in the plan's key. ``output`` is the step's
-    answer: views of the graph's static outputs, the same every replay. ``counts`` are the
-    runner's counter increments of such a step, each a tally of the runner's stats and the
-    amount one step adds."""
+    ``output`` is a FULL step's answer: views of the graph's static outputs, the same every
+    replay. ``counts`` are the runner's counter increments of such a step, each a tally of the
+    runner's stats and the amount one step adds."""
 
-    dtypes: tuple[torch.dtype, ...]
-    devices: tuple[int, ...]
     staging: Staging
     replay: Callable[[], Any]
     replay_key: tuple[BatchDescriptor, int | None]
@@ -95,23 +96,24 @@ class StepPlan:
     #: context its splitting ops read, and ``output`` is unused (each step's outputs are cut
     #: to the real rows anew: a splitting op may return fresh tensors)
     context: ForwardContext | None = None
+    #: PIECEWISE: the tensor the last step returned (before cutting) and its cut to the real
+    #: rows; a step that returns the same tensor (a piece's static output) reuses the cut
+    last_out: torch.Tensor | None = None
+    last_cut: Any = None
 
-    def accepts(self, args: Sequence[Any]) -> bool:
-        """Whether ``args`` (positional, one per input, shapes already matched by the key) are
-        plain tensors of the planned dtypes and devices."""
-        for arg, dtype, device in zip(args, self.dtypes, self.devices, strict=True):
-            if arg.__class__ is not _Tensor or arg.dtype is not dtype \
-                    or arg.get_device() != device:
-                return False
-        return True
+
+# What a plan requires of each positional input. The class rules out tensor subclasses (and
+# anything that is not a tensor: it has no ``shape``), which take the whole way and its checks.
+_input_key = operator.attrgetter("__class__", "shape", "dtype", "device")
 
 
 def plan_key(args: Sequence[Any], num_reqs: int | None, uniform_decode: bool
              ) -> tuple[Any, ...] | None:
-    """The key of a step's plan: the step options a plan depends on and every input's shape;
-    None when an input has no shape (not a tensor: the step takes the whole way and fails
-    there with a clear error)."""
+    """The key of a step's plan: the step options a plan depends on and, per positional
+    input, its class, shape, dtype and device; None when an input is no tensor (the step
+    takes the whole way and fails there with a clear error). One dict lookup of this key is
+    the whole input check of a planned step."""
     try:
-        return (num_reqs, uniform_decode, *[arg.shape for arg in args])
+        return (num_reqs, uniform_decode, *map(_input_key, args))
     except AttributeError:
         return None
