@@ -23,7 +23,13 @@ from torch import fx
 from freezeframe.cache.key import graph_hash
 from freezeframe.compilation.compilers import CompilerManager
 from freezeframe.compilation.piecewise import PiecewiseBackend, _concrete
-from freezeframe.compilation.split import Piece, SplitGraph, check_splitting_ops, split_graph
+from freezeframe.compilation.split import (
+    Piece,
+    SplitGraph,
+    check_splitting_ops,
+    fx_forward,
+    split_graph,
+)
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import CompileError, ShapeOutOfRangeError
 from freezeframe.graphs import GraphOptions, GraphWrapper
@@ -230,7 +236,13 @@ class CompileBackend:
             # A plain attribute, not a child module: the stitching code calls self.submod_<i>.
             delattr(split.stitching, piece.name)
             setattr(split.stitching, piece.name, runnable)
-        return split.stitching.forward
+        # The splitting-op pieces too: their generated forward as a plain attribute, so each
+        # op call skips nn.Module.__call__ (Piece.graph keeps each piece's GraphModule).
+        for piece in self.pieces:
+            if piece.is_splitting_op:
+                delattr(split.stitching, piece.name)
+                setattr(split.stitching, piece.name, fx_forward(piece.graph))
+        return fx_forward(split.stitching)
 
     def _report_unused_ops(self, split: SplitGraph) -> None:
         """Warn about (and count) each splitting op the trace never calls: nothing is split at

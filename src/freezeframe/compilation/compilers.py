@@ -29,6 +29,7 @@ from torch import fx
 
 from freezeframe.cache.artifacts import choose_artifact_format
 from freezeframe.cache.key import graph_hash, hash_sources
+from freezeframe.compilation.split import fx_forward
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
@@ -115,7 +116,7 @@ class EagerCompiler:
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
                 compile_range: Range, piece_index: int) -> Callable[..., Any]:
         self._stats.inc("eager_compiles")
-        return graph
+        return fx_forward(graph)
 
 
 def resolve_pass(name: str, value: str | Callable[..., Any]) -> Callable[..., Any]:

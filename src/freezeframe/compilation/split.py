@@ -27,7 +27,8 @@ from torch.fx.passes.split_module import split_module
 
 from freezeframe.errors import ConfigError
 
-__all__ = ["Piece", "SplitGraph", "check_splitting_ops", "matches_splitting_op", "split_graph"]
+__all__ = ["Piece", "SplitGraph", "check_splitting_ops", "fx_forward", "matches_splitting_op",
+           "split_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,3 +237,15 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
     logger.debug("split graph into %d pieces (%d at splitting ops %s)", len(pieces),
                  len(splitting_ids), list(splitting_ops))
     return SplitGraph(stitching=stitching, pieces=tuple(pieces), matched_ops=frozenset(matched))
+
+
+def fx_forward(gm: fx.GraphModule) -> Any:
+    """``gm``'s generated ``forward``, bound, for calling on every step without
+    ``nn.Module.__call__`` (its hook checks and fx's call wrapper cost more than a small
+    piece's work). The code of a lazy GraphModule (what ``split_module`` and Dynamo make) is
+    generated first: its ``forward`` before that is a stub that goes back through
+    ``__call__`` on every call."""
+    recompile = getattr(gm, "real_recompile", None)
+    if recompile is not None:
+        recompile()
+    return gm.forward
