@@ -119,12 +119,19 @@ def forward_context(
         yield ctx
 
 
-@contextlib.contextmanager
-def entered(ctx: ForwardContext) -> Iterator[ForwardContext]:
+class entered:  # lower case: it is used like a function, ``with entered(ctx):``
     """Make ``ctx`` (built whole, e.g. with :func:`dataclasses.replace`) the current context
-    for the ``with`` block."""
-    token = _CURRENT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CURRENT.reset(token)
+    for the ``with`` block. A class rather than a generator: a runner's planned step enters
+    one on every step, and this costs a third of a ``contextlib.contextmanager``."""
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, ctx: ForwardContext) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> ForwardContext:
+        self._token = _CURRENT.set(self._ctx)
+        return self._ctx
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._token)
