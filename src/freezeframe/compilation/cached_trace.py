@@ -61,10 +61,10 @@ from freezeframe.compilation.saved_trace import (
     _LoadedTrace,
     _OutputRecorder,
     _SavedSizes,
-    _source_name,
     _unviewed,
     _wrapped_frame_code,
     failed_check,
+    source_name,
     value_checks,
     valued_nodes,
 )
@@ -210,7 +210,7 @@ class ModelCache:
         for node in gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            name = _source_name(node)
+            name = source_name(node)
             if name is None or not (name.startswith("L[") or name.startswith("G[")):
                 self._not_saved = f"graph input {node.name} has no plain source"
                 return

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import dis
 import inspect
 import logging
 import operator
@@ -21,7 +20,15 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation.backend import CompileBackend
 from freezeframe.compilation.cached_trace import ModelCache
 from freezeframe.compilation.compilers import CompilerManager, make_compiler
+from freezeframe.compilation.direct_call import (
+    DirectCall,
+    Stitched,
+    direct_call,
+    free_of_side_effects,
+    rebuilder,
+)
 from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
+from freezeframe.compilation.saved_trace import source_name
 from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards, incompatibility
 from freezeframe.compilation.split import Piece
 from freezeframe.compilation.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
@@ -87,11 +94,19 @@ class _Variant:
     cache: ModelCache
     full_wrapper: GraphWrapper | None
     guards: SizeGuards | None = None  # the trace's conditions on sizes; None until traced
-    stitched: _Stitched | None = None  # what the trace's code calls, once traced
+    stitched: Stitched | None = None  # what the trace's code calls, once traced
+    sources: list[str | None] | None = None  # the Dynamo source of each graph input
+    # the trace called without Dynamo's bytecode (direct_call.py), from its second call on;
+    # ``direct_tried`` once that was worked out (None: it could differ, the bytecode stays)
+    direct: DirectCall | None = None
+    direct_tried: bool = False
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.full_wrapper is not None:
             return self.full_wrapper(*args, **kwargs)
+        direct = self.direct
+        if direct is not None:
+            return direct(*args, **kwargs)
         return self.cache(*args, **kwargs)
 
 
@@ -192,8 +207,9 @@ class CompiledModel(nn.Module):
         holder: list[_Variant] = []
 
         def stitched_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
-            stitched = _Stitched(backend(gm, example_inputs))
+            stitched = Stitched(backend(gm, example_inputs))
             holder[0].stitched = stitched
+            holder[0].sources = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
             return stitched
 
         trace = TraceOnce(self.module, cache.wrap_backend(stitched_backend), self._dims)
@@ -481,8 +497,31 @@ class CompiledModel(nn.Module):
         key = signer.key(args, kwargs)
         variant = self._route_of(key, args, kwargs)
         if variant is not None:
+            if variant.direct is None and not variant.direct_tried:
+                return self._call_building_direct(variant, args, kwargs)
             return variant(args, kwargs)
         return self._route(key, args, kwargs)
+
+    def _call_building_direct(self, variant: _Variant, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> Any:
+        """Call ``variant`` through Dynamo's bytecode, watching what it passes to the graph,
+        and work out its direct call (direct_call.py) from that. Done on the variant's second
+        routed call: the first one traced (or loaded) it."""
+        stitched = variant.stitched
+        if stitched is None or stitched.recording is not None or variant.full_wrapper \
+                is not None:
+            variant.direct_tried = stitched is not None and stitched.recording is None
+            return variant(args, kwargs)
+        calls: list[tuple[tuple[Any, ...], Any]] = []
+        stitched.recording = calls
+        try:
+            out = variant(args, kwargs)
+        finally:
+            stitched.recording = None
+        variant.direct_tried = True
+        variant.direct = direct_call(self.module, variant.trace, variant.sources, stitched,
+                                     calls, out, args, kwargs)
+        return out
 
     def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Callable[[], Any] | None:
@@ -538,16 +577,16 @@ class CompiledModel(nn.Module):
             stitched.recording = None
         return out, self._piecewise_plan(variant, stitched, descriptor, calls, out)
 
-    def _piecewise_plan(self, variant: _Variant, stitched: _Stitched,
+    def _piecewise_plan(self, variant: _Variant, stitched: Stitched,
                         descriptor: BatchDescriptor,
                         calls: list[tuple[tuple[Any, ...], Any]], out: Any
                         ) -> Callable[[], Any] | None:
         backend = variant.backend
         stitching = backend.stitching
-        if len(calls) != 1 or stitching is None or not _free_of_side_effects(variant.trace):
+        if len(calls) != 1 or stitching is None or not free_of_side_effects(variant.trace):
             return None
         flat_args, flat_out = calls[0]
-        rebuild = _rebuilder(out, flat_out)
+        rebuild = rebuilder(out, flat_out)
         # the stitching graph's own forward (not behind cudagraph_copy_inputs' copies)
         if rebuild is None or not inspect.ismethod(stitched.fn) \
                 or stitched.fn.__self__ is not stitching:
@@ -573,8 +612,8 @@ class CompiledModel(nn.Module):
             if state is not None and (every_call or state.changed_cheaply()):
                 check(state)
             try:
-                if inference:
-                    with torch.inference_mode():
+                if inference:  # (the guard torch.inference_mode() enters, for less)
+                    with torch._C._InferenceMode(True):
                         flat = forward(*flat_args)
                 else:
                     flat = forward(*flat_args)
@@ -687,93 +726,13 @@ def compile(module: nn.Module, config: CompilationConfig,
                          inference_mode=inference_mode)
 
 
-class _Stitched:
-    """What Dynamo's code (or a saved trace) calls with the flat graph inputs: the compiled
-    stitching graph, which records its calls' inputs and outputs while ``recording`` is a
-    list (:meth:`CompiledModel.plan_piecewise`)."""
-
-    __slots__ = ("fn", "recording")
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.recording: list[tuple[tuple[Any, ...], Any]] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        out = self.fn(*args)
-        if self.recording is not None:
-            self.recording.append((args, out))
-        return out
-
-
-# Bytecode that changes Python state outside the graph: a planned step skips the generated
-# code, so a trace whose code does any of this is not planned. Dynamo replays a forward's
-# mutations after the graph call with stores, or with calls it names (an attribute set
-# through ``object_setattr_ignore_descriptor``, a dict through ``clear``/``update``...); the
-# check refuses every name that could mutate, so it errs towards not planning.
-_SIDE_EFFECT_OPS = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR",
-                              "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF",
-                              "STORE_NAME", "DELETE_NAME"})
-_SIDE_EFFECT_NAMES = frozenset({
-    "setattr", "delattr", "object_setattr_ignore_descriptor", "__setattr__", "__delattr__",
-    "__setitem__", "__delitem__", "append", "extend", "insert", "pop", "remove", "clear",
-    "update", "setdefault", "popitem", "add", "discard", "sort", "reverse"})
-_NAME_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME"})
-
-
-def _free_of_side_effects(trace: TraceOnce) -> bool:
-    """Whether the code Dynamo generated for ``forward`` does nothing but call the graph."""
-    code = trace.bytecode
-    if code is None:  # no bytecode: a saved trace, which already assumes no side effects
-        return trace.traced
-    for ins in dis.get_instructions(code):
-        if ins.opname in _SIDE_EFFECT_OPS:
-            return False
-        if ins.opname in _NAME_OPS and ins.argval in _SIDE_EFFECT_NAMES:
-            return False
-    return True
-
-
-def _rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
-    """A function that builds the model's output from the stitching graph's outputs as Dynamo's
-    code did for ``out``; None unless every tensor of ``out`` is one of them."""
-    flat = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
-    leaves, spec = pytree.tree_flatten(out)
-    picks: list[int | None] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            where = next((j for j, t in enumerate(flat) if t is leaf), None)
-            if where is None:
-                return None
-            picks.append(where)
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            picks.append(None)  # a constant of the trace
-        else:
-            return None
-    single = isinstance(flat_out, (tuple, list))
-    if len(leaves) == 1 and isinstance(out, torch.Tensor):
-        j = picks[0]
-        return (lambda f: f[j]) if single else (lambda f: f)
-    constants = list(leaves)
-
-    def rebuild(f: Any) -> Any:
-        items = f if single else (f,)
-        values = [constants[k] if j is None else items[j] for k, j in enumerate(picks)]
-        return pytree.tree_unflatten(values, spec)
-
-    return rebuild
-
-
 def _planned_stitching(stitching: torch.fx.GraphModule,
                        pieces: Mapping[str, Any]) -> torch.fx.GraphModule:
     """A shallow copy of the stitching module whose piece attributes are ``pieces``: it shares
-    the graph and its generated code, and the original keeps its own attributes."""
+    the graph and its generated code, and the original keeps its own attributes (the
+    splitting-op pieces among them are plain functions already: see ``CompileBackend``)."""
     planned = copy.copy(stitching)
     planned.__dict__ = dict(stitching.__dict__)
     for name, piece in pieces.items():
         planned.__dict__[name] = piece
-    # the splitting-op pieces are child GraphModules: their forward, called directly, skips
-    # nn.Module.__call__ (hooks, tracing state), which cost more than the op's own dispatch
-    for name, child in stitching.named_children():
-        if name not in pieces and isinstance(child, torch.fx.GraphModule):
-            planned.__dict__[name] = child.forward
     return planned

@@ -47,7 +47,8 @@ from freezeframe.errors import CacheError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["ValueCheck", "failed_check", "missing_values", "value_checks", "valued_nodes"]
+__all__ = ["ValueCheck", "failed_check", "missing_values", "source_name", "value_checks",
+           "valued_nodes"]
 
 
 _IMPORT_ALIAS = "__import_"
@@ -440,7 +441,8 @@ def _check_value(check: ValueCheck, evaluate: Callable[[str], Any],
     raise _CannotCheck(f"unknown check kind {kind!r}")
 
 
-def _source_name(node: Any) -> str | None:
+def source_name(node: Any) -> str | None:
+    """The name of the Dynamo source a graph placeholder was read from (``L['x']``), if any."""
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
     if source is None:
