@@ -12,7 +12,11 @@ costs) and times, per call:
 The differences are the costs of each layer. Part 2 times one FULL step of a GraphRunner
 (emulated backend) against the bare replay of the graph that step runs: the difference is the
 host path of a step (binding and checking the inputs, dispatch, staging, the module-state
-check, copy-back and output slicing). A benchmark script, not a test.
+check, copy-back and output slicing). Part 3 times planned PIECEWISE steps of chains of 1 and 5
+splitting ops (a low-level torch.library op, steady at a few microseconds) with their graphs
+emptied, against their bare parts: the host time per piece and what one more piece adds. A
+benchmark script, not a test; the figures move with the machine's speed, so compare rows of one
+run.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tests.helpers.silly import attention
 from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama
 
 import freezeframe as ff
+from freezeframe.models.ops import define_op
 from freezeframe.runtime import GraphRunner, Tokens
 
 
@@ -133,7 +137,8 @@ def runner_overhead(name: str, module: torch.nn.Module, inputs: dict[str, Any],
     recorded = graph._steps  # type: ignore[union-attr]
     graph._steps = []  # type: ignore[union-attr]
     try:
-        empty = per_call_us({"step": lambda: runner(*args), "replay": graph.replay})
+        empty = per_call_us({"step": lambda: runner(*args), "replay": graph.replay},
+                            rounds=80, iters=200)
     finally:
         graph._steps = recorded  # type: ignore[union-attr]
     empty_host = empty["step"] - empty["replay"]
@@ -175,8 +180,23 @@ def piecewise_overhead(name: str, module: torch.nn.Module, args: tuple[torch.Ten
     return {"step_us": rows["step"], "bare_us": rows["bare"], "per_piece_us": per_piece}
 
 
+def _lean_kernel(q: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(q)
+
+
+def _lean_fake(q: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+# A splitting op defined with torch.library's low-level API (as the library's own ops are), so
+# that the op's own call is a few microseconds and steady; silly::attention, a custom_op, costs
+# 30-50 us per call in Python and its noise alone would bury the piece path's.
+LEAN_OP = "overhead::lean"
+_LEAN_LIBRARY = define_op(LEAN_OP, "(Tensor q, Tensor(a!) out) -> ()", _lean_kernel, _lean_fake)
+
+
 class Chain(torch.nn.Module):
-    """``k`` silly attentions with an add between them: k + 1 capturable pieces."""
+    """``k`` lean splitting ops with an add between them: k + 1 capturable pieces."""
 
     def __init__(self, k: int) -> None:
         super().__init__()
@@ -184,19 +204,27 @@ class Chain(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(self.k):
-            x = attention(x + 1, x, x)
+            out = torch.empty_like(x)
+            torch.ops.overhead.lean(x + 1, out)
+            x = out
         return x + 1
 
 
 def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
-    """What one more piece costs a planned PIECEWISE step: the host time of a step (graphs
-    emptied, splitting-op calls subtracted) for chains of ``few`` and ``many`` attentions,
-    timed interleaved in one measurement, and the difference per added capturable piece."""
+    """The host time of a planned PIECEWISE step, graphs emptied, for chains of ``few`` and
+    ``many`` lean splitting ops (``few + 1`` and ``many + 1`` capturable pieces), timed
+    interleaved in one measurement against their bare parts (each emptied piece graph
+    replayed and each op called, the way the stitching graph calls it: its OpOverload, in
+    inference mode). Per piece: the host time over the pieces, and the slope (what one more
+    piece adds)."""
     variants: dict[str, Callable[[], Any]] = {}
+    op = torch.ops.overhead.lean.default
     for k in (few, many):
         args = (torch.randn(3),)
-        model, runner, desc = _captured_runner(Chain(k), {"x": Tokens()}, args,
-                                               ["silly::attention"], ff.CUDAGraphMode.PIECEWISE)
+        model, runner, desc = _captured_runner(Chain(k), {"x": Tokens()}, args, [LEAN_OP],
+                                               ff.CUDAGraphMode.PIECEWISE)
+        runner(*args)
+        assert len(runner._plans) == 1, "the step was not planned"
         graphs = [w.graph_for(desc) for w in model.graph_wrappers()]
         assert len(graphs) == k + 1 and all(g is not None for g in graphs)
         for graph in graphs:
@@ -207,20 +235,21 @@ def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
                  out4: torch.Tensor = out4) -> None:
             for graph in graphs:
                 graph.replay()
-            # the op alone (the rest of attention() is inside the pieces), in the mode the
-            # compiled model calls it in: custom_op's call path costs less in inference mode
             with torch.inference_mode():
                 for _ in range(k):
-                    torch.ops.silly.attention(x4, x4, x4, out4)
+                    op(x4, out4)
 
         variants[f"step{k}"] = lambda r=runner, a=args: r(*a)
         variants[f"bare{k}"] = bare
-    rows = per_call_us(variants)
+    rows = per_call_us(variants, rounds=80, iters=200)
     hosts = {k: rows[f"step{k}"] - rows[f"bare{k}"] for k in (few, many)}
     slope = (hosts[many] - hosts[few]) / (many - few)
-    print(f"\nPlanned PIECEWISE step, graphs emptied: host {hosts[few]:.1f} us with {few + 1} "
-          f"pieces, {hosts[many]:.1f} us with {many + 1}: {slope:.1f} us per added piece")
-    return {"host_few_us": hosts[few], "host_many_us": hosts[many], "per_piece_us": slope}
+    print(f"\nPlanned PIECEWISE step, graphs emptied, lean splitting op: host {hosts[few]:.1f} us "
+          f"with {few + 1} pieces ({hosts[few] / (few + 1):.1f} us per piece), "
+          f"{hosts[many]:.1f} us with {many + 1} ({hosts[many] / (many + 1):.1f} us per piece); "
+          f"{slope:.1f} us per added piece")
+    return {"host_few_us": hosts[few], "host_many_us": hosts[many],
+            "per_piece_many_us": hosts[many] / (many + 1), "per_added_piece_us": slope}
 
 
 class Doubler(torch.nn.Module):
