@@ -97,7 +97,8 @@ class _Variant:
     stitched: Stitched | None = None  # what the trace's code calls, once traced
     sources: list[str | None] | None = None  # the Dynamo source of each graph input
     # the trace called without Dynamo's bytecode (direct_call.py), from its second call on;
-    # ``direct_tried`` once that was worked out (None: it could differ, the bytecode stays)
+    # ``direct_tried`` is set once that was worked out (``direct`` left None where the direct
+    # call could differ: the bytecode stays)
     direct: DirectCall | None = None
     direct_tried: bool = False
 
