@@ -604,6 +604,13 @@ class GraphRunner:
             counts=tuple((self.stats.tally(name), by) for name, by in counters),
             num_tokens=num_tokens, num_reqs=reqs, context=context)
 
+    def _stale_plan(self, key: Any, plan: StepPlan) -> Any:
+        """A graph of ``plan`` was dropped (its replay raised before anything ran): forget the
+        plan and the shape's remembered replay; the caller takes the whole way."""
+        self._forget_plan(key)
+        self._replays.pop(plan.replay_key, None)
+        return _STALE
+
     def _forget_plan(self, key: tuple[Any, ...]) -> None:
         plan = self._plans.pop(key)
         for tally, _ in plan.counts:
@@ -621,9 +628,7 @@ class GraphRunner:
             try:
                 out = plan.replay()  # grad mode is off for the whole step (see __call__)
             except StaleReplay:
-                self._forget_plan(key)
-                self._replays.pop(plan.replay_key, None)
-                return _STALE
+                return self._stale_plan(key, plan)
             except BaseException:
                 with contextlib.suppress(Exception):
                     self._reset_padding()
@@ -653,9 +658,7 @@ class GraphRunner:
             with entered(context):
                 out = plan.replay()
         except StaleReplay:
-            self._forget_plan(key)
-            self._replays.pop(plan.replay_key, None)
-            return _STALE
+            return self._stale_plan(key, plan)
         except BaseException:
             self._after_failure(dict(zip(self.specs, args, strict=True)), versions, None,
                                 plan.num_tokens, plan.num_reqs)
