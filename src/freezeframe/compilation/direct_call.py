@@ -29,19 +29,26 @@ Anything else keeps calling the bytecode.
 
 from __future__ import annotations
 
+import copy
 import dis
+import operator
+import re
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from freezeframe.compilation.saved_trace import _Frame
 
 if TYPE_CHECKING:  # pragma: no cover
+    from freezeframe.compilation.piecewise import PiecewiseBackend
     from freezeframe.compilation.trace import TraceOnce
 
-__all__ = ["DirectCall", "Stitched", "direct_call", "free_of_side_effects", "rebuilder"]
+__all__ = ["DirectCall", "Stitched", "direct_call", "free_of_side_effects", "planned_stitching",
+           "rebuilder", "sized_call"]
 
 
 class Stitched:
@@ -110,7 +117,7 @@ def rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
     single = isinstance(flat_out, (tuple, list))
     if len(leaves) == 1 and isinstance(out, torch.Tensor):
         j = picks[0]
-        return (lambda f: f[j]) if single else (lambda f: f)
+        return operator.itemgetter(j) if single else _whole
     constants = list(leaves)
 
     def rebuild(f: Any) -> Any:
@@ -121,21 +128,147 @@ def rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
     return rebuild
 
 
+# A Dynamo source as direct calls read it: a frame local, then attribute reads, string or
+# integer subscripts and argument-less method calls (``L['self']._modules['mlp']._parameters
+# ['weight']``, ``L['x'].size()[0]``).
+_ROOT = r"L\['[A-Za-z_]\w*'\]"
+_STEP = r"\.[A-Za-z_]\w*\(\)|\.[A-Za-z_]\w*|\['[^'\\]*'\]|\[-?\d+\]"
+_SOURCE = re.compile(rf"({_ROOT})((?:{_STEP})*)")
+_STEPS = re.compile(_STEP)
+
+
+def shared_reads(sources: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The graph inputs' ``sources`` rewritten to read each shared prefix once, as Dynamo's own
+    code does: ``(lines, exprs)``, where ``lines`` assign the shared prefixes to locals and
+    ``exprs`` read each source from them. A 12-layer model's 52 parameter paths share their
+    ``L['self']._modules['layers']._modules['3']...`` heads; read in full, they cost three times
+    as much. A source outside the plain grammar is read as it is::
+
+        L['self']._modules['a']._parameters['w']      _ff_r0 = L['self']._modules
+        L['self']._modules['b']._parameters['w']  ->  (_ff_r0['a']._parameters['w'],
+                                                       _ff_r0['b']._parameters['w'])
+    """
+    paths: list[tuple[str, ...] | None] = []
+    for source in sources:
+        match = _SOURCE.fullmatch(source)
+        paths.append(None if match is None
+                     else (match[1], *_STEPS.findall(match[2])))
+    count: dict[tuple[str, ...], int] = {}
+    for path in paths:
+        for k in range(1, len(path or ()) + 1):
+            prefix = path[:k]  # type: ignore[index]
+            count[prefix] = count.get(prefix, 0) + 1
+    # a prefix is named where the sources sharing it part ways (no one step continues all)
+    continued = {prefix[:-1] for prefix, n in count.items()
+                 if len(prefix) > 1 and n == count[prefix[:-1]]}
+    names: dict[tuple[str, ...], str] = {}
+    lines: list[str] = []
+
+    def read(path: tuple[str, ...]) -> str:
+        for k in range(len(path), 0, -1):  # from the longest named prefix
+            name = names.get(path[:k])
+            if name is not None:
+                return name + "".join(path[k:])
+        return "".join(path)
+
+    for prefix in sorted(count, key=len):
+        if count[prefix] > 1 and prefix not in continued and len(prefix) > 1:
+            expr = read(prefix)
+            names[prefix] = f"_ff_r{len(names)}"
+            lines.append(f"{names[prefix]} = {expr}")
+    exprs = [source if path is None else read(path) for source, path in zip(sources, paths,
+                                                                            strict=True)]
+    return lines, exprs
+
+
+def _whole(flat_out: Any) -> Any:
+    """The rebuild of an output that is the graph's one output itself."""
+    return flat_out
+
+
 class DirectCall:
     """``forward`` on a call's arguments without Dynamo's bytecode (see the module
-    docstring)."""
+    docstring): :attr:`call` is one generated function, bound to the module, that evaluates
+    the graph inputs' sources, calls ``stitched`` on them and rebuilds the output. ``stitched``
+    is the compiled graph (a :class:`Stitched`), or, for calls of one exact shape, the
+    stitching graph with each piece's entry for that shape bound in (:func:`sized_call`)."""
 
-    __slots__ = ("_bind", "_module", "_rebuild", "_stitched")
+    __slots__ = ("_frame", "_module", "_rebuild", "_sources", "bind", "call")
 
-    def __init__(self, module: Any, bind: Callable[..., tuple[Any, ...]], stitched: Stitched,
-                 rebuild: Callable[[Any], Any]) -> None:
-        self._module = module
-        self._bind = bind
-        self._stitched = stitched
-        self._rebuild = rebuild
+    def __init__(self, module: Any, frame: _Frame, sources: Sequence[str],
+                 stitched: Callable[..., Any], rebuild: Callable[[Any], Any]) -> None:
+        self._module, self._frame, self._sources, self._rebuild = module, frame, sources, rebuild
+        lines, exprs = shared_reads(sources)
+        inputs = ", ".join(exprs)
+        self.bind: Callable[..., tuple[Any, ...]] = types.MethodType(
+            frame.function(f"({inputs},)", lines), module)
+        graph = f"_ff_stitched({inputs})"
+        body = graph if rebuild is _whole else f"_ff_rebuild({graph})"
+        self.call: Callable[..., Any] = types.MethodType(
+            frame.function(body, lines, _ff_stitched=stitched, _ff_rebuild=rebuild), module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._rebuild(self._stitched(*self._bind(self._module, *args, **kwargs)))
+        return self.call(*args, **kwargs)
+
+    def calling(self, stitched: Callable[..., Any]) -> DirectCall:
+        """The same direct call with the graph inputs passed to ``stitched`` instead."""
+        return DirectCall(self._module, self._frame, self._sources, stitched, self._rebuild)
+
+    def rebuild(self, flat_out: Any) -> Any:
+        return self._rebuild(flat_out)
+
+
+class _Chooser:
+    """Stands in for one piece's :class:`PiecewiseBackend` during one call and keeps the
+    compiled entry it ran."""
+
+    __slots__ = ("backend", "chosen")
+
+    def __init__(self, backend: PiecewiseBackend) -> None:
+        self.backend = backend
+        self.chosen: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self.chosen = self.backend.entry_for(args)
+        return fn(*args)
+
+
+def sized_call(direct: DirectCall, stitching: fx.GraphModule,
+               backends: Mapping[str, PiecewiseBackend], known: dict[tuple[int, ...], Any],
+               args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, DirectCall]:
+    """Make the call ``direct(*args, **kwargs)`` and return its output with a
+    :class:`DirectCall` for later calls of exactly these shapes: the stitching graph with each
+    piece's backend (``backends``, by attribute name) replaced by the compiled entry it ran on
+    this call, so such a call picks no entries at all. The entries a call picks follow from
+    its exact shapes and plain values (each piece's size is a dynamic size of the inputs), so
+    a caller keys the result by :func:`~freezeframe.compilation.signature.exact_key`.
+
+    ``known`` keeps the stitching copies already made, by the entries they hold: the shapes
+    of one compile range share one copy. The call runs on a copy of its own, so a thread that
+    calls the model meanwhile sees nothing of it."""
+    choosers = {name: _Chooser(backend) for name, backend in backends.items()}
+    probe = planned_stitching(stitching, choosers).forward
+    out = direct.rebuild(probe(*direct.bind(*args, **kwargs)))
+    entries = {name: chooser.chosen for name, chooser in choosers.items()}
+    if any(fn is None for fn in entries.values()):  # a piece the call skipped: keep dispatch
+        return out, direct
+    ids = tuple(id(fn) for fn in entries.values())
+    forward = known.get(ids)
+    if forward is None:  # (the copy holds the entries, so their ids stay theirs)
+        forward = known[ids] = planned_stitching(stitching, entries).forward
+    return out, direct.calling(forward)
+
+
+def planned_stitching(stitching: fx.GraphModule,
+                      pieces: Mapping[str, Any]) -> fx.GraphModule:
+    """A shallow copy of the stitching module whose piece attributes are ``pieces``: it shares
+    the graph and its generated code, and the original keeps its own attributes (the
+    splitting-op pieces among them are plain functions already: see ``CompileBackend``)."""
+    planned = copy.copy(stitching)
+    planned.__dict__ = dict(stitching.__dict__)
+    for name, piece in pieces.items():
+        planned.__dict__[name] = piece
+    return planned
 
 
 def direct_call(module: Any, trace: TraceOnce, sources: Sequence[str | None] | None,
@@ -155,13 +288,14 @@ def direct_call(module: Any, trace: TraceOnce, sources: Sequence[str | None] | N
     if rebuild is None:
         return None
     try:
-        bind = _Frame(module, "forward").function(f"({', '.join(map(str, sources))},)")
-        bound = bind(module, *args, **kwargs)
+        direct = DirectCall(module, _Frame(module, "forward"), [str(s) for s in sources],
+                            stitched, rebuild)
+        bound = direct.bind(*args, **kwargs)
     except Exception:  # a source this frame cannot evaluate: keep the bytecode
         return None
     if len(bound) != len(flat_in) or not all(map(_same_input, bound, flat_in)):
         return None
-    return DirectCall(module, bind, stitched, rebuild)
+    return direct
 
 
 def _same_input(bound: Any, passed: Any) -> bool:

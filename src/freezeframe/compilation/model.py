@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import logging
@@ -14,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
@@ -25,11 +25,19 @@ from freezeframe.compilation.direct_call import (
     Stitched,
     direct_call,
     free_of_side_effects,
+    planned_stitching,
     rebuilder,
+    sized_call,
 )
 from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
 from freezeframe.compilation.saved_trace import source_name
-from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards, incompatibility
+from freezeframe.compilation.signature import (
+    CallSignature,
+    Signer,
+    SizeGuards,
+    exact_key,
+    incompatibility,
+)
 from freezeframe.compilation.split import Piece
 from freezeframe.compilation.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -81,6 +89,9 @@ def _needs_grad(values: Iterable[Any]) -> bool:
 # forward whose structure keeps changing (an int argument that counts steps) would otherwise
 # trace forever. Past this many traces a new structure is an error that names what changed.
 MAX_TRACES = 8
+# How many exact call keys a compiled model remembers (one per distinct shape called); past
+# this the memory is emptied and refilled.
+MAX_EXACT_KEYS = 1024
 
 
 @dataclasses.dataclass
@@ -101,13 +112,15 @@ class _Variant:
     # call could differ: the bytecode stays)
     direct: DirectCall | None = None
     direct_tried: bool = False
+    # the stitching copies with pieces' entries bound in, by those entries (sized_call)
+    sized: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.full_wrapper is not None:
             return self.full_wrapper(*args, **kwargs)
         direct = self.direct
         if direct is not None:
-            return direct(*args, **kwargs)
+            return direct.call(*args, **kwargs)
         return self.cache(*args, **kwargs)
 
 
@@ -158,6 +171,9 @@ class CompiledModel(nn.Module):
         self._signer: Signer | None = None
         self._variants: list[_Variant] = []
         self._routes: dict[tuple[Any, ...], list[_Variant]] = {}
+        # exact call key (signature.exact_key) -> where such a call goes: filled once a call
+        # of that key has been routed with its variant's direct call worked out
+        self._exact: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._lock = threading.RLock()  # one thread traces; the others wait for it
         self._warned: set[str] = set()
         self._stock: Callable[..., Any] | None = None
@@ -168,6 +184,7 @@ class CompiledModel(nn.Module):
         # cheaply on every call, fully on route misses and, with config.debug, on every call.
         self._state: ModuleState | None = None
         self._check_state_every_call = config.debug
+        self._grad_matters = not inference_mode  # autograd mode is part of a call's key
         mode = config.mode
         if mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.PIECEWISE):
             self._dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
@@ -428,12 +445,25 @@ class CompiledModel(nn.Module):
             warnings.warn(message, stacklevel=8)
 
     # -- calling ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module.__call__'s own short cut, one frame shorter: with no hooks anywhere, no
+        # TorchScript trace and no Module.compile(), it calls forward; otherwise it is called.
+        if (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                or self._backward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+                or _nn_module._global_backward_pre_hooks
+                or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             # Inside someone else's trace: be inlined as the plain module.
             return self.module(*args, **kwargs)
-        if self.inference_mode and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():
+        if self.inference_mode:
+            if torch.is_inference_mode_enabled():
+                return self._call(args, kwargs)
+            with torch._C._InferenceMode(True):  # what torch.inference_mode() enters
                 return self._call(args, kwargs)
         if torch.is_grad_enabled() and self._graph_backend is not None:
             self._refuse_graphs_under_autograd(args, kwargs)
@@ -495,13 +525,44 @@ class CompiledModel(nn.Module):
         state = self._state
         if state is not None and (self._check_state_every_call or state.changed_cheaply()):
             self._check_state(state)
+        exact = exact_key(args, kwargs, self._grad_matters)
+        known = self._exact.get(exact) if exact is not None else None
+        if known is not None:
+            return known(*args, **kwargs)
         key = signer.key(args, kwargs)
         variant = self._route_of(key, args, kwargs)
         if variant is not None:
             if variant.direct is None and not variant.direct_tried:
                 return self._call_building_direct(variant, args, kwargs)
+            if exact is not None:
+                return self._call_remembering(variant, exact, args, kwargs)
             return variant(args, kwargs)
         return self._route(key, args, kwargs)
+
+    def _call_remembering(self, variant: _Variant, exact: tuple[Any, ...],
+                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call ``variant`` and remember it for calls with the exact key ``exact``: its direct
+        call, with each piece's compiled entry bound in when the model has no graphs (no
+        graph wrapper decides per call), else the variant as it is called now."""
+        direct = variant.direct
+        stitched = variant.stitched
+        stitching = variant.backend.stitching
+        if len(self._exact) >= MAX_EXACT_KEYS:
+            self._exact.clear()  # (a few slow calls refill it)
+        if direct is None or variant.full_wrapper is not None:
+            self._exact[exact] = lambda *a, **k: variant(a, k)
+            return variant(args, kwargs)
+        if self._graph_backend is None and stitched is not None and stitching is not None \
+                and inspect.ismethod(stitched.fn) and stitched.fn.__self__ is stitching:
+            names = [p.name for p in variant.backend.pieces if p.capturable]
+            backends = dict(zip(names, variant.backend.piece_backends, strict=True))
+            if all(getattr(stitching, name) is b for name, b in backends.items()):
+                out, sized = sized_call(direct, stitching, backends, variant.sized, args,
+                                        kwargs)
+                self._exact[exact] = sized.call
+                return out
+        self._exact[exact] = direct.call
+        return direct.call(*args, **kwargs)
 
     def _call_building_direct(self, variant: _Variant, args: tuple[Any, ...],
                               kwargs: dict[str, Any]) -> Any:
@@ -599,7 +660,7 @@ class CompiledModel(nn.Module):
         replays = [w.piece_replayer(descriptor) for w in wrappers]
         if any(r is None for r in replays):
             return None
-        planned = _planned_stitching(stitching, dict(zip(names, replays, strict=True)))
+        planned = planned_stitching(stitching, dict(zip(names, replays, strict=True)))
         forward = planned.forward
         pieces = cast(list[PieceReplay], replays)
         state, every_call, check = self._state, self._check_state_every_call, self._check_state
@@ -726,14 +787,3 @@ def compile(module: nn.Module, config: CompilationConfig,
     return CompiledModel(module, config, dynamic_arg_dims, model_key=model_key,
                          inference_mode=inference_mode)
 
-
-def _planned_stitching(stitching: torch.fx.GraphModule,
-                       pieces: Mapping[str, Any]) -> torch.fx.GraphModule:
-    """A shallow copy of the stitching module whose piece attributes are ``pieces``: it shares
-    the graph and its generated code, and the original keeps its own attributes (the
-    splitting-op pieces among them are plain functions already: see ``CompileBackend``)."""
-    planned = copy.copy(stitching)
-    planned.__dict__ = dict(stitching.__dict__)
-    for name, piece in pieces.items():
-        planned.__dict__[name] = piece
-    return planned

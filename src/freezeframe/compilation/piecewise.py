@@ -159,9 +159,13 @@ class PiecewiseBackend:
             f"max_num_tokens={self.max_num_tokens}. Raise max_num_tokens in the "
             f"CompilationConfig to at least {size}, or split the batch")
 
-    def __call__(self, *args: Any) -> Any:
+    def entry_for(self, args: Sequence[Any]) -> Callable[..., Any]:
+        """The compiled entry a call with ``args`` runs."""
         if self._static is not None:
-            return self._static(*args)
+            return self._static
         if self.size_source is None:
             raise RuntimeError(f"piece {self.piece_index} was called before compile_all()")
-        return self.runnable_for(self.size_source.read(args))(*args)
+        return self.runnable_for(self.size_source.read(args))
+
+    def __call__(self, *args: Any) -> Any:
+        return self.entry_for(args)(*args)

@@ -132,11 +132,16 @@ class _Frame:
             raise CacheError(f"unknown traced frame kind {kind!r}")
         self.globals = _GlobalScope(globals_)
 
-    def function(self, body: str) -> Callable[..., Any]:
-        """``def f(<frame parameters>): L = <frame locals>; return <body>``, compiled."""
-        text = f"def _f({self._head}):\n    L = {self._locals}\n    return {body}\n"
+    def function(self, body: str, lines: Sequence[str] = (), **names: Any
+                 ) -> Callable[..., Any]:
+        """``def f(<frame parameters>): L = <frame locals>; <lines>; return <body>``,
+        compiled; ``lines`` and ``body`` may also read ``names`` (each starting with
+        ``_ff_``)."""
+        assert all(name.startswith("_ff_") for name in names), names
+        statements = "".join(f"    {line}\n" for line in lines)
+        text = f"def _f({self._head}):\n    L = {self._locals}\n{statements}    return {body}\n"
         namespace: dict[str, Any] = {"G": self.globals, "_ff_fn": self.module.forward,
-                                     "__builtins__": {}}
+                                     "__builtins__": {}, **names}
         exec(compile(text, "<freezeframe saved trace>", "exec"), namespace)
         fn = namespace["_f"]
         fn.__defaults__, fn.__kwdefaults__ = self._defaults

@@ -36,7 +36,8 @@ import torch
 from freezeframe.compilation.values import MAX_DEPTH, Same, describe, parts, plain_token, token
 from freezeframe.errors import InputMismatchError
 
-__all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "incompatibility"]
+__all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "exact_key",
+           "incompatibility"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,59 @@ def _nested_tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
     dynamic dims)."""
     layout = True if value.is_contiguous() else value.stride()
     return (value.dtype, value.device, tuple(value.shape), layout, value.requires_grad)
+
+
+# Plain values an exact key holds by (type, value): equal values of these types are
+# interchangeable in a trace (floats are not: -0.0 == 0.0, and a NaN equals nothing).
+_EXACT_PLAIN = frozenset({int, bool, str, type(None)})
+
+
+def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              grad_matters: bool) -> tuple[Any, ...] | None:
+    """A key equal only for calls alike in everything that picks their route: each argument
+    a plain ``torch.Tensor`` (shape, dtype, device, strides, requires_grad) or an int, bool,
+    str or None (type and value); the keyword names; which tensors share storage; the autograd
+    mode when ``grad_matters``. None for a call holding anything else (a float, a container,
+    a tensor subclass): it takes the long way.
+
+    Two calls with one exact key have one :meth:`Signer.key` and the same dynamic sizes, so
+    they meet the same size conditions: a compiled model remembers where a call with this key
+    went and sends the next one there directly (about 1 us, against 3 to 5 for the
+    structure key and the route)."""
+    if not kwargs and len(args) == 1 and not grad_matters:  # the common call, kept short
+        value = args[0]
+        if value.__class__ is torch.Tensor:
+            return (value.shape, value.dtype, value.device, value.stride(), value.requires_grad)
+    key: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    for value in args:
+        cls = value.__class__
+        if cls is torch.Tensor:
+            tensors.append(value)
+            key.append((value.shape, value.dtype, value.device, value.stride(),
+                        value.requires_grad))
+        elif cls in _EXACT_PLAIN:
+            key.append((cls, value))
+        else:
+            return None
+    if kwargs:
+        key.append(tuple(kwargs))
+        for value in kwargs.values():
+            cls = value.__class__
+            if cls is torch.Tensor:
+                tensors.append(value)
+                key.append((value.shape, value.dtype, value.device, value.stride(),
+                            value.requires_grad))
+            elif cls in _EXACT_PLAIN:
+                key.append((cls, value))
+            else:
+                return None
+    if len(tensors) > 1:
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        key.append(tuple(map(storages.index, storages)))
+    if grad_matters:
+        key.append(torch.is_grad_enabled())
+    return tuple(key)
 
 
 class Signer:

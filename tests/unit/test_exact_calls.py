@@ -1,0 +1,249 @@
+"""A compiled model remembers where a call of one exact shape went (signature.exact_key) and
+sends the next such call straight there, with each piece's compiled entry for that shape bound
+in when it has no graphs (direct_call.sized_call). Every answer must still be eager's: a call
+that differs in anything routing reads (shape, strides, dtype, a plain value, aliasing, the
+autograd mode) must not be sent where another went, and the module-state check still runs."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe.compilation import model as model_module
+from freezeframe.compilation.direct_call import shared_reads
+from freezeframe.compilation.signature import exact_key
+from freezeframe.errors import CompileError
+from tests.helpers.silly import attention
+
+
+def config(**overrides: Any) -> ff.CompilationConfig:
+    base: dict[str, Any] = dict(mode="piecewise", backend="eager", cudagraph_mode="none",
+                                splitting_ops=["silly::attention"], use_cache=False)
+    base.update(overrides)
+    return ff.CompilationConfig(**base)
+
+
+class Net(nn.Module):
+    """Two splitting ops, so three capturable pieces; its answer depends on every input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None,
+                k: int = 1) -> torch.Tensor:
+        h = attention(self.lin(x), x, x)
+        if y is not None:
+            h = h + 2 * y
+        h = attention(self.out(h), h, h)
+        return h * k
+
+
+def _eq(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# -- the key -----------------------------------------------------------------------------------
+def test_the_key_tells_apart_everything_a_route_depends_on() -> None:
+    x = torch.randn(4, 3)
+    base = exact_key((x,), {}, False)
+    assert base == exact_key((torch.randn(4, 3),), {}, False)
+    for other in (torch.randn(5, 3), torch.randn(4, 3, dtype=torch.float64),
+                  torch.randn(3, 4).t(), torch.randn(4, 3).requires_grad_()):
+        assert exact_key((other,), {}, False) != base
+    # keyword names and plain values count; a bool is not the int it equals
+    assert exact_key((), {"x": x}, False) != exact_key((), {"y": x}, False)
+    assert exact_key((x, 1), {}, False) != exact_key((x, True), {}, False)
+    assert exact_key((x, 1), {}, False) != exact_key((x, 2), {}, False)
+    # which tensors share storage counts
+    a, b = torch.randn(8), torch.randn(8)
+    assert exact_key((a, b), {}, False) != exact_key((a, a), {}, False)
+    assert exact_key((a, b), {}, False) == exact_key((torch.randn(8), torch.randn(8)), {}, False)
+    # the autograd mode counts only where asked
+    with torch.no_grad():
+        off = exact_key((x,), {}, True)
+    assert exact_key((x,), {}, True) != off
+    assert exact_key((x,), {}, True)[-1] is True and off[-1] is False
+
+
+def test_calls_the_key_cannot_hold_take_the_long_way() -> None:
+    x = torch.randn(2)
+    for args in ((x, 0.5), (x, [x]), (nn.Parameter(x),), (x, object())):
+        assert exact_key(args, {}, False) is None
+
+
+# -- the compiled model ------------------------------------------------------------------------
+def test_a_shape_seen_before_goes_straight_to_its_route_and_answers_as_eager() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        for n in (5, 3, 3, 5, 7, 3):
+            x = torch.randn(n, 4)
+            _eq(model(x), module(x))
+        # 5 traced, 3 built the direct call; 3, 5, 7 were remembered once each
+        assert sorted(key[0][0] for key in model._exact) == [3, 5, 7]
+        assert model.num_traces == 1
+
+
+def test_a_remembered_call_binds_the_compiled_entry_of_its_own_size() -> None:
+    module = Net()
+    model = ff.compile(module, config(compile_sizes=[4], max_num_tokens=16))
+    with torch.no_grad():
+        for n in (6, 6, 4, 9, 4, 9, 6):
+            x = torch.randn(n, 4)
+            _eq(model(x), module(x))
+    variant = model._variants[0]
+    names = [p.name for p in variant.backend.pieces if p.capturable]
+    for key, call in model._exact.items():
+        n = key[0][0]
+        stitching = call.__func__.__globals__["_ff_stitched"].__self__
+        bound = [stitching.__dict__[name] for name in names]
+        assert bound == [b.runnable_for(n) for b in variant.backend.piece_backends]
+    # size 4 has its own compiled entry; 6 and 9 share the range's, and one stitching copy
+    assert len(variant.sized) == 2
+
+
+def test_calls_that_differ_only_in_what_the_key_holds_are_not_mixed_up() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            _eq(model(x, y), module(x, y))
+            _eq(model(x, y, 3), module(x, y, 3))
+            _eq(model(x, y=y), module(x, y=y))
+            _eq(model(x, x), module(x, x))  # aliased: a trace of its own
+            xt = torch.randn(4, 4).t()
+            _eq(model(xt, y), module(xt, y))
+            _eq(model(x, y, k=0.5), module(x, y, k=0.5))  # a float: no exact key
+
+
+def test_the_module_state_check_still_runs_on_a_remembered_call() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        assert model._exact
+        module.lin = nn.Linear(4, 4)  # a root attribute replaced: the trace is refused
+        with pytest.raises(CompileError, match="changed after its first call"):
+            model(x)
+
+
+def test_a_replaced_parameter_is_read_on_a_remembered_call() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        module.out.weight = nn.Parameter(torch.randn(4, 4))
+        _eq(model(x), module(x))
+        module.out.weight.mul_(2)
+        _eq(model(x), module(x))
+
+
+def test_the_memory_is_emptied_when_full_and_answers_stay_right(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_module, "MAX_EXACT_KEYS", 2)
+    module = Net()
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        for n in (2, 2, 3, 4, 5, 6, 2, 3):
+            x = torch.randn(n, 4)
+            _eq(model(x), module(x))
+            assert len(model._exact) <= 2
+
+
+def test_threads_calling_different_shapes_each_get_their_own_answer() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(30):
+                    x = torch.randn(n, 4)
+                    _eq(model(x), module(x))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in (1, 3, 5, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_with_autograd_kept_the_mode_is_part_of_the_key() -> None:
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    model = ff.compile(module, config(mode="dynamo_trace_once", splitting_ops=None),
+                       {"input": 0}, inference_mode=False)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        with torch.no_grad():
+            off = model(x)
+        assert not off.requires_grad
+        _eq(off, module(x).detach())
+        out = model(x)
+        assert out.requires_grad  # not the no_grad route's answer
+        out.sum().backward()
+    grad = module[0].weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def test_hooks_on_the_compiled_model_still_run() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    seen: list[str] = []
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        pre = model.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        post = model.register_forward_hook(lambda m, args, out: seen.append("post") or out + 1)
+        _eq(model(x), module(x * 2) + 1)
+        pre.remove()
+        post.remove()
+        _eq(model(x), module(x))
+    assert seen == ["post"]
+
+
+def test_inside_another_torch_compile_it_is_traced_as_the_plain_module() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        outer = torch.compile(lambda t: model(t) * 2, backend="eager")
+        for n in (3, 5):
+            t = torch.randn(n, 4)
+            _eq(outer(t), module(t) * 2)
+
+
+# -- reading the graph inputs --------------------------------------------------------------------
+def test_shared_heads_of_the_sources_are_read_once() -> None:
+    sources = ["L['self']._modules['a']._parameters['w']",
+               "L['x'].size()[0]",
+               "L['x']",
+               "L['self']._modules['b']._modules['c']._parameters['w']",
+               "L['self']._modules['b']._modules['c']._parameters['b']",
+               "G['table'][0]"]
+    lines, exprs = shared_reads(sources)
+    assert lines == ["_ff_r0 = L['self']._modules",
+                     "_ff_r1 = _ff_r0['b']._modules['c']._parameters"]
+    assert exprs == ["_ff_r0['a']._parameters['w']", "L['x'].size()[0]", "L['x']",
+                     "_ff_r1['w']", "_ff_r1['b']", "G['table'][0]"]
