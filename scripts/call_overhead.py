@@ -5,18 +5,23 @@
 Part 1 compiles toy models with the eager compiler (so the pieces themselves cost what eager
 costs) and times, per call:
   eager       the original module
-  compiled    CompiledModel(x): captured Dynamo bytecode -> stitching -> piece dispatch
-  bytecode    the captured bytecode alone (no CompiledModel.forward around it)
+  compiled    CompiledModel(x): the module-state check, the exact call key, then the graph
+              inputs read and the stitching graph called with each piece's entry bound in
+  bytecode    Dynamo's captured bytecode alone, the way calls went before the direct call
   stitching   the stitching graph on the flat graph inputs (piece dispatch included)
   pieces      the stitching graph with each piece's entry bound directly (no dispatch)
-The differences are the costs of each layer. Part 2 times one FULL step of a GraphRunner
-(emulated backend) against the bare replay of the graph that step runs: the difference is the
-host path of a step (binding and checking the inputs, dispatch, staging, the module-state
-check, copy-back and output slicing). Part 3 times planned PIECEWISE steps of chains of 1 and 5
-splitting ops (a low-level torch.library op, steady at a few microseconds) with their graphs
-emptied, against their bare parts: the host time per piece and what one more piece adds. A
-benchmark script, not a test; the figures move with the machine's speed, so compare rows of one
-run.
+"compiled - pieces" is what the compiled model adds to its pieces: the Chain rows, whose
+pieces cost a few microseconds, show it plainly; rows whose pieces run real layers carry more
+noise, and on this machine the pieces' own ops also run slower when more Python runs between
+calls.
+
+Part 2 times one FULL step of a GraphRunner (emulated backend) against the bare replay of the
+graph that step runs: the difference is the host path of a step (binding and checking the
+inputs, dispatch, staging, the module-state check, copy-back and output slicing). Part 3 times
+planned PIECEWISE steps of chains of 1 and 5 splitting ops (a low-level torch.library op, steady
+at a few microseconds) with their graphs emptied, against their bare parts: the host time per
+piece and what one more piece adds. A benchmark script, not a test; the figures move with the
+machine's speed, so compare rows of one run.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama
+from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama, _ToyAttention
 
 import freezeframe as ff
 from freezeframe.models.ops import define_op
@@ -53,9 +58,11 @@ def per_call_us(variants: dict[str, Callable[[], Any]], rounds: int = 15,
     return best
 
 
-def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
+            splitting_op: str = "silly::attention", rounds: int = 15,
+            iters: int = 400) -> dict[str, float]:
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none",
-                               splitting_ops=["silly::attention"], use_cache=False)
+                               splitting_ops=[splitting_op], use_cache=False)
     model = ff.compile(module, cfg)
     model(*args)
     backend = model._backend
@@ -86,16 +93,16 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         "bytecode": lambda: fast(module, *args),
         "stitching": lambda: stitching.forward(*flat),
         "pieces": lambda: pieces_stitching.forward(*flat),
-    })
+    }, rounds=rounds, iters=iters)
 
     print(f"\n{name}: {len(backend.pieces)} pieces, {len(backend.piece_backends)} capturable")
     for key, us in rows.items():
         print(f"  {key:<10} {us:8.1f} us/call")
     print(f"  overhead compiled - pieces: {rows['compiled'] - rows['pieces']:.1f} us/call "
-          f"({rows['compiled'] / rows['pieces']:.2f}x); of which piece dispatch "
-          f"{rows['stitching'] - rows['pieces']:.1f} us, bytecode + arg gathering "
-          f"{rows['bytecode'] - rows['stitching']:.1f} us, CompiledModel.forward "
-          f"{rows['compiled'] - rows['bytecode']:.1f} us")
+          f"({rows['compiled'] / rows['pieces']:.2f}x); for comparison, Dynamo's bytecode "
+          f"adds {rows['bytecode'] - rows['pieces']:.1f} us over the pieces and piece dispatch "
+          f"{rows['stitching'] - rows['pieces']:.1f} us")
+    return rows
 
 
 # -- GraphRunner: host time of a step around the bare replay ----------------------------------
@@ -210,6 +217,27 @@ class Chain(torch.nn.Module):
         return x + 1
 
 
+class _LeanAttention(_ToyAttention):
+    """ToyLlama's attention with the lean splitting op in place of silly::attention."""
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split(self.hidden, dim=-1)
+        pos = positions.unsqueeze(-1).to(q.dtype)
+        out = torch.empty_like(q)
+        torch.ops.overhead.lean(q + k + v + 2 * pos, out)
+        return self.o_proj(out)
+
+
+def lean_llama(layers: int) -> ToyLlama:
+    """A ToyLlama whose layers split at the lean op (same parameters, same pieces)."""
+    model = ToyLlama(LlamaConfig(num_layers=layers, hidden_size=16, mlp_size=32,
+                                 vocab_size=32))
+    for layer in model.layers:
+        layer.attn.__class__ = _LeanAttention
+    return model
+
+
 def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
     """The host time of a planned PIECEWISE step, graphs emptied, for chains of ``few`` and
     ``many`` lean splitting ops (``few + 1`` and ``many + 1`` capturable pieces), timed
@@ -262,10 +290,17 @@ class Doubler(torch.nn.Module):
 def main() -> None:
     torch.set_num_threads(1)
     with torch.inference_mode():
+        # The lean op first: silly::attention's own 30-50 us call is noisy enough to move the
+        # rows below by several microseconds from run to run.
+        measure("Chain(2 lean splitting ops, x: 8)", Chain(2), (torch.randn(8),),
+                splitting_op=LEAN_OP, rounds=80, iters=200)
+        tokens = (torch.randint(0, 32, (8,)), torch.arange(8))
+        # Every parameter is a graph input read from the module on each call (as Dynamo's own
+        # code reads it), so the overhead grows with the layers: 9 reads against 49.
+        for layers in (2, 12):
+            measure(f"ToyLlama({layers} layers, 8 tokens, lean op)", lean_llama(layers),
+                    tokens, splitting_op=LEAN_OP, rounds=40, iters=100)
         measure("SillyModel(x: 8)", SillyModel(), (torch.randn(8),))
-        cfg = LlamaConfig(num_layers=12, hidden_size=16, mlp_size=32, vocab_size=32)
-        measure("ToyLlama(12 layers, 8 tokens)", ToyLlama(cfg),
-                (torch.randint(0, 32, (8,)), torch.arange(8)))
     long = {"dtype": torch.long}
     runner_overhead("no-op model (x * 2)", Doubler(), {"x": Tokens(4)},
                     (torch.randn(3, 4),), [])

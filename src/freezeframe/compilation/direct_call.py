@@ -131,10 +131,23 @@ def rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
 # A Dynamo source as direct calls read it: a frame local, then attribute reads, string or
 # integer subscripts and argument-less method calls (``L['self']._modules['mlp']._parameters
 # ['weight']``, ``L['x'].size()[0]``).
-_ROOT = r"L\['[A-Za-z_]\w*'\]"
+_ROOT = r"L\['[A-Za-z_]\w*'\]|[A-Za-z_]\w*"
 _STEP = r"\.[A-Za-z_]\w*\(\)|\.[A-Za-z_]\w*|\['[^'\\]*'\]|\[-?\d+\]"
 _SOURCE = re.compile(rf"({_ROOT})((?:{_STEP})*)")
 _STEPS = re.compile(_STEP)
+
+
+_LOCAL = re.compile(r"L\['([A-Za-z_]\w*)'\]")
+
+
+def _by_name(source: str, parameters: frozenset[str]) -> str:
+    """``source`` with a leading ``L['x']`` read as the parameter ``x`` itself (a frame local
+    the generated function has by name), unless ``x`` could be taken for another name there."""
+    match = _LOCAL.match(source)
+    if match is None or match[1] not in parameters or match[1] in ("L", "G") \
+            or match[1].startswith("_ff_"):
+        return source
+    return match[1] + source[match.end():]
 
 
 def shared_reads(sources: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -198,14 +211,18 @@ class DirectCall:
     def __init__(self, module: Any, frame: _Frame, sources: Sequence[str],
                  stitched: Callable[..., Any], rebuild: Callable[[Any], Any]) -> None:
         self._module, self._frame, self._sources, self._rebuild = module, frame, sources, rebuild
-        lines, exprs = shared_reads(sources)
+        lines, exprs = shared_reads([_by_name(source, frame.parameters)
+                                     for source in sources])
+        # the frame's locals dict only where a source still reads it
+        needs_locals = any("L[" in text for text in (*lines, *exprs))
         inputs = ", ".join(exprs)
         self.bind: Callable[..., tuple[Any, ...]] = types.MethodType(
-            frame.function(f"({inputs},)", lines), module)
+            frame.function(f"({inputs},)", lines, frame_locals=needs_locals), module)
         graph = f"_ff_stitched({inputs})"
         body = graph if rebuild is _whole else f"_ff_rebuild({graph})"
         self.call: Callable[..., Any] = types.MethodType(
-            frame.function(body, lines, _ff_stitched=stitched, _ff_rebuild=rebuild), module)
+            frame.function(body, lines, frame_locals=needs_locals, _ff_stitched=stitched,
+                           _ff_rebuild=rebuild), module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(*args, **kwargs)

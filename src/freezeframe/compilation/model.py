@@ -64,6 +64,8 @@ __all__ = ["CompiledModel", "compile"]
 logger = logging.getLogger(__name__)
 
 _requires_grad = operator.attrgetter("requires_grad")
+_is_compiling = torch.compiler.is_compiling
+_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
 def _first_lines(text: str, n: int) -> str:
@@ -446,22 +448,38 @@ class CompiledModel(nn.Module):
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # nn.Module.__call__'s own short cut, one frame shorter: with no hooks anywhere, no
-        # TorchScript trace and no Module.compile(), it calls forward; otherwise it is called.
-        if (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+        """A call of an exact shape seen before (:func:`~freezeframe.compilation.signature.
+        exact_key`) goes from here straight to where the last such call went, after the
+        module-state check; every other call goes through ``nn.Module.__call__`` and
+        :meth:`forward`, as do all calls while the model has hooks, runs in someone else's
+        trace (Dynamo, TorchScript), keeps autograd (``inference_mode=False``) or has seen no
+        shape twice. The short cut skips only what an unhooked ``nn.Module`` call would have
+        done (nothing) and forward's routing (which this call repeats by its key)."""
+        if (_is_compiling() or not self._exact or not self.inference_mode
+                or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
                 or self._backward_pre_hooks or _nn_module._global_forward_hooks
                 or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
-                or _nn_module._global_backward_pre_hooks
-                or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
+                or _nn_module._global_backward_pre_hooks or self._compiled_call_impl is not None
+                or torch._C._get_tracing_state()):
             return super().__call__(*args, **kwargs)
-        return self.forward(*args, **kwargs)
+        state = self._state
+        if state is not None and (self._check_state_every_call or state.changed_cheaply()):
+            self._check_state(state)
+        exact = exact_key(args, kwargs, False)
+        known = self._exact.get(exact) if exact is not None else None
+        if known is None:
+            return self.forward(*args, **kwargs)
+        if _inference_mode_enabled():
+            return known(*args, **kwargs)
+        with torch._C._InferenceMode(True):  # what torch.inference_mode() enters
+            return known(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Inside someone else's trace: be inlined as the plain module.
             return self.module(*args, **kwargs)
         if self.inference_mode:
-            if torch.is_inference_mode_enabled():
+            if _inference_mode_enabled():
                 return self._call(args, kwargs)
             with torch._C._InferenceMode(True):  # what torch.inference_mode() enters
                 return self._call(args, kwargs)

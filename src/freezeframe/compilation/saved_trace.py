@@ -115,12 +115,14 @@ class _Frame:
             self._head = ", ".join(params)
             self._locals = "{" + ", ".join(f"{n!r}: {n}" for n in names) + "}"
             self.argument_roots = frozenset(names[1:])
+            self.parameters = frozenset(names)
             self._defaults = (func.__defaults__, func.__kwdefaults__)
             globals_ = func.__globals__
         elif kind == "wrapped":
             self._head = "_ff_self, *args, **kwargs"
             self._locals = "{'args': args, 'kwargs': kwargs, 'fn': _ff_fn}"
             self.argument_roots = frozenset({"args", "kwargs"})
+            self.parameters = frozenset()
             self._defaults = (None, None)
             code = _wrapped_frame_code()
             if code is None:  # pragma: no cover - depends on the torch build
@@ -132,14 +134,16 @@ class _Frame:
             raise CacheError(f"unknown traced frame kind {kind!r}")
         self.globals = _GlobalScope(globals_)
 
-    def function(self, body: str, lines: Sequence[str] = (), **names: Any
-                 ) -> Callable[..., Any]:
+    def function(self, body: str, lines: Sequence[str] = (), *, frame_locals: bool = True,
+                 **names: Any) -> Callable[..., Any]:
         """``def f(<frame parameters>): L = <frame locals>; <lines>; return <body>``,
-        compiled; ``lines`` and ``body`` may also read ``names`` (each starting with
+        compiled (without ``L`` when ``frame_locals`` is False: the code reads the parameters
+        by name); ``lines`` and ``body`` may also read ``names`` (each starting with
         ``_ff_``)."""
         assert all(name.startswith("_ff_") for name in names), names
         statements = "".join(f"    {line}\n" for line in lines)
-        text = f"def _f({self._head}):\n    L = {self._locals}\n{statements}    return {body}\n"
+        head = f"    L = {self._locals}\n" if frame_locals else ""
+        text = f"def _f({self._head}):\n{head}{statements}    return {body}\n"
         namespace: dict[str, Any] = {"G": self.globals, "_ff_fn": self.module.forward,
                                      "__builtins__": {}, **names}
         exec(compile(text, "<freezeframe saved trace>", "exec"), namespace)
