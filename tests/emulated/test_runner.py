@@ -23,7 +23,7 @@ from freezeframe.errors import (
 )
 from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
 from tests.helpers.silly import attention, get_counter, reset_counter
-from tests.helpers.toy_models import SillyModel
+from tests.helpers.toy_models import KeepsLast, SillyModel
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 SIZES = [1, 2, 4, 8]
@@ -679,20 +679,6 @@ def test_a_planned_piecewise_step_rebuilds_the_output_structure() -> None:
             want = DictOut()(x)
         assert out.keys() == want.keys() and out["tag"] == 7
         assert torch.equal(out["h"], want["h"]) and torch.equal(out["x2"], want["x2"]), step
-
-
-class KeepsLast(nn.Module):
-    """Stores its output on itself: Dynamo's code does the store after the graph, so steps of
-    this model are never planned (a plan skips that code)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last = torch.zeros(1, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = attention(x, x, x) + 1
-        self.last = out
-        return out
 
 
 def test_a_forward_with_a_python_side_effect_is_not_planned() -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "AttnSandwich",
     "AttnWithRMSNorm",
     "AttnWithRMSNormAndSkip",
+    "KeepsLast",
     "LlamaConfig",
     "OuterWithTwoInner",
     "SillyModel",
@@ -39,6 +40,21 @@ class SillyModel(nn.Module):
         x = x - 1
         x = attention(x, x, x)
         return x + 1
+
+
+class KeepsLast(nn.Module):
+    """Stores its output on itself. Dynamo's code does that store after the graph call, so
+    nothing may skip that code: such a trace keeps its bytecode (no direct call) and a
+    runner never plans its steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = torch.zeros(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = attention(x, x, x) + 1
+        self.last = out
+        return out
 
 
 # -- toy Llama -----------------------------------------------------------------------------

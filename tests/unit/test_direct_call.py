@@ -13,7 +13,7 @@ from torch import nn
 
 import freezeframe as ff
 from tests.helpers.silly import attention
-from tests.helpers.toy_models import LlamaConfig, ToyLlama
+from tests.helpers.toy_models import KeepsLast, LlamaConfig, ToyLlama
 
 MODES = ["dynamo_trace_once", "piecewise"]
 
@@ -98,20 +98,6 @@ def test_a_replaced_parameter_is_read_anew_on_every_direct_call() -> None:
         _same(model(x), module(x))
         module.lin.bias.add_(1.0)  # in place, as an optimizer step would
         _same(model(x), module(x))
-
-
-class KeepsLast(nn.Module):
-    """Stores its output on itself: Dynamo's code does the store after the graph, so this
-    trace keeps its bytecode (a direct call would skip the store)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last = torch.zeros(1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = attention(x, x, x) + 1
-        self.last = out
-        return out
 
 
 def test_a_forward_with_a_python_side_effect_keeps_its_bytecode() -> None:
