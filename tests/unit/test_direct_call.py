@@ -142,3 +142,18 @@ def test_the_toy_llama_calls_directly_and_matches_eager() -> None:
         for n in (1, 8, 4):
             ids, pos = torch.randint(0, 128, (n,)), torch.arange(n)
             torch.testing.assert_close(model(ids, pos), module(ids, pos), rtol=0, atol=0)
+
+
+def test_a_number_computed_from_a_size_is_returned_fresh() -> None:
+    class Counts(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, bool, float]:
+            n = x.shape[0]
+            return attention(x, x, x), n, n > 5, n / 2
+
+    module = Counts()
+    for mode in MODES:
+        model = ff.compile(module, config(mode))
+        with torch.no_grad():
+            for n in (4, 4, 4, 8, 3, 8):
+                out = model(torch.randn(n, 4))
+                assert out[1:] == (n, n > 5, n / 2)

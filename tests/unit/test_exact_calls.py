@@ -17,7 +17,7 @@ import freezeframe as ff
 from freezeframe.compilation import model as model_module
 from freezeframe.compilation.direct_call import shared_reads
 from freezeframe.compilation.signature import exact_key
-from freezeframe.errors import CompileError
+from freezeframe.errors import CompileError, ConfigError
 from tests.helpers.silly import attention
 
 
@@ -247,3 +247,111 @@ def test_shared_heads_of_the_sources_are_read_once() -> None:
                      "_ff_r1 = _ff_r0['b']._modules['c']._parameters"]
     assert exprs == ["_ff_r0['a']._parameters['w']", "L['x'].size()[0]", "L['x']",
                      "_ff_r1['w']", "_ff_r1['b']", "G['table'][0]"]
+
+
+# -- found by attacking the remembered path ------------------------------------------------------
+def test_a_forward_wrapped_on_the_instance_runs_on_every_call() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    inner = model.forward
+    model.forward = lambda *a, **k: inner(*a, **k) * 2  # as accelerate's hooks do
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 4)
+            _eq(model(x), module(x) * 2)
+
+
+def test_a_parameter_named_like_the_generated_code_keeps_its_value() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor, _ff_stitched: torch.Tensor) -> torch.Tensor:
+            return attention(x, x, x) + _ff_stitched
+
+    module = Odd()
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        for _ in range(4):
+            x, y = torch.randn(3, 4), torch.randn(3, 4)
+            _eq(model(x, y), module(x, y))
+
+
+def test_two_views_of_one_storage_are_not_the_same_tensor_twice() -> None:
+    module = Net()
+    model = ff.compile(module, config())
+    base = torch.randn(16, 4)
+    with torch.no_grad():
+        v = base[:4]
+        for _ in range(4):
+            _eq(model(v, v), module(v, v))
+        a, b = base[:4], base[4:8]
+        for _ in range(3):
+            _eq(model(a, b), module(a, b))
+    assert exact_key((v, v), {}, False) != exact_key((a, b), {}, False)
+
+
+def test_a_submodule_switched_to_train_alone_is_caught() -> None:
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return attention(self.drop(x), x, x)
+
+    module = Drop().eval()
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            _eq(model(x), module(x))
+        module.drop.train()
+        with pytest.raises(CompileError, match=r"drop.training was False at the trace"):
+            model(x)
+        module.drop.eval()
+        _eq(model(x), module(x))
+
+
+def test_a_hook_added_to_or_removed_from_a_submodule_is_caught() -> None:
+    module = Net()
+    handle = module.out.register_forward_hook(lambda m, i, o: o * 3)
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            _eq(model(x), module(x))
+        handle.remove()  # the trace has the hook in it
+        with pytest.raises(CompileError, match=r"out had 1 forward hook\(s\) at the trace"):
+            model(x)
+    module = Net()
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        module.lin.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+        with pytest.raises(CompileError, match=r"lin had 0 forward hook\(s\) at the trace"):
+            model(x)
+
+
+def test_a_root_tensor_attribute_set_to_none_is_named() -> None:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mask = torch.ones(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return attention(x * self.mask, x, x)
+
+    module = Masked()
+    model = ff.compile(module, config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            _eq(model(x), module(x))
+        module.mask = None
+        with pytest.raises(CompileError, match=r"mask was a torch.float32 tensor .* is None"):
+            model(x)
+
+
+def test_replacing_the_compiled_models_module_is_refused() -> None:
+    model = ff.compile(Net(), config())
+    with pytest.raises(ConfigError, match=r"module cannot be replaced.*ff.compile\(new_module"):
+        model.module = Net()

@@ -339,22 +339,31 @@ def test_forward_that_sets_a_tensor_attribute_once_and_weight_norm_hooks_are_fin
         assert model.stats.retraces == 0
 
 
-def _swap_root_hook(m: nn.Module, handle: Any) -> None:
-    handle.remove()
-    m.register_forward_hook(lambda mod, i, o: o * 100)
-
-
-def test_a_swapped_root_hook_or_replaced_root_submodule_is_caught_at_the_next_call() -> None:
-    """Same hook count, another hook; same attribute name, another submodule: the every-call
-    tier compared counts only, and skipped submodules, so the old ones were replayed."""
+def test_hooks_on_the_compiled_module_itself_are_refused_and_a_later_one_is_caught() -> None:
+    """A trace of forward skips the root's own hooks, so a hook registered there before the
+    first call would never run: refused, with where to register it instead. A submodule's
+    hook swapped for another (same count) after the trace is caught at the next call."""
     mine, _ = _pair()
     handle = mine.register_forward_hook(lambda mod, i, o: o * 10)
     model = ff.compile(mine, _config())
-    model(torch.randn(3, 4))
-    _swap_root_hook(mine, handle)
-    with pytest.raises(CompileError, match=r"model had 1 forward hook\(s\) at the trace and has "
-                                           r"1 different one\(s\) now"):
+    with pytest.raises(CompileError, match=r"has forward hook\(s\) registered on itself.*"
+                                           r"register_forward_hook"):
         model(torch.randn(3, 4))
+    handle.remove()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), mine(x), rtol=0, atol=0)
+    mine, _ = _pair()
+    handle = mine.lin.register_forward_hook(lambda mod, i, o: o * 10)
+    model = ff.compile(mine, _config())
+    torch.testing.assert_close(model(x), mine(x), rtol=0, atol=0)
+    handle.remove()
+    mine.lin.register_forward_hook(lambda mod, i, o: o * 100)
+    with pytest.raises(CompileError, match=r"lin had 1 forward hook\(s\) at the trace and has "
+                                           r"1 different one\(s\) now"):
+        model(x)
+
+
+def test_a_replaced_root_submodule_is_caught_at_the_next_call() -> None:
     mine, _ = _pair()
     model = ff.compile(mine, _config())
     model(torch.randn(3, 4))

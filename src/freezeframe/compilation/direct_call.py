@@ -100,7 +100,8 @@ def free_of_side_effects(trace: TraceOnce) -> bool:
 
 def rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
     """A function that builds the model's output from the stitching graph's outputs as Dynamo's
-    code did for ``out``; None unless every tensor of ``out`` is one of them."""
+    code did for ``out``; None unless every tensor of ``out`` is one of them and every other
+    leaf is None or a string."""
     flat = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
     leaves, spec = pytree.tree_flatten(out)
     picks: list[int | None] = []
@@ -110,9 +111,11 @@ def rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
             if where is None:
                 return None
             picks.append(where)
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+        elif leaf is None or isinstance(leaf, str):
             picks.append(None)  # a constant of the trace
         else:
+            # a number may come from a size (``return h, x.shape[0]``): Dynamo's code computes
+            # it anew on every call, so the code stays
             return None
     single = isinstance(flat_out, (tuple, list))
     if len(leaves) == 1 and isinstance(out, torch.Tensor):
@@ -210,6 +213,9 @@ class DirectCall:
 
     def __init__(self, module: Any, frame: _Frame, sources: Sequence[str],
                  stitched: Callable[..., Any], rebuild: Callable[[Any], Any]) -> None:
+        if any(name.startswith("_ff_") for name in frame.parameters):
+            # (the generated code's own names would be hidden by such a parameter)
+            raise ValueError("forward has a parameter named like the direct call's names")
         self._module, self._frame, self._sources, self._rebuild = module, frame, sources, rebuild
         lines, exprs = shared_reads([_by_name(source, frame.parameters)
                                      for source in sources])

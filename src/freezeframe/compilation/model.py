@@ -360,6 +360,8 @@ class CompiledModel(nn.Module):
         # The tracing call runs uncaptured even inside a FULL forward context: Dynamo cannot
         # trace inside a capture. A later call of that descriptor captures.
         first = not self._variants
+        if first:
+            self._refuse_root_hooks()
         before = None if not first or has_uninitialised_lazy(self.module) \
             else ModuleState(self.module)
         try:
@@ -402,6 +404,31 @@ class CompiledModel(nn.Module):
         self._variants.append(variant)
         self._routes.setdefault(key, []).append(variant)
         return out
+
+    def _refuse_root_hooks(self) -> None:
+        """Dynamo traces the compiled module's ``forward``, not its ``__call__``: hooks
+        registered on that module itself would never run, so they are refused (hooks on its
+        submodules are traced with them)."""
+        module = self.module
+        kinds = [kind for kind, hooks in (
+            ("forward ", module._forward_hooks), ("forward pre-", module._forward_pre_hooks),
+            ("backward ", module._backward_hooks),
+            ("backward pre-", module._backward_pre_hooks)) if hooks]
+        if kinds:
+            raise CompileError(
+                f"{self.model_key}: the compiled module has {' and '.join(kinds)}hook(s) "
+                "registered on itself, which a trace of its forward would skip (its "
+                "submodules' hooks are traced). Register them on the compiled model instead "
+                "(ff.compile(...).register_forward_hook(...)), where they run on every call, or "
+                "remove them before the first call")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "module" and "module" in self.__dict__.get("_modules", {}):
+            raise ConfigError(
+                f"{self.model_key}: a compiled model's module cannot be replaced: its traces, "
+                "pieces and graphs were made from the first one. Compile the new module "
+                "instead: ff.compile(new_module, config)")
+        super().__setattr__(name, value)
 
     def _check_state(self, state: ModuleState) -> None:
         why = state.difference()
@@ -452,10 +479,12 @@ class CompiledModel(nn.Module):
         exact_key`) goes from here straight to where the last such call went, after the
         module-state check; every other call goes through ``nn.Module.__call__`` and
         :meth:`forward`, as do all calls while the model has hooks, runs in someone else's
-        trace (Dynamo, TorchScript), keeps autograd (``inference_mode=False``) or has seen no
-        shape twice. The short cut skips only what an unhooked ``nn.Module`` call would have
-        done (nothing) and forward's routing (which this call repeats by its key)."""
+        trace (Dynamo, TorchScript), keeps autograd (``inference_mode=False``), has its
+        ``forward`` replaced on the instance, or has seen no shape twice. The short cut skips
+        only what an unhooked ``nn.Module`` call would have done (nothing) and forward's
+        routing (which this call repeats by its key)."""
         if (_is_compiling() or not self._exact or not self.inference_mode
+                or "forward" in self.__dict__  # a wrapper set on the instance (accelerate)
                 or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
                 or self._backward_pre_hooks or _nn_module._global_forward_hooks
                 or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks

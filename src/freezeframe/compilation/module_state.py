@@ -8,10 +8,13 @@ checks this state itself, in two tiers::
 
     every call           the root module: its ``training`` flag, its hooks, its direct
                          submodules and which object each of its attributes holds (an
-                         attribute set, added or deleted); and the global module hooks
+                         attribute set, added or deleted, a tensor attribute that is no
+                         tensor any more); every submodule's ``training`` flag; a hook
+                         registered anywhere (torch's process-wide hook-handle counter moved)
+                         or one the trace saw removed; and the global module hooks
                          (``torch.nn.modules.module.register_module_forward_hook``...): about
-                         1 us on the development machine's CPU (0.8-1.0 us for the toy
-                         Llama's root). A hit runs the full tier.
+                         1 us on the development machine's CPU for a small model. A hit runs
+                         the full tier (which refreshes these when nothing differs).
     the full tier        every submodule's flag, forward hooks and attributes, compared with
                          the snapshot taken after the first trace: on each call that needs a
                          new route (a new call structure or size side), when the every-call
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.utils.hooks import RemovableHandle
 
 from freezeframe.compilation.values import Same, describe, token
 
@@ -85,6 +89,9 @@ def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
     and another added differs."""
     return (tuple(_torch_module._global_forward_hooks),
             tuple(_torch_module._global_forward_pre_hooks))
+
+
+_training = operator.attrgetter("training")
 
 
 def _hook_ids(module: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -149,23 +156,54 @@ class ModuleState:
         self._global_fwd, self._global_pre = self._global_ids
         self._root_fwd, self._root_pre = _hook_ids(module)
         self._root_children = tuple(module._modules.values())
+        # a root attribute holding a tensor is read as an input; it must stay a tensor
+        tensors = tuple(name for name, value in _user_attrs(module).items()
+                        if isinstance(value, torch.Tensor))
+        self._pick_tensors = operator.itemgetter(*tensors) if tensors else None
+        self._tensor_single = len(tensors) == 1
+        # below the root: every submodule's train/eval flag; a hook added anywhere (every hook
+        # handle takes the next id of one process-wide counter); a hook the trace saw removed
+        self._subs_now = tuple(sub for _, sub in self._modules[1:])
+        self._sub_flags = tuple(map(_training, self._subs_now))
+        self._next_handle = RemovableHandle.next_id
+        self._traced_hooks = tuple((hooks, len(hooks)) for _, sub in self._modules[1:]
+                                   for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
+                                   if hooks)
 
     def changed_cheaply(self) -> bool:
         """The every-call tier: the root's train/eval flag, hooks, direct submodules and
-        attribute references (an attribute set to another object, added or deleted), and the
-        global hooks. A True sends the call to the full tier. (Written out flat: it runs on
-        every step, where each call or temporary costs a tenth of a microsecond.)"""
+        attribute references (an attribute set to another object, added or deleted, a tensor
+        attribute that is no tensor any more), every submodule's train/eval flag, a hook
+        registered anywhere or one of the trace's removed, and the global hooks. A True sends
+        the call to the full tier. (Written out flat: it runs on every step, where each call or
+        temporary costs a tenth of a microsecond.)"""
         module = self.module
         attrs = module.__dict__
         if (module.training is not self.training
                 or len(attrs) != self._root_size
+                or RemovableHandle.next_id != self._next_handle
                 or tuple(_torch_module._global_forward_hooks) != self._global_fwd
                 or tuple(_torch_module._global_forward_pre_hooks) != self._global_pre
                 or tuple(module._forward_pre_hooks) != self._root_pre
                 or tuple(module._forward_hooks) != self._root_fwd
                 # tuples compare items by identity first (nn.Module has no __eq__)
-                or tuple(module._modules.values()) != self._root_children):
+                or tuple(module._modules.values()) != self._root_children
+                or tuple(map(_training, self._subs_now)) != self._sub_flags):
             return True
+        for hooks, count in self._traced_hooks:
+            if len(hooks) != count:
+                return True
+        tensors = self._pick_tensors
+        if tensors is not None:
+            try:
+                now = tensors(attrs)
+            except KeyError:
+                return True
+            if self._tensor_single:
+                if not isinstance(now, torch.Tensor):
+                    return True
+            elif not all(isinstance(t, torch.Tensor) for t in now):
+                return True
         pick = self._pick_root
         if pick is None:
             return False

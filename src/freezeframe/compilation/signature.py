@@ -116,7 +116,9 @@ class CallSignature:
     """The structure of one call of ``forward``, arguments bound by name, defaults applied."""
 
     args: tuple[tuple[str, ArgSpec], ...]
-    aliases: tuple[tuple[str, ...], ...]  # groups of argument paths sharing storage
+    # groups of argument paths sharing storage; within a group, paths that are the very same
+    # tensor are one item joined by " is " (Dynamo passes such a tensor to the graph once)
+    aliases: tuple[tuple[str, ...], ...]
     grad_enabled: bool | None  # None when the autograd mode is not part of the structure
 
     def arg(self, name: str) -> ArgSpec | None:
@@ -149,9 +151,9 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
               grad_matters: bool) -> tuple[Any, ...] | None:
     """A key equal only for calls alike in everything that picks their route: each argument
     a plain ``torch.Tensor`` (shape, dtype, device, strides, requires_grad) or an int, bool,
-    str or None (type and value); the keyword names; which tensors share storage; the autograd
-    mode when ``grad_matters``. None for a call holding anything else (a float, a container,
-    a tensor subclass): it takes the long way.
+    str or None (type and value); the keyword names; which tensors share storage and which
+    are one tensor; the autograd mode when ``grad_matters``. None for a call holding anything
+    else (a float, a container, a tensor subclass): it takes the long way.
 
     Two calls with one exact key have one :meth:`Signer.key` and the same dynamic sizes, so
     they meet the same size conditions: a compiled model remembers where a call with this key
@@ -187,7 +189,8 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
                 return None
     if len(tensors) > 1:
         storages = [t.untyped_storage().data_ptr() for t in tensors]
-        key.append(tuple(map(storages.index, storages)))
+        ids = list(map(id, tensors))
+        key.append((tuple(map(storages.index, storages)), tuple(map(ids.index, ids))))
     if grad_matters:
         key.append(torch.is_grad_enabled())
     return tuple(key)
@@ -234,7 +237,9 @@ class Signer:
         if len(tensors) > 1:  # storages are read only where two tensors could share one
             storages = [t.untyped_storage().data_ptr() for t in tensors]
             if len(set(storages)) != len(storages):
-                pieces.append(("aliases", tuple(storages.index(s) for s in storages)))
+                ids = list(map(id, tensors))  # the same tensor twice, or two views of one
+                pieces.append(("aliases", tuple(map(storages.index, storages)),
+                               tuple(map(ids.index, ids))))
         if self._grad_matters:
             pieces.append(torch.is_grad_enabled())
         return tuple(pieces)
@@ -270,10 +275,12 @@ class Signer:
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, value in bound.arguments.items():
             specs.append((name, self._spec(name, value, name, tensors, 0)))
-        groups: dict[int, list[str]] = {}
+        groups: dict[int, dict[int, list[str]]] = {}
         for path, tensor in tensors:
-            groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(path)
-        aliases = tuple(tuple(g) for g in groups.values() if len(g) > 1)
+            same = groups.setdefault(tensor.untyped_storage().data_ptr(), {})
+            same.setdefault(id(tensor), []).append(path)
+        aliases = tuple(tuple(" is ".join(paths) for paths in g.values())
+                        for g in groups.values() if sum(map(len, g.values())) > 1)
         grad = torch.is_grad_enabled() if self._grad_matters else None
         return CallSignature(tuple(specs), aliases, grad)
 
