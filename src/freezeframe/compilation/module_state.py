@@ -91,7 +91,7 @@ def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
             tuple(_torch_module._global_forward_pre_hooks))
 
 
-_training = operator.attrgetter("training")
+_training = operator.itemgetter("training")
 
 
 def _hook_ids(module: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -163,8 +163,10 @@ class ModuleState:
         self._tensor_single = len(tensors) == 1
         # below the root: every submodule's train/eval flag; a hook added anywhere (every hook
         # handle takes the next id of one process-wide counter); a hook the trace saw removed
-        self._subs_now = tuple(sub for _, sub in self._modules[1:])
-        self._sub_flags = tuple(map(_training, self._subs_now))
+        # (read from each submodule's __dict__: nn.Module's __getattr__ makes attribute reads
+        # several times slower than a dict lookup)
+        self._sub_dicts = tuple(vars(sub) for _, sub in self._modules[1:])
+        self._sub_flags = tuple(map(_training, self._sub_dicts))
         self._next_handle = RemovableHandle.next_id
         self._traced_hooks = tuple((hooks, len(hooks)) for _, sub in self._modules[1:]
                                    for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
@@ -177,18 +179,24 @@ class ModuleState:
         registered anywhere or one of the trace's removed, and the global hooks. A True sends
         the call to the full tier. (Written out flat: it runs on every step, where each call or
         temporary costs a tenth of a microsecond.)"""
-        module = self.module
-        attrs = module.__dict__
-        if (module.training is not self.training
-                or len(attrs) != self._root_size
-                or RemovableHandle.next_id != self._next_handle
-                or tuple(_torch_module._global_forward_hooks) != self._global_fwd
-                or tuple(_torch_module._global_forward_pre_hooks) != self._global_pre
-                or tuple(module._forward_pre_hooks) != self._root_pre
-                or tuple(module._forward_hooks) != self._root_fwd
-                # tuples compare items by identity first (nn.Module has no __eq__)
-                or tuple(module._modules.values()) != self._root_children
-                or tuple(map(_training, self._subs_now)) != self._sub_flags):
+        attrs = self.module.__dict__  # (read directly: see _sub_dicts)
+        try:
+            if (attrs["training"] is not self.training
+                    or len(attrs) != self._root_size
+                    or RemovableHandle.next_id != self._next_handle
+                    or tuple(_torch_module._global_forward_hooks) != self._global_fwd
+                    or tuple(_torch_module._global_forward_pre_hooks) != self._global_pre
+                    or tuple(attrs["_forward_pre_hooks"]) != self._root_pre
+                    or tuple(attrs["_forward_hooks"]) != self._root_fwd
+                    # tuples compare items by identity first (nn.Module has no __eq__)
+                    or tuple(attrs["_modules"].values()) != self._root_children):
+                return True
+        except KeyError:  # (nn.Module's own attributes deleted by hand)
+            return True
+        try:
+            if tuple(map(_training, self._sub_dicts)) != self._sub_flags:
+                return True
+        except KeyError:  # (a __dict__ emptied by hand)
             return True
         for hooks, count in self._traced_hooks:
             if len(hooks) != count:
