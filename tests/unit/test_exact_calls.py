@@ -45,6 +45,17 @@ class Net(nn.Module):
         return h * k
 
 
+def _warm(module: nn.Module, *args: Any) -> Any:
+    """``module`` compiled and called three times on ``args``: the first call traces, the
+    second builds the direct call, the third is remembered, so the next one is served from
+    the memory."""
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        for _ in range(3):
+            model(*args)
+    return model
+
+
 def _eq(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -126,11 +137,9 @@ def test_calls_that_differ_only_in_what_the_key_holds_are_not_mixed_up() -> None
 
 def test_the_module_state_check_still_runs_on_a_remembered_call() -> None:
     module = Net()
-    model = ff.compile(module, config())
     x = torch.randn(3, 4)
+    model = _warm(module, x)
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
         assert model._exact
         module.lin = nn.Linear(4, 4)  # a root attribute replaced: the trace is refused
         with pytest.raises(CompileError, match="changed after its first call"):
@@ -139,11 +148,9 @@ def test_the_module_state_check_still_runs_on_a_remembered_call() -> None:
 
 def test_a_replaced_parameter_is_read_on_a_remembered_call() -> None:
     module = Net()
-    model = ff.compile(module, config())
     x = torch.randn(3, 4)
+    model = _warm(module, x)
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
         module.out.weight = nn.Parameter(torch.randn(4, 4))
         _eq(model(x), module(x))
         module.out.weight.mul_(2)
@@ -223,11 +230,9 @@ def test_hooks_on_the_compiled_model_still_run() -> None:
 
 def test_inside_another_torch_compile_it_is_traced_as_the_plain_module() -> None:
     module = Net()
-    model = ff.compile(module, config())
     x = torch.randn(3, 4)
+    model = _warm(module, x)
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
         outer = torch.compile(lambda t: model(t) * 2, backend="eager")
         for n in (3, 5):
             t = torch.randn(n, 4)
@@ -322,10 +327,8 @@ def test_a_hook_added_to_or_removed_from_a_submodule_is_caught() -> None:
         with pytest.raises(CompileError, match=r"out had 1 forward hook\(s\) at the trace"):
             model(x)
     module = Net()
-    model = ff.compile(module, config())
+    model = _warm(module, x)
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
         module.lin.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
         with pytest.raises(CompileError, match=r"lin had 0 forward hook\(s\) at the trace"):
             model(x)

@@ -163,9 +163,9 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         value = args[0]
         if value.__class__ is torch.Tensor:
             return (value.shape, value.dtype, value.device, value.stride(), value.requires_grad)
-    key: list[Any] = []
+    key: list[Any] = [tuple(kwargs)] if kwargs else []
     tensors: list[torch.Tensor] = []
-    for value in args:
+    for value in (*args, *kwargs.values()) if kwargs else args:
         cls = value.__class__
         if cls is torch.Tensor:
             tensors.append(value)
@@ -175,18 +175,6 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
             key.append((cls, value))
         else:
             return None
-    if kwargs:
-        key.append(tuple(kwargs))
-        for value in kwargs.values():
-            cls = value.__class__
-            if cls is torch.Tensor:
-                tensors.append(value)
-                key.append((value.shape, value.dtype, value.device, value.stride(),
-                            value.requires_grad))
-            elif cls in _EXACT_PLAIN:
-                key.append((cls, value))
-            else:
-                return None
     if len(tensors) > 1:
         storages = [t.untyped_storage().data_ptr() for t in tensors]
         ids = list(map(id, tensors))
