@@ -78,7 +78,7 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
 
     fast = model._trace._fast
     direct = {}
-    names = [p.name for p in backend.pieces if p.capturable]
+    names = backend.capturable_names
     for piece_name, pb in zip(names, backend.piece_backends, strict=True):
         direct[piece_name] = pb.runnable_for(n)
     pieces_stitching = copy.copy(stitching)

@@ -149,6 +149,12 @@ class CompileBackend:
         if config.mode is CompilationMode.PIECEWISE and config.splitting_ops:
             check_splitting_ops(config.splitting_ops)
 
+    @property
+    def capturable_names(self) -> list[str]:
+        """The stitching graph's attribute names of the capturable pieces, in order (those of
+        ``piece_backends`` and, with piecewise graphs, of ``wrappers``)."""
+        return [p.name for p in self.pieces if p.capturable]
+
     def reset(self) -> None:
         """Forget what a trace built (it failed, or Dynamo rejected it after this backend
         ran), so that the next trace starts from scratch."""

@@ -6,16 +6,16 @@ compiled graph, and builds the return value from its outputs. Around that it kee
 its own (a profiling record before and after, each size read through a helper behind a
 ``torch._dynamo.disable`` wrapper, the graph call behind another): on the development CPU
 about 15 us per call, more than a small model's pieces cost. A :class:`DirectCall` does the
-same work in plain Python, built once from the trace::
+same work in one function generated once from the trace::
 
-    Dynamo's bytecode                              DirectCall
-    -----------------                              ----------
-    record_pregraph_bytecode_enter()
-    s0 = call_size(x, 0)                           bind(self, x) ->
-    w = L['self']._modules['lin']._parameters['weight']    (x.size()[0], x, <the same path>)
-    record_pregraph_bytecode_exit()
-    out = __compiled_fn(s0, x, w)  # disable wrapper  out = stitched(*inputs)
-    return out[0]                                  return rebuild(out)
+    Dynamo's bytecode                              DirectCall.call
+    -----------------                              ---------------
+    record_pregraph_bytecode_enter()               def _f(self, x):
+    s0 = call_size(x, 0)                               _ff_r0 = self._modules  # shared heads
+    w = L['self']._modules['lin']._parameters['weight']
+    record_pregraph_bytecode_exit()                    return _ff_stitched(x.size()[0], x,
+    out = __compiled_fn(s0, x, w)  # disable wrapper       _ff_r0['lin']._parameters['weight']
+    return out[0]                                      )[0]
 
 The graph inputs are evaluated from their Dynamo *sources* (``L['x'].size()[0]``, the
 parameter paths) in the rebuilt frame of ``forward`` (the same machinery a warm start uses,
@@ -24,13 +24,16 @@ call as Dynamo's code would. A direct call is built only when it provably does t
 the generated code has no Python side effect (:func:`free_of_side_effects`), every graph input
 has a plain source, every returned tensor is a graph output, and, on the call that builds it,
 the bound inputs are the very objects (tensors) and values (sizes) Dynamo's code passed.
-Anything else keeps calling the bytecode.
+Anything else keeps calling the bytecode. For calls of one exact shape, :func:`sized_call`
+makes the same function call a copy of the stitching graph with each piece's compiled entry for
+that shape bound in, so no piece picks its entry per call.
 """
 
 from __future__ import annotations
 
 import copy
 import dis
+import inspect
 import operator
 import re
 import types
@@ -61,6 +64,12 @@ class Stitched:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.recording: list[tuple[tuple[Any, ...], Any]] | None = None
+
+    def calls(self, stitching: Any) -> bool:
+        """Whether this calls ``stitching``'s own forward (not behind cudagraph_copy_inputs'
+        copies), so that a copy of it with other piece attributes does the same work."""
+        fn = self.fn
+        return inspect.ismethod(fn) and fn.__self__ is stitching
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
@@ -134,21 +143,19 @@ def rebuilder(out: Any, flat_out: Any) -> Callable[[Any], Any] | None:
 # A Dynamo source as direct calls read it: a frame local, then attribute reads, string or
 # integer subscripts and argument-less method calls (``L['self']._modules['mlp']._parameters
 # ['weight']``, ``L['x'].size()[0]``).
-_ROOT = r"L\['[A-Za-z_]\w*'\]|[A-Za-z_]\w*"
-_STEP = r"\.[A-Za-z_]\w*\(\)|\.[A-Za-z_]\w*|\['[^'\\]*'\]|\[-?\d+\]"
-_SOURCE = re.compile(rf"({_ROOT})((?:{_STEP})*)")
+_NAME = r"[A-Za-z_]\w*"
+_LOCAL = re.compile(rf"L\['({_NAME})'\]")
+_STEP = rf"\.{_NAME}\(\)|\.{_NAME}|\['[^'\\]*'\]|\[-?\d+\]"
+_SOURCE = re.compile(rf"(?P<root>{_LOCAL.pattern}|{_NAME})(?P<steps>(?:{_STEP})*)")
 _STEPS = re.compile(_STEP)
-
-
-_LOCAL = re.compile(r"L\['([A-Za-z_]\w*)'\]")
 
 
 def _by_name(source: str, parameters: frozenset[str]) -> str:
     """``source`` with a leading ``L['x']`` read as the parameter ``x`` itself (a frame local
-    the generated function has by name), unless ``x`` could be taken for another name there."""
+    the generated function has by name), unless ``x`` is named like the frame's own ``L`` or
+    ``G`` (a parameter named ``_ff_*`` keeps the bytecode: see :class:`DirectCall`)."""
     match = _LOCAL.match(source)
-    if match is None or match[1] not in parameters or match[1] in ("L", "G") \
-            or match[1].startswith("_ff_"):
+    if match is None or match[1] not in parameters or match[1] in ("L", "G"):
         return source
     return match[1] + source[match.end():]
 
@@ -168,7 +175,7 @@ def shared_reads(sources: Sequence[str]) -> tuple[list[str], list[str]]:
     for source in sources:
         match = _SOURCE.fullmatch(source)
         paths.append(None if match is None
-                     else (match[1], *_STEPS.findall(match[2])))
+                     else (match["root"], *_STEPS.findall(match["steps"])))
     count: dict[tuple[str, ...], int] = {}
     for path in paths:
         for k in range(1, len(path or ()) + 1):
@@ -230,9 +237,6 @@ class DirectCall:
             frame.function(body, lines, frame_locals=needs_locals, _ff_stitched=stitched,
                            _ff_rebuild=rebuild), module)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(*args, **kwargs)
-
     def calling(self, stitched: Callable[..., Any]) -> DirectCall:
         """The same direct call with the graph inputs passed to ``stitched`` instead."""
         return DirectCall(self._module, self._frame, self._sources, stitched, self._rebuild)
@@ -259,7 +263,7 @@ class _Chooser:
 def sized_call(direct: DirectCall, stitching: fx.GraphModule,
                backends: Mapping[str, PiecewiseBackend], known: dict[tuple[int, ...], Any],
                args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, DirectCall]:
-    """Make the call ``direct(*args, **kwargs)`` and return its output with a
+    """Make the call ``direct.call(*args, **kwargs)`` and return its output with a
     :class:`DirectCall` for later calls of exactly these shapes: the stitching graph with each
     piece's backend (``backends``, by attribute name) replaced by the compiled entry it ran on
     this call, so such a call picks no entries at all. The entries a call picks follow from

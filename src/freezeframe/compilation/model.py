@@ -496,7 +496,7 @@ class CompiledModel(nn.Module):
             self._check_state(state)
         exact = exact_key(args, kwargs, False)
         known = self._exact.get(exact) if exact is not None else None
-        if known is None:
+        if known is None:  # (forward checks and keys it again: once per new shape)
             return self.forward(*args, **kwargs)
         if _inference_mode_enabled():
             return known(*args, **kwargs)
@@ -600,9 +600,9 @@ class CompiledModel(nn.Module):
             self._exact[exact] = lambda *a, **k: variant(a, k)
             return variant(args, kwargs)
         if self._graph_backend is None and stitched is not None and stitching is not None \
-                and inspect.ismethod(stitched.fn) and stitched.fn.__self__ is stitching:
-            names = [p.name for p in variant.backend.pieces if p.capturable]
-            backends = dict(zip(names, variant.backend.piece_backends, strict=True))
+                and stitched.calls(stitching):
+            backends = dict(zip(variant.backend.capturable_names,
+                                variant.backend.piece_backends, strict=True))
             if all(getattr(stitching, name) is b for name, b in backends.items()):
                 out, sized = sized_call(direct, stitching, backends, variant.sized, args,
                                         kwargs)
@@ -696,11 +696,9 @@ class CompiledModel(nn.Module):
             return None
         flat_args, flat_out = calls[0]
         rebuild = rebuilder(out, flat_out)
-        # the stitching graph's own forward (not behind cudagraph_copy_inputs' copies)
-        if rebuild is None or not inspect.ismethod(stitched.fn) \
-                or stitched.fn.__self__ is not stitching:
+        if rebuild is None or not stitched.calls(stitching):
             return None
-        names = [p.name for p in backend.pieces if p.capturable]
+        names = backend.capturable_names
         wrappers = [getattr(stitching, name) for name in names]
         if not all(isinstance(w, GraphWrapper) for w in wrappers):
             return None

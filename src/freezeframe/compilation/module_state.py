@@ -139,6 +139,15 @@ class ModuleState:
         self._global_ids = _global_hook_ids()
         self._modules = tuple(module.named_modules(remove_duplicate=False))
         self._subs = tuple(_SubmoduleState(m) for _, m in self._modules)
+        # Below the root, every call: each submodule's train/eval flag, read from its __dict__
+        # (nn.Module's __getattr__ makes an attribute read several times slower than a dict
+        # lookup), and the hooks the trace saw, by count (one removed). Both stay as they are
+        # here: a change is a difference of the full tier, never refreshed.
+        self._sub_dicts = tuple(vars(sub) for _, sub in self._modules[1:])
+        self._sub_flags = tuple(map(_training, self._sub_dicts))
+        self._traced_hooks = tuple((hooks, len(hooks)) for _, sub in self._modules[1:]
+                                   for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
+                                   if hooks)
         self.refresh()
 
     def refresh(self) -> None:
@@ -161,16 +170,9 @@ class ModuleState:
                         if isinstance(value, torch.Tensor))
         self._pick_tensors = operator.itemgetter(*tensors) if tensors else None
         self._tensor_single = len(tensors) == 1
-        # below the root: every submodule's train/eval flag; a hook added anywhere (every hook
-        # handle takes the next id of one process-wide counter); a hook the trace saw removed
-        # (read from each submodule's __dict__: nn.Module's __getattr__ makes attribute reads
-        # several times slower than a dict lookup)
-        self._sub_dicts = tuple(vars(sub) for _, sub in self._modules[1:])
-        self._sub_flags = tuple(map(_training, self._sub_dicts))
+        # a hook added anywhere: every hook handle takes the next id of one process-wide
+        # counter (which other hooks, a tensor's, also move: the full tier then finds nothing)
         self._next_handle = RemovableHandle.next_id
-        self._traced_hooks = tuple((hooks, len(hooks)) for _, sub in self._modules[1:]
-                                   for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
-                                   if hooks)
 
     def changed_cheaply(self) -> bool:
         """The every-call tier: the root's train/eval flag, hooks, direct submodules and
