@@ -13,7 +13,8 @@ costs) and times, per call:
 "compiled - pieces" is what the compiled model adds to its pieces: the Chain rows, whose
 pieces cost a few microseconds, show it plainly; rows whose pieces run real layers carry more
 noise, and on this machine the pieces' own ops also run slower when more Python runs between
-calls.
+calls. The toy Llama's compiled call is then taken apart (``compiled_parts``): each part of it
+timed in place, before the remembered call, and alone.
 
 Part 2 times one FULL step of a GraphRunner (emulated backend) against the bare replay of the
 graph that step runs: the difference is the host path of a step (binding and checking the
@@ -36,6 +37,7 @@ import torch
 from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama, _ToyAttention
 
 import freezeframe as ff
+from freezeframe.compilation.signature import exact_key
 from freezeframe.models.ops import define_op
 from freezeframe.runtime import GraphRunner, Tokens
 
@@ -238,6 +240,49 @@ def lean_llama(layers: int) -> ToyLlama:
     return model
 
 
+def compiled_parts(name: str, module: torch.nn.Module, args: tuple[Any, ...],
+                   splitting_op: str = LEAN_OP) -> dict[str, float]:
+    """Where a remembered call's time over its destination goes, in place and alone: the
+    remembered call itself (graph inputs read, pieces called), then with only the
+    module-state check before it, then with only the exact key and its lookup, then the whole
+    compiled call; each part is also timed alone, back to back. On the development CPU a part
+    costs several times more in place, between the pieces' own ops, than alone."""
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none",
+                               splitting_ops=[splitting_op], use_cache=False)
+    model = ff.compile(module, cfg)
+    for _ in range(3):
+        model(*args)
+    memo = model._exact
+    known = memo[exact_key(args, {}, False)]
+    state = model._state
+    assert state is not None
+
+    def with_state() -> Any:
+        state.changed_cheaply()
+        return known(*args)
+
+    def with_key() -> Any:
+        return memo[exact_key(args, {}, False)](*args)
+
+    def key_alone() -> Any:
+        return memo[exact_key(args, {}, False)]
+
+    rows = per_call_us({"remembered": lambda: known(*args), "+state": with_state,
+                        "+key": with_key, "compiled": lambda: model(*args),
+                        "state alone": state.changed_cheaply, "key alone": key_alone},
+                       rounds=150, iters=20)
+    base = rows["remembered"]
+    print(f"\n{name}: the compiled call's parts, in place (over the remembered call "
+          f"{base:.1f} us) and alone")
+    print(f"  module-state check  {rows['+state'] - base:6.1f} us in place, "
+          f"{rows['state alone']:5.1f} alone")
+    print(f"  exact key + lookup  {rows['+key'] - base:6.1f} us in place, "
+          f"{rows['key alone']:5.1f} alone")
+    print(f"  whole compiled call {rows['compiled'] - base:6.1f} us over the remembered call "
+          "(the rest: the hook/trace conditions and inference-mode test of __call__)")
+    return rows
+
+
 def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
     """The host time of a planned PIECEWISE step, graphs emptied, for chains of ``few`` and
     ``many`` lean splitting ops (``few + 1`` and ``many + 1`` capturable pieces), timed
@@ -301,6 +346,7 @@ def main() -> None:
             measure(f"ToyLlama({layers} layers, 8 tokens, lean op)", lean_llama(layers),
                     tokens, splitting_op=LEAN_OP, rounds=40, iters=100)
         measure("SillyModel(x: 8)", SillyModel(), (torch.randn(8),))
+        compiled_parts("ToyLlama(2 layers, 8 tokens, lean op)", lean_llama(2), tokens)
     long = {"dtype": torch.long}
     runner_overhead("no-op model (x * 2)", Doubler(), {"x": Tokens(4)},
                     (torch.randn(3, 4),), [])
