@@ -1,6 +1,8 @@
-"""A saved trace keeps every node's fake value, so a warm start does not re-derive them by fake
-propagation through the whole graph (issue 16: 4.6 s of a warm start's first call); a trace
-whose values could not be written still loads, by propagating, as before. Eager compiler."""
+"""A saved trace keeps the fake values its split reads (the placeholders', sizes, and every value
+crossing a piece boundary), so a warm start does not re-derive them by fake propagation through
+the whole graph (issue 16: 4.6 s of a warm start's first call); the values inside pieces are
+re-derived piece by piece, only for a piece that must be compiled. A trace whose values could
+not be written still loads, by propagating, as before. Eager compiler."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compilation import cached_trace, saved_trace
+from freezeframe.cache.key import graph_hash
+from freezeframe.compilation import cached_trace, compilers, saved_trace
+from freezeframe.compilation.split import split_graph, values_the_split_reads
+from tests.helpers.silly import OP_NAME, attention
 
 
 class Viewy(nn.Module):
-    """Splits a projection into two views (storage offsets 0 and 4) mid-graph."""
+    """Splits a projection into two views (storage offsets 0 and 4) mid-graph; the views
+    cross into the splitting op's piece, and a whole ``size()`` is taken after it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -27,7 +33,9 @@ class Viewy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         a, b = h.split(4, dim=1)
-        return (a * b.sigmoid()).reshape(-1, 2, 2).sum(-1)
+        mixed = (a * b.sigmoid()).tanh()
+        y = (attention(a, b, mixed) + 1).relu()
+        return (y * mixed).reshape(y.size()).reshape(-1, 2, 2).sum(-1)
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +67,7 @@ class _Spy:
 
 def _start(root: Path) -> tuple[ff.CompiledModel, torch.Tensor]:
     model = ff.compile(Viewy(), ff.CompilationConfig(mode="piecewise", backend="eager",
+                                                     splitting_ops=[OP_NAME],
                                                      cache_dir=str(root)))
     x = torch.arange(20, dtype=torch.float32).reshape(5, 4) / 7
     with torch.no_grad():
@@ -76,15 +85,24 @@ def _node(gm: Any, target: Any, index: int) -> Any:
 def test_a_warm_start_takes_the_saved_values_without_fake_propagation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cold, cold_out = _start(tmp_path)
-    assert (cold.stats.traces_loaded, cold.stats.artifacts_saved) == (0, 1)
+    assert (cold.stats.traces_loaded, cold.stats.artifacts_saved) == (0, 1)  # the trace
     spy = _Spy(monkeypatch)
     warm, warm_out = _start(tmp_path)
     assert warm.stats.traces_loaded == 1
-    assert spy.propagations == 0
+    assert spy.propagations == 0  # (the eager compiler reads no node's value)
     assert torch.equal(warm_out, cold_out)
     ((valued, gm),) = spy.loads
-    # every node but the output holds a value
-    assert sorted(valued) == sorted(n.name for n in gm.graph.nodes if n.op != "output")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    held = sorted(name for name, n in nodes.items()
+                  if "example_value" in n.meta or "val" in n.meta)
+    assert sorted(valued) == held == sorted(values_the_split_reads(gm, [OP_NAME]))
+    # kept: the placeholders and the size symbol, the split's tuple and the size (no
+    # tensors), the two views, the tanh and the buffer that the attention piece reads, y
+    # (whose whole size() is taken) and the returned sum; not kept: what stays inside a piece
+    assert sorted(valued) == sorted([
+        *(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        "split", "a", "b", "mixed", "out", "y", "size", "sum_1"])
+    assert {"h", "sigmoid", "mul", "add", "mul_1", "reshape", "reshape_1"}.isdisjoint(valued)
     # the second half of the split, stored as a view's detach(): same sizes, strides and
     # storage offset as the traced view, and no base
     b = _node(gm, operator.getitem, 1).meta["example_value"]
@@ -93,28 +111,81 @@ def test_a_warm_start_takes_the_saved_values_without_fake_propagation(
     assert (a.shape[1], a.stride(), a.storage_offset()) == (4, (8, 1), 0)
 
 
+def _described(gm: Any, names: Any = None) -> list[Any]:
+    out = []
+    for n in gm.graph.nodes:
+        if names is not None and n.name not in names:
+            continue
+        v = n.meta.get("example_value")
+        values = v if isinstance(v, (tuple, list)) else [v]
+        out.append([n.name] + [(str(t.shape), str(t.stride()), str(t.storage_offset()),
+                                t.dtype, t.requires_grad)
+                               if isinstance(t, torch.Tensor) else repr(t) for t in values])
+    return out
+
+
 def test_saved_values_equal_the_propagated_ones(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     _start(tmp_path)
     spy = _Spy(monkeypatch)
     _start(tmp_path)
-    ((_valued, stored_gm),) = spy.loads
+    ((valued, stored_gm),) = spy.loads
     # the same blob loaded the old way: every value re-derived by fake propagation
     blob = _saved_blob(tmp_path, monkeypatch)
     propagated_gm, _ = saved_trace._load_graph(blob, None)
     assert spy.propagations == 1
+    assert _described(stored_gm, set(valued)) == _described(propagated_gm, set(valued))
 
-    def described(gm: Any) -> list[Any]:
-        out = []
-        for n in gm.graph.nodes:
-            v = n.meta.get("example_value")
-            values = v if isinstance(v, (tuple, list)) else [v]
-            out.append([n.name] + [(str(t.shape), str(t.stride()), str(t.storage_offset()),
-                                    t.dtype, t.requires_grad)
-                                   if isinstance(t, torch.Tensor) else repr(t) for t in values])
-        return out
 
-    assert described(stored_gm) == described(propagated_gm)
+def test_the_kept_values_split_the_graph_into_the_same_pieces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces of a graph holding only the kept values are the pieces of the fully valued
+    one (same structural hashes, so a warm start finds the cold start's artifacts), and a
+    piece's values re-derived from its inputs are the ones propagation gives."""
+    _start(tmp_path)
+    spy = _Spy(monkeypatch)
+    _start(tmp_path)
+    ((_valued, stored_gm),) = spy.loads
+    blob = _saved_blob(tmp_path, monkeypatch)
+    full_gm, _ = saved_trace._load_graph(blob, None)
+    kept, full = split_graph(stored_gm, [OP_NAME]), split_graph(full_gm, [OP_NAME])
+    assert [p.name for p in kept.pieces] == [p.name for p in full.pieces]
+    assert len(kept.capturable) == 2
+    for mine, theirs in zip(kept.capturable, full.capturable, strict=True):
+        inputs = [n.meta["example_value"] for n in mine.graph.graph.nodes
+                  if n.op == "placeholder"]
+        full_inputs = [n.meta["example_value"] for n in theirs.graph.graph.nodes
+                       if n.op == "placeholder"]
+        assert graph_hash(mine.graph, inputs) == graph_hash(theirs.graph, full_inputs)
+        assert saved_trace.fill_fake_values(mine.graph) is True
+        assert saved_trace.fill_fake_values(mine.graph) is False  # nothing left to fill
+        assert _described(mine.graph) == _described(theirs.graph)
+
+
+def test_a_piece_compiled_on_a_warm_start_gets_its_values_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm start that compiles a piece with a compiler that reads node values (Inductor;
+    here the eager compiler made to say it does) hands it a graph holding every node's value
+    again, and answers as the cold start did; the eager compiler itself is spared the work."""
+    _, cold_out = _start(tmp_path)
+    filled: list[tuple[bool, bool]] = []
+    real = compilers.fill_fake_values
+
+    def fill(gm: Any) -> bool:
+        did = real(gm)
+        filled.append((did, all("example_value" in n.meta or "val" in n.meta
+                                for n in gm.graph.nodes if n.op != "output")))
+        return did
+
+    monkeypatch.setattr(compilers, "fill_fake_values", fill)
+    warm, warm_out = _start(tmp_path)
+    assert warm.stats.traces_loaded == 1
+    assert filled == []  # the eager compiler reads no values: nothing re-derived
+    monkeypatch.setattr(compilers.EagerCompiler, "reads_fake_values", True)
+    warm, warm_out = _start(tmp_path)
+    assert warm.stats.traces_loaded == 1
+    assert filled == [(True, True), (True, True)]  # the two capturable pieces
+    assert torch.equal(warm_out, cold_out)
 
 
 def _saved_blob(root: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
@@ -157,6 +228,7 @@ def test_a_value_that_does_not_come_back_means_propagation(
     assert spy.propagations == 1
     assert next(n.name for n in gm.graph.nodes if n.op == "call_function") == "h"  # self.lin(x)
     assert saved_trace.missing_values(gm, ["h", "no_such_node"]) == ["no_such_node"]
-    assert all(n.meta.get("example_value") is not None
-               for n in gm.graph.nodes if n.op == "call_function")
+    assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes
+               if n.op == "call_function" and n.target not in (torch.ops.silly.attention,
+                                                                 torch.ops.silly.attention.default))
     assert len(inputs) == sum(1 for n in gm.graph.nodes if n.op == "placeholder")

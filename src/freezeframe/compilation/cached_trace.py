@@ -69,6 +69,8 @@ from freezeframe.compilation.saved_trace import (
     valued_nodes,
 )
 from freezeframe.compilation.signature import Signer
+from freezeframe.compilation.split import values_the_split_reads
+from freezeframe.config import CompilationMode
 from freezeframe.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,11 +219,15 @@ class ModelCache:
             sources.append(name)
         # A placeholder that is a view (say a reshaped block table) is stored as a plain tensor
         # of the same sizes and strides: what the graph sees, without the view's base.
-        # Every other node's fake value is stored too, a view as its ``detach()`` (the graph
-        # pickler cannot write a view's base), so a warm start need not re-derive them by fake
-        # propagation through the whole graph; ``valued`` lists the nodes stored with one. If
-        # they cannot all be written (a value holding state the pickler cannot write), only the
-        # placeholders' are stored (``valued`` None) and the loader propagates, as before.
+        # So is every fake value the split reads (split.values_the_split_reads: the values
+        # crossing piece boundaries, sizes), a view as its ``detach()`` (the graph pickler
+        # cannot write a view's base), so a warm start need not re-derive them by fake
+        # propagation through the whole graph; ``valued`` lists the nodes stored with one. The
+        # values inside pieces are left out (most of them: unpickling one costs about 2 ms), and
+        # re-derived piece by piece only for a piece that must be compiled
+        # (compilers.CompilerManager). If the kept values cannot all be written (state the
+        # pickler cannot write), only the placeholders' are stored (``valued`` None) and the
+        # loader propagates through the whole graph, as before.
         # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold real
         # tensors and weak references).
         options = Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__)
@@ -237,12 +243,18 @@ class ModelCache:
                     if key in node.meta and node.op == "placeholder":
                         put(node, key, _unviewed(node.meta[key]))
             try:
+                keep = values_the_split_reads(gm, self._splitting_ops())
                 for node in gm.graph.nodes:
                     for key in ("example_value", "val"):
-                        if key in node.meta and node.op != "placeholder":
-                            put(node, key, _detached(node.meta[key]))
-                            if _holds_view(node.meta[key]):
-                                raise CacheError(f"the value of {node.name} is still a view")
+                        if key not in node.meta or node.op == "placeholder":
+                            continue
+                        if node.name not in keep:
+                            replaced.setdefault((node, key), node.meta[key])
+                            del node.meta[key]
+                            continue
+                        put(node, key, _detached(node.meta[key]))
+                        if _holds_view(node.meta[key]):
+                            raise CacheError(f"the value of {node.name} is still a view")
                 self._graph_blob = GraphPickler.dumps(gm, options)
                 self._valued = valued_nodes(gm)
             except Exception as exc:
@@ -264,6 +276,13 @@ class ModelCache:
             for (node, key), value in replaced.items():
                 node.meta[key] = value
         self._sources = sources
+
+    def _splitting_ops(self) -> Sequence[str]:
+        """The ops the model's graph is split at (none when it is compiled whole)."""
+        config = self._model.config
+        if config.mode is CompilationMode.DYNAMO_TRACE_ONCE:  # (as CompileBackend decides)
+            return ()
+        return tuple(config.splitting_ops or ())
 
     def _not_saving(self, why: str) -> None:
         logger.info("the trace of %s is not saved, so warm starts will trace with Dynamo: %s",

@@ -27,8 +27,15 @@ from torch.fx.passes.split_module import split_module
 
 from freezeframe.errors import ConfigError
 
-__all__ = ["Piece", "SplitGraph", "check_splitting_ops", "fx_forward", "matches_splitting_op",
-           "split_graph"]
+__all__ = [
+    "Piece",
+    "SplitGraph",
+    "check_splitting_ops",
+    "fx_forward",
+    "matches_splitting_op",
+    "split_graph",
+    "values_the_split_reads",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -195,13 +202,10 @@ def check_splitting_ops(names: Iterable[str]) -> None:
             "ff.compile")
 
 
-def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
-    """Split ``gm`` so that every splitting-op node is a piece of its own.
-
-    N non-adjacent splitting ops, none first or last, give 2N+1 pieces of which N+1 are
-    capturable. A ``getitem`` on the result of a splitting op stays in the op's piece, so a
-    captured piece never starts by unpacking an eager op's tuple.
-    """
+def _assign_pieces(gm: fx.GraphModule, splitting_ops: Sequence[str]
+                   ) -> tuple[dict[fx.Node, int], set[int], set[str]]:
+    """Each node's piece number (placeholders and the output have none), the numbers of the
+    splitting-op pieces, and the splitting ops that matched a node."""
     piece_of: dict[fx.Node, int] = {}
     splitting_ids: set[int] = set()
     matched: set[str] = set()
@@ -222,7 +226,44 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
             piece_of[node] = piece_of[node.args[0]]
         else:
             piece_of[node] = current
+    return piece_of, splitting_ids, matched
 
+
+def values_the_split_reads(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> set[str]:
+    """The names of the nodes whose fake values :func:`split_graph` reads (``split_module``
+    reads ``example_value``), so that a graph holding only these splits into the same pieces as
+    one holding every node's: the placeholders; every node whose value is not a tensor (a
+    symbolic size binds its symbol where it is first seen); every node whose value another
+    piece, or the graph's output, uses (its symbolic sizes become that piece's inputs; each
+    piece's placeholders take their values from these); and every tensor whose ``size()`` is
+    taken whole (the split rewrites that call per dimension). The other nodes' values are only
+    read by a compiler, which can re-derive them piece by piece from the pieces' inputs
+    (:func:`~freezeframe.compilation.saved_trace.fill_fake_values`)."""
+    piece_of = _assign_pieces(gm, splitting_ops)[0]
+    keep: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            keep.add(node.name)
+            continue
+        if (node.op == "call_method" and node.target == "size" and len(node.args) == 1
+                and not node.kwargs and isinstance(node.args[0], fx.Node)):
+            keep.add(node.args[0].name)
+        value = node.meta.get("example_value", node.meta.get("val"))
+        home = piece_of.get(node)
+        if (value is not None and not isinstance(value, torch.Tensor)) or any(
+                user.op == "output" or piece_of.get(user) != home for user in node.users):
+            keep.add(node.name)  # (a size, a tuple of tensors: cheap, and read as it is)
+    return keep
+
+
+def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
+    """Split ``gm`` so that every splitting-op node is a piece of its own.
+
+    N non-adjacent splitting ops, none first or last, give 2N+1 pieces of which N+1 are
+    capturable. A ``getitem`` on the result of a splitting op stays in the op's piece, so a
+    captured piece never starts by unpacking an eager op's tuple.
+    """
+    piece_of, splitting_ids, matched = _assign_pieces(gm, splitting_ops)
     # keep_original_order: mutations by splitting ops must stay where the model put them.
     stitching = split_module(gm, None, lambda node: piece_of[node],  # type: ignore[arg-type]
                              keep_original_order=True)
