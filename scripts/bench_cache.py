@@ -164,8 +164,15 @@ def _report(r: dict[str, Any]) -> None:
             f"compile_fx_imported={row['compile_fx_imported']}")
         print(f"{name:<10}{row['process_s']:>8.2f}s{minus:>9}{row['first_call_s']:>9.2f}s  "
               + "".join(f"{row['stages'][n]:>18.2f}s" for n in stages) + f"  {counters}")
+    # The baseline runs the same import and model-building code as every start; when a warm
+    # process still beats it, those stages' noise (another process on the cores) is larger
+    # than what is measured, and the ratio says nothing.
+    valid = min(r["startup_minus_baseline"].values()) > 0
+    verdict = ("met" if r["warm_cold_startup"] <= 0.05 else "NOT met") if valid else (
+        "not a valid measurement: a warm process ran faster than the baseline, whose import "
+        "and build stages were slower this time; see the first call alone")
     print(f"warm/cold, process minus baseline: {r['warm_cold_startup']:.1%} "
-          f"(target <= 5%: {'met' if r['warm_cold_startup'] <= 0.05 else 'NOT met'}); "
+          f"(target <= 5%: {verdict}); "
           f"first call alone: {r['warm_cold_first_call']:.1%}; "
           f"outputs cold vs warm bit-identical: {r['identical']}")
     print(f"torch's loading of the stored Inductor artifacts alone (fastest warm start) is "
