@@ -124,16 +124,21 @@ def _described(gm: Any, names: Any = None) -> list[Any]:
     return out
 
 
+def _loaded_both_ways(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Any]:
+    """A cold start under ``root``, then its saved graph as a warm start loads it and as the
+    old loader did (every value re-derived by fake propagation): (valued, stored, propagated)."""
+    _start(root)
+    spy = _Spy(monkeypatch)
+    _start(root)
+    ((valued, stored_gm),) = spy.loads
+    propagated_gm, _ = saved_trace._load_graph(_saved_blob(root, monkeypatch), None)
+    assert spy.propagations == 1
+    return valued, stored_gm, propagated_gm
+
+
 def test_saved_values_equal_the_propagated_ones(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    _start(tmp_path)
-    spy = _Spy(monkeypatch)
-    _start(tmp_path)
-    ((valued, stored_gm),) = spy.loads
-    # the same blob loaded the old way: every value re-derived by fake propagation
-    blob = _saved_blob(tmp_path, monkeypatch)
-    propagated_gm, _ = saved_trace._load_graph(blob, None)
-    assert spy.propagations == 1
+    valued, stored_gm, propagated_gm = _loaded_both_ways(tmp_path, monkeypatch)
     assert _described(stored_gm, set(valued)) == _described(propagated_gm, set(valued))
 
 
@@ -142,12 +147,7 @@ def test_the_kept_values_split_the_graph_into_the_same_pieces(
     """The pieces of a graph holding only the kept values are the pieces of the fully valued
     one (same structural hashes, so a warm start finds the cold start's artifacts), and a
     piece's values re-derived from its inputs are the ones propagation gives."""
-    _start(tmp_path)
-    spy = _Spy(monkeypatch)
-    _start(tmp_path)
-    ((_valued, stored_gm),) = spy.loads
-    blob = _saved_blob(tmp_path, monkeypatch)
-    full_gm, _ = saved_trace._load_graph(blob, None)
+    _valued, stored_gm, full_gm = _loaded_both_ways(tmp_path, monkeypatch)
     kept, full = split_graph(stored_gm, [OP_NAME]), split_graph(full_gm, [OP_NAME])
     assert [p.name for p in kept.pieces] == [p.name for p in full.pieces]
     assert len(kept.capturable) == 2
