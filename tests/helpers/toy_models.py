@@ -42,6 +42,16 @@ class SillyModel(nn.Module):
         return x + 1
 
 
+class PadsAfterOp(nn.Module):
+    """Pads after the splitting op and cuts back to the batch: ``F.pad`` reads a symbolic
+    size as an int when run outside Dynamo's tracing context, so re-deriving this piece's
+    fake values by plain propagation would pin the batch size to the traced one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = attention(x, x, x)
+        return torch.nn.functional.pad(y, (0, 0, 0, 2))[:x.size(0)] * 2
+
+
 class KeepsLast(nn.Module):
     """Stores its output on itself. Dynamo's code does that store after the graph call, so
     nothing may skip that code: such a trace keeps its bytecode (no direct call) and a

@@ -185,6 +185,52 @@ def test_inductor_cold_then_warm_then_corrupt(tmp_path: Path) -> None:
     ff_cache.unpack_artifact(victim.read_bytes())  # whole again
 
 
+# One process: PadsAfterOp traced at batch 5, then called at other batch sizes, each output
+# checked against the module itself.
+_PADS_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{src!r}, {root!r}]
+    import torch
+    import freezeframe as ff
+    from tests.helpers.toy_models import PadsAfterOp
+    cfg = ff.CompilationConfig(mode="piecewise", backend="inductor",
+                               splitting_ops=["silly::attention"], cudagraph_mode="none",
+                               cache_dir={cache_dir!r})
+    model = ff.compile(PadsAfterOp(), cfg, dynamic_arg_dims={{"x": 0}})
+    same = []
+    with torch.no_grad():
+        for n in (5, 3, 4, 8, 1):
+            x = torch.randn(n, 3, generator=torch.Generator().manual_seed(n))
+            same.append(torch.equal(model(x), PadsAfterOp()(x)))
+    print(json.dumps({{"stats": model.stats.snapshot(), "same": same}}))
+""")
+
+
+@pytest.mark.inductor
+def test_inductor_piece_compiled_on_a_warm_start_serves_every_size(tmp_path: Path) -> None:
+    """A warm start whose piece artifacts are gone compiles the pieces from the saved trace,
+    which keeps only the values at piece boundaries: each piece serves every batch size (not
+    only the traced one), and is found again by the next start under the same key."""
+    code = _PADS_CHILD.format(src=str(ROOT / "src"), root=str(ROOT),
+                              cache_dir=str(tmp_path / "c"))
+    cold = _run(code)
+    assert cold["same"] == [True] * 5
+    assert cold["stats"]["inductor_compiles"] == 2
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    pieces = sorted(entry.path.glob("piece_*.bin"))
+    assert len(pieces) == 2
+    for piece in pieces:
+        piece.unlink()
+    rebuilt = _run(code)
+    assert rebuilt["same"] == [True] * 5
+    r = rebuilt["stats"]
+    assert (r["traces_loaded"], r["inductor_compiles"], r["cache_misses"]) == (1, 2, 2)
+    warm = _run(code)
+    assert warm["same"] == [True] * 5
+    w = warm["stats"]
+    assert (w["traces_loaded"], w.get("inductor_compiles", 0), w["cache_hits"]) == (1, 0, 2)
+
+
 @pytest.mark.inductor
 def test_inductor_two_processes_compile_once(tmp_path: Path) -> None:
     code = _child_code(tmp_path / "c", "inductor")

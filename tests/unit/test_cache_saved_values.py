@@ -1,8 +1,9 @@
 """A saved trace keeps the fake values its split reads (the placeholders', sizes, and every value
 crossing a piece boundary), so a warm start does not re-derive them by fake propagation through
 the whole graph (issue 16: 4.6 s of a warm start's first call); the values inside pieces are
-re-derived piece by piece, only for a piece that must be compiled. A trace whose values could
-not be written still loads, by propagating, as before. Eager compiler."""
+left out (Inductor traces a piece again from its inputs' values:
+tests/integration/test_cache_integration.py compiles one on a warm start). A trace whose values
+could not be written still loads, by propagating, as before. Eager compiler."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe.cache.key import graph_hash
-from freezeframe.compilation import cached_trace, compilers, saved_trace
+from freezeframe.compilation import cached_trace, saved_trace
 from freezeframe.compilation.split import split_graph, values_the_split_reads
 from tests.helpers.silly import OP_NAME, attention
 
@@ -111,6 +112,11 @@ def test_a_warm_start_takes_the_saved_values_without_fake_propagation(
     assert (a.shape[1], a.stride(), a.storage_offset()) == (4, (8, 1), 0)
 
 
+def _held(gm: Any) -> set[str]:
+    """The names of the nodes of ``gm`` that hold a fake value."""
+    return {n.name for n in gm.graph.nodes if "example_value" in n.meta or "val" in n.meta}
+
+
 def _described(gm: Any, names: Any = None) -> list[Any]:
     out = []
     for n in gm.graph.nodes:
@@ -145,8 +151,7 @@ def test_saved_values_equal_the_propagated_ones(tmp_path: Path,
 def test_the_kept_values_split_the_graph_into_the_same_pieces(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pieces of a graph holding only the kept values are the pieces of the fully valued
-    one (same structural hashes, so a warm start finds the cold start's artifacts), and a
-    piece's values re-derived from its inputs are the ones propagation gives."""
+    one: same structural hashes, so a warm start finds the cold start's artifacts."""
     _valued, stored_gm, full_gm = _loaded_both_ways(tmp_path, monkeypatch)
     kept, full = split_graph(stored_gm, [OP_NAME]), split_graph(full_gm, [OP_NAME])
     assert [p.name for p in kept.pieces] == [p.name for p in full.pieces]
@@ -157,35 +162,8 @@ def test_the_kept_values_split_the_graph_into_the_same_pieces(
         full_inputs = [n.meta["example_value"] for n in theirs.graph.graph.nodes
                        if n.op == "placeholder"]
         assert graph_hash(mine.graph, inputs) == graph_hash(theirs.graph, full_inputs)
-        assert saved_trace.fill_fake_values(mine.graph) is True
-        assert saved_trace.fill_fake_values(mine.graph) is False  # nothing left to fill
-        assert _described(mine.graph) == _described(theirs.graph)
-
-
-def test_a_piece_compiled_on_a_warm_start_gets_its_values_back(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A warm start that compiles a piece with a compiler that reads node values (Inductor;
-    here the eager compiler made to say it does) hands it a graph holding every node's value
-    again, and answers as the cold start did; the eager compiler itself is spared the work."""
-    _, cold_out = _start(tmp_path)
-    filled: list[tuple[bool, bool]] = []
-    real = compilers.fill_fake_values
-
-    def fill(gm: Any) -> bool:
-        did = real(gm)
-        filled.append((did, all("example_value" in n.meta or "val" in n.meta
-                                for n in gm.graph.nodes if n.op != "output")))
-        return did
-
-    monkeypatch.setattr(compilers, "fill_fake_values", fill)
-    warm, warm_out = _start(tmp_path)
-    assert warm.stats.traces_loaded == 1
-    assert filled == []  # the eager compiler reads no values: nothing re-derived
-    monkeypatch.setattr(compilers.EagerCompiler, "reads_fake_values", True)
-    warm, warm_out = _start(tmp_path)
-    assert warm.stats.traces_loaded == 1
-    assert filled == [(True, True), (True, True)]  # the two capturable pieces
-    assert torch.equal(warm_out, cold_out)
+        assert _described(mine.graph, _held(mine.graph)) == _described(theirs.graph,
+                                                                        _held(mine.graph))
 
 
 def _saved_blob(root: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:

@@ -223,11 +223,11 @@ class ModelCache:
         # crossing piece boundaries, sizes), a view as its ``detach()`` (the graph pickler
         # cannot write a view's base), so a warm start need not re-derive them by fake
         # propagation through the whole graph; ``valued`` lists the nodes stored with one. The
-        # values inside pieces are left out (most of them: unpickling one costs about 2 ms), and
-        # re-derived piece by piece only for a piece that must be compiled
-        # (compilers.CompilerManager). If the kept values cannot all be written (state the
-        # pickler cannot write), only the placeholders' are stored (``valued`` None) and the
-        # loader propagates through the whole graph, as before.
+        # values inside pieces are left out (most of them: unpickling one costs about 2 ms); a
+        # piece compiled on a warm start is traced again by Inductor from its inputs' values.
+        # If the kept values cannot all be written (state the pickler cannot write), only the
+        # placeholders' are stored (``valued`` None) and the loader propagates through the
+        # whole graph, as before.
         # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold real
         # tensors and weak references).
         options = Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__)

@@ -29,7 +29,6 @@ from torch import fx
 
 from freezeframe.cache.artifacts import choose_artifact_format
 from freezeframe.cache.key import graph_hash, hash_sources
-from freezeframe.compilation.saved_trace import fill_fake_values
 from freezeframe.compilation.split import fx_forward
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.sizes import Range
@@ -75,10 +74,7 @@ def _compiling(compile_range: Range) -> Iterator[None]:
 class Compiler(Protocol):
     """Compiles one piece for one range or size. ``name`` keys cache entries;
     ``launches_kernels`` says whether the result runs generated kernels of its own (rather
-    than the piece's torch ops), which a graph backend may need to know. An optional
-    ``reads_fake_values`` (True when absent) says whether it reads the fake value of every node
-    of the graph it is given (Inductor's passes do): a warm start's graph holds them only at
-    piece boundaries, and they are filled in before such a compiler gets a piece."""
+    than the piece's torch ops), which a graph backend may need to know."""
 
     name: str
     launches_kernels: bool
@@ -113,7 +109,6 @@ class EagerCompiler:
 
     name = "eager"
     launches_kernels = False
-    reads_fake_values = False
 
     def __init__(self, stats: Stats) -> None:
         self._stats = stats
@@ -249,7 +244,6 @@ class InductorCompiler:
 
     name = "inductor"
     launches_kernels = True
-    reads_fake_values = True
 
     def __init__(self, stats: Stats, compile_config: Mapping[str, Any] | None = None,
                  passes: Mapping[str, str | Callable[..., Any]] | None = None, *,
@@ -380,10 +374,6 @@ class CompilerManager:
                                        piece_index)
         loaded = runnable is not None
         if runnable is None:
-            if getattr(self.compiler, "reads_fake_values", True):
-                # a warm start's graph holds the fake values of piece boundaries only: the
-                # ones inside this piece are re-derived for the compiler, as Dynamo had them
-                fill_fake_values(graph)
             try:
                 runnable = self._compile_once_more_after_recovery(graph, example_inputs,
                                                                   compile_range, piece_index)

@@ -589,11 +589,6 @@ def _load_graph(blob: bytes, valued: Sequence[str] | None = None) -> tuple[Any, 
                       for n in gm.graph.nodes if n.op == "placeholder"]
     if valued is None or missing_values(gm, valued):
         _propagate_fake_values(gm, example_inputs, fake_mode)
-    else:
-        for node in gm.graph.nodes:  # (splitting copies the mark into the pieces' nodes)
-            if node.op not in ("placeholder", "output") and "example_value" not in node.meta \
-                    and "val" not in node.meta:
-                node.meta[VALUE_LEFT_OUT] = True
     return gm, example_inputs
 
 
@@ -656,33 +651,6 @@ def _propagate_fake_values(gm: Any, example_inputs: Sequence[Any], fake_mode: An
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output") and "val" in node.meta:
             node.meta.setdefault("example_value", node.meta["val"])
-
-
-# The mark of a node whose fake value a saved trace left out (see fill_fake_values).
-VALUE_LEFT_OUT = "freezeframe_value_left_out"
-
-
-def fill_fake_values(gm: Any) -> bool:
-    """Give the nodes of ``gm`` whose fake value a saved trace left out (it keeps only the
-    values splitting reads: :func:`~freezeframe.compilation.split.values_the_split_reads`;
-    the loader marks the others with :data:`VALUE_LEFT_OUT`) the values Dynamo gave them,
-    re-derived from the placeholders' own (symbolic) values, before a compiler that reads them
-    sees ``gm``; True when it did. The placeholders' values are used, not one compile's
-    example inputs, so that a graph compiled for one size first keeps the symbolic values
-    every range needs. A graph Dynamo traced in this process is left as it is."""
-    from torch._guards import detect_fake_mode
-
-    if not any(node.meta.get(VALUE_LEFT_OUT) for node in gm.graph.nodes):
-        return False
-    inputs = [node.meta.get("example_value", node.meta.get("val"))
-              for node in gm.graph.nodes if node.op == "placeholder"]
-    fake_mode = detect_fake_mode(inputs)
-    if fake_mode is None:  # no fake placeholder values to re-derive from
-        return False
-    _propagate_fake_values(gm, inputs, fake_mode)
-    for node in gm.graph.nodes:
-        node.meta.pop(VALUE_LEFT_OUT, None)
-    return True
 
 
 def _first_mismatch(actual: Sequence[Any], expected: Sequence[Any]) -> str | None:

@@ -236,9 +236,10 @@ def values_the_split_reads(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> 
     symbolic size binds its symbol where it is first seen); every node whose value another
     piece, or the graph's output, uses (its symbolic sizes become that piece's inputs; each
     piece's placeholders take their values from these); and every tensor whose ``size()`` is
-    taken whole (the split rewrites that call per dimension). The other nodes' values are only
-    read by a compiler, which can re-derive them piece by piece from the pieces' inputs
-    (:func:`~freezeframe.compilation.saved_trace.fill_fake_values`)."""
+    taken whole (the split rewrites that call per dimension). The other nodes' values are not
+    needed to compile a piece: Inductor traces it again from its inputs' values. (Re-deriving
+    them by fake propagation would be wrong: outside Dynamo's tracing context an op like
+    ``F.pad`` reads a symbolic size as an int, which pins the size to the traced one.)"""
     piece_of = _assign_pieces(gm, splitting_ops)[0]
     keep: set[str] = set()
     for node in gm.graph.nodes:
