@@ -2,8 +2,10 @@
 crossing a piece boundary), so a warm start does not re-derive them by fake propagation through
 the whole graph (issue 16: 4.6 s of a warm start's first call); the values inside pieces are
 left out (Inductor traces a piece again from its inputs' values:
-tests/integration/test_cache_integration.py compiles one on a warm start). A trace whose values
-could not be written still loads, by propagating, as before. Eager compiler."""
+tests/integration/test_cache_integration.py compiles one on a warm start). Values are never
+re-derived by fake propagation (outside Dynamo's tracing context it can pin a symbolic size): a
+trace whose values cannot be written is not saved, and one whose values do not come back is
+refused; warm starts then trace with Dynamo. Eager compiler."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import freezeframe as ff
 from freezeframe.cache.key import graph_hash
 from freezeframe.compilation import cached_trace, saved_trace
 from freezeframe.compilation.split import split_graph, values_the_split_reads
+from freezeframe.errors import CacheError
 from tests.helpers.silly import OP_NAME, attention
 
 
@@ -45,25 +48,34 @@ def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class _Spy:
-    """Counts fake propagations and records what the warm start's loader was given."""
+    """Records what the warm start's loader was given and gave back."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.propagations = 0
         self.loads: list[tuple[Any, Any]] = []  # (valued argument, loaded graph)
-        real_propagate = saved_trace._propagate_fake_values
         real_load = cached_trace._load_graph
 
-        def propagate(*args: Any) -> None:
-            self.propagations += 1
-            real_propagate(*args)
-
-        def load(blob: bytes, valued: Any = None) -> Any:
+        def load(blob: bytes, valued: Any) -> Any:
             gm, inputs = real_load(blob, valued)
             self.loads.append((valued, gm))
             return gm, inputs
 
-        monkeypatch.setattr(saved_trace, "_propagate_fake_values", propagate)
         monkeypatch.setattr(cached_trace, "_load_graph", load)
+
+
+def _traced_graph(root: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A cold start under ``root``; the graph Dynamo traced, with every node's value."""
+    graphs: list[Any] = []
+    real = cached_trace.ModelCache._keep_graph
+
+    def keep(self: Any, gm: Any) -> None:
+        graphs.append(gm)
+        real(self, gm)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cached_trace.ModelCache, "_keep_graph", keep)
+        _start(root)
+    (gm,) = graphs
+    return gm
 
 
 def _start(root: Path) -> tuple[ff.CompiledModel, torch.Tensor]:
@@ -90,7 +102,6 @@ def test_a_warm_start_takes_the_saved_values_without_fake_propagation(
     spy = _Spy(monkeypatch)
     warm, warm_out = _start(tmp_path)
     assert warm.stats.traces_loaded == 1
-    assert spy.propagations == 0  # (the eager compiler reads no node's value)
     assert torch.equal(warm_out, cold_out)
     ((valued, gm),) = spy.loads
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -131,27 +142,25 @@ def _described(gm: Any, names: Any = None) -> list[Any]:
 
 
 def _loaded_both_ways(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Any]:
-    """A cold start under ``root``, then its saved graph as a warm start loads it and as the
-    old loader did (every value re-derived by fake propagation): (valued, stored, propagated)."""
-    _start(root)
+    """A cold start under ``root``, then a warm start: (the names of the nodes saved with a
+    value, the graph the warm start loaded, the graph Dynamo traced in the cold start)."""
+    traced_gm = _traced_graph(root, monkeypatch)
     spy = _Spy(monkeypatch)
     _start(root)
     ((valued, stored_gm),) = spy.loads
-    propagated_gm, _ = saved_trace._load_graph(_saved_blob(root, monkeypatch), None)
-    assert spy.propagations == 1
-    return valued, stored_gm, propagated_gm
+    return valued, stored_gm, traced_gm
 
 
-def test_saved_values_equal_the_propagated_ones(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    valued, stored_gm, propagated_gm = _loaded_both_ways(tmp_path, monkeypatch)
-    assert _described(stored_gm, set(valued)) == _described(propagated_gm, set(valued))
+def test_saved_values_equal_the_traced_ones(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    valued, stored_gm, traced_gm = _loaded_both_ways(tmp_path, monkeypatch)
+    assert _described(stored_gm, set(valued)) == _described(traced_gm, set(valued))
 
 
 def test_the_kept_values_split_the_graph_into_the_same_pieces(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pieces of a graph holding only the kept values are the pieces of the fully valued
-    one: same structural hashes, so a warm start finds the cold start's artifacts."""
+    """The pieces of a graph holding only the kept values are the pieces of the traced one:
+    same structural hashes, so a warm start finds the cold start's artifacts."""
     _valued, stored_gm, full_gm = _loaded_both_ways(tmp_path, monkeypatch)
     kept, full = split_graph(stored_gm, [OP_NAME]), split_graph(full_gm, [OP_NAME])
     assert [p.name for p in kept.pieces] == [p.name for p in full.pieces]
@@ -171,7 +180,7 @@ def _saved_blob(root: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
     blobs: list[bytes] = []
     real = cached_trace._load_graph
 
-    def load(blob: bytes, valued: Any = None) -> Any:
+    def load(blob: bytes, valued: Any) -> Any:
         blobs.append(blob)
         return real(blob, valued)
 
@@ -181,32 +190,28 @@ def _saved_blob(root: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
     return blob
 
 
-def test_a_trace_whose_values_cannot_be_written_still_loads_by_propagating(
+def test_a_trace_whose_values_cannot_be_written_is_not_saved(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(value: Any) -> Any:
         raise TypeError("cannot write this value")
 
     with monkeypatch.context() as patch:
         patch.setattr(cached_trace, "_detached", refuse)
-        _, cold_out = _start(tmp_path)
+        cold, cold_out = _start(tmp_path)
+    assert (cold.stats.traces_not_saved, cold.stats.artifacts_saved) == (1, 0)
     spy = _Spy(monkeypatch)
     warm, warm_out = _start(tmp_path)
-    assert warm.stats.traces_loaded == 1
-    assert spy.loads[0][0] is None  # saved with the placeholders' values only
-    assert spy.propagations == 1
+    assert (warm.stats.traces_loaded, warm.stats.graphs_traced, spy.loads) == (0, 1, [])
     assert torch.equal(warm_out, cold_out)
 
 
-def test_a_value_that_does_not_come_back_means_propagation(
+def test_a_graph_whose_values_do_not_all_come_back_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _start(tmp_path)
     blob = _saved_blob(tmp_path, monkeypatch)
-    spy = _Spy(monkeypatch)
-    gm, inputs = saved_trace._load_graph(blob, ["h", "no_such_node"])
-    assert spy.propagations == 1
-    assert next(n.name for n in gm.graph.nodes if n.op == "call_function") == "h"  # self.lin(x)
-    assert saved_trace.missing_values(gm, ["h", "no_such_node"]) == ["no_such_node"]
-    assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes
-               if n.op == "call_function" and n.target not in (torch.ops.silly.attention,
-                                                                 torch.ops.silly.attention.default))
+    with pytest.raises(CacheError, match=r"the fake values of \['no_such_node'\] did not"):
+        saved_trace._load_graph(blob, ["l_x_", "no_such_node"])
+    with pytest.raises(CacheError, match="no list of its stored fake values"):
+        saved_trace._load_graph(blob, None)  # (an older version's trace)
+    gm, inputs = saved_trace._load_graph(blob, ["l_x_"])
     assert len(inputs) == sum(1 for n in gm.graph.nodes if n.op == "placeholder")

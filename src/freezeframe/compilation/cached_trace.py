@@ -123,7 +123,7 @@ class ModelCache:
         self._backend: Callable[..., Any] | None = None
         self._recorder: _OutputRecorder | None = None
         self._graph_blob: bytes | None = None
-        # the nodes the graph blob holds a fake value for (None: the placeholders' only)
+        # the nodes the graph blob holds a fake value for
         self._valued: list[str] | None = None
         self._sources: list[str] | None = None
         self._frame_kind: str | None = None
@@ -225,9 +225,10 @@ class ModelCache:
         # propagation through the whole graph; ``valued`` lists the nodes stored with one. The
         # values inside pieces are left out (most of them: unpickling one costs about 2 ms); a
         # piece compiled on a warm start is traced again by Inductor from its inputs' values.
-        # If the kept values cannot all be written (state the pickler cannot write), only the
-        # placeholders' are stored (``valued`` None) and the loader propagates through the
-        # whole graph, as before.
+        # A trace whose kept values cannot be written (state the pickler cannot write) is not
+        # saved: re-deriving them by fake propagation outside Dynamo's tracing context can pin
+        # a symbolic size to the traced one (an op that reads it as an int), so warm starts
+        # trace it with Dynamo instead (its pieces' artifacts still load).
         # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold real
         # tensors and weak references).
         options = Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__)
@@ -242,31 +243,20 @@ class ModelCache:
                 for key in ("example_value", "val"):
                     if key in node.meta and node.op == "placeholder":
                         put(node, key, _unviewed(node.meta[key]))
-            try:
-                keep = values_the_split_reads(gm, self._splitting_ops())
-                for node in gm.graph.nodes:
-                    for key in ("example_value", "val"):
-                        if key not in node.meta or node.op == "placeholder":
-                            continue
-                        if node.name not in keep:
-                            replaced.setdefault((node, key), node.meta[key])
-                            del node.meta[key]
-                            continue
-                        put(node, key, _detached(node.meta[key]))
-                        if _holds_view(node.meta[key]):
-                            raise CacheError(f"the value of {node.name} is still a view")
-                self._graph_blob = GraphPickler.dumps(gm, options)
-                self._valued = valued_nodes(gm)
-            except Exception as exc:
-                logger.debug("pickling the nodes' fake values failed (%s: %s); keeping the "
-                             "placeholders' only", type(exc).__name__, exc)
-                for node in gm.graph.nodes:
-                    for key in ("example_value", "val"):
-                        if node.op != "placeholder" and key in node.meta:
-                            replaced.setdefault((node, key), node.meta[key])
-                            del node.meta[key]
-                self._graph_blob = GraphPickler.dumps(gm, options)
-                self._valued = None
+            keep = values_the_split_reads(gm, self._splitting_ops())
+            for node in gm.graph.nodes:
+                for key in ("example_value", "val"):
+                    if key not in node.meta or node.op == "placeholder":
+                        continue
+                    if node.name not in keep:
+                        replaced.setdefault((node, key), node.meta[key])
+                        del node.meta[key]
+                        continue
+                    put(node, key, _detached(node.meta[key]))
+                    if _holds_view(node.meta[key]):
+                        raise CacheError(f"the value of {node.name} is still a view")
+            self._graph_blob = GraphPickler.dumps(gm, options)
+            self._valued = valued_nodes(gm)
         except Exception as exc:
             self._graph_blob = None
             self._not_saved = f"the traced graph cannot be serialised ({type(exc).__name__}: {exc})"

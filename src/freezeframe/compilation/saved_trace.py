@@ -568,27 +568,30 @@ class _SavedSizes:
                 f"{dict(self.traced_at)})")
 
 
-def _load_graph(blob: bytes, valued: Sequence[str] | None = None) -> tuple[Any, list[Any]]:
-    """A saved graph with a fake value on every node, and its placeholders' values.
+def _load_graph(blob: bytes, valued: Sequence[str] | None) -> tuple[Any, list[Any]]:
+    """A saved graph with the fake values it was saved with, and its placeholders' values.
 
-    ``valued`` names the nodes that held a fake value in a trace saved with every node's value
-    (:meth:`~freezeframe.compilation.cached_trace.ModelCache._keep_graph`). When each of them
-    has its value back, the values are used as they are: no fake propagation through the whole
-    graph, which is what made a warm start slow. Otherwise (``valued`` is None: a trace saved
-    with its placeholders' values only; or a value did not come back) every node's value is
-    re-derived from the placeholders' by fake propagation.
+    ``valued`` names the nodes saved with a fake value
+    (:meth:`~freezeframe.compilation.cached_trace.ModelCache._keep_graph`: those the split
+    reads). A trace saved without that list (an older version kept the placeholders' values
+    only) or whose values do not all come back is refused with :class:`CacheError`, and the
+    caller traces with Dynamo: re-deriving them by fake propagation outside Dynamo's tracing
+    context can pin a symbolic size to the traced one (``F.pad`` reads it as an int).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    if valued is None:
+        raise CacheError("the saved graph has no list of its stored fake values")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     gm: Any = GraphPickler.loads(blob, fake_mode)
     gm.recompile()
+    missing = missing_values(gm, valued)
+    if missing:
+        raise CacheError(f"the fake values of {missing[:3]} did not come back")
     example_inputs = [n.meta.get("example_value", n.meta.get("val"))
                       for n in gm.graph.nodes if n.op == "placeholder"]
-    if valued is None or missing_values(gm, valued):
-        _propagate_fake_values(gm, example_inputs, fake_mode)
     return gm, example_inputs
 
 
@@ -640,17 +643,6 @@ def _unviewed(value: Any) -> Any:
         plain = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
                                     device=value.device, requires_grad=value.requires_grad)
     return plain
-
-
-def _propagate_fake_values(gm: Any, example_inputs: Sequence[Any], fake_mode: Any) -> None:
-    """Recompute every node's fake value (``example_value`` / ``val``, as Dynamo leaves them)
-    from the placeholders', so splitting and Inductor see the graph as Dynamo produced it."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_inputs)
-    for node in gm.graph.nodes:
-        if node.op not in ("placeholder", "output") and "val" in node.meta:
-            node.meta.setdefault("example_value", node.meta["val"])
 
 
 def _first_mismatch(actual: Sequence[Any], expected: Sequence[Any]) -> str | None:
