@@ -95,7 +95,7 @@ def _node(gm: Any, target: Any, index: int) -> Any:
     return node
 
 
-def test_a_warm_start_takes_the_saved_values_without_fake_propagation(
+def test_a_warm_start_loads_only_the_values_the_split_reads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cold, cold_out = _start(tmp_path)
     assert (cold.stats.traces_loaded, cold.stats.artifacts_saved) == (0, 1)  # the trace
@@ -173,6 +173,30 @@ def test_the_kept_values_split_the_graph_into_the_same_pieces(
         assert graph_hash(mine.graph, inputs) == graph_hash(theirs.graph, full_inputs)
         assert _described(mine.graph, _held(mine.graph)) == _described(theirs.graph,
                                                                         _held(mine.graph))
+
+
+class _Scaled(nn.Module):
+    """Reads a buffer before and after the splitting op: traced by FX, it is a ``get_attr``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = attention(x * self.scale, x, x)
+        return y * self.scale
+
+
+def test_a_get_attr_keeps_its_value_even_beside_its_only_user() -> None:
+    """``split_module`` gives a ``get_attr`` no piece: it hands it to every piece using it as
+    an input, with its value. So each is kept, also one whose only user follows it in the
+    same piece (``scale_1``, read after the splitting op)."""
+    gm = torch.fx.symbolic_trace(_Scaled())
+    attrs = sorted(n.name for n in gm.graph.nodes if n.op == "get_attr")
+    assert attrs == ["scale", "scale_1"]
+    keep = values_the_split_reads(gm, [OP_NAME])
+    assert set(attrs) <= keep
+    assert {"x", "mul", "empty_like", "mul_1"} <= keep  # (each crosses a piece boundary)
 
 
 def _saved_blob(root: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:

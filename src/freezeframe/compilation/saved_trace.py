@@ -619,7 +619,7 @@ def _holds_view(value: Any) -> bool:
 def _detached(value: Any) -> Any:
     """A node's fake value with each tensor that is a view replaced by ``detach()`` of it: the
     same sizes, strides, storage offset and storage, without the view's base (which the graph
-    pickler cannot write). Fake propagation, the loader's fallback, records such values too."""
+    pickler cannot write)."""
     import torch
 
     if isinstance(value, (tuple, list)):

@@ -204,8 +204,9 @@ def check_splitting_ops(names: Iterable[str]) -> None:
 
 def _assign_pieces(gm: fx.GraphModule, splitting_ops: Sequence[str]
                    ) -> tuple[dict[fx.Node, int], set[int], set[str]]:
-    """Each node's piece number (placeholders and the output have none), the numbers of the
-    splitting-op pieces, and the splitting ops that matched a node."""
+    """Each node's piece number (placeholders and the output have none; a ``get_attr`` has one
+    here, though ``split_module`` gives it none and hands it to every piece that uses it), the
+    numbers of the splitting-op pieces, and the splitting ops that matched a node."""
     piece_of: dict[fx.Node, int] = {}
     splitting_ids: set[int] = set()
     matched: set[str] = set()
@@ -232,18 +233,20 @@ def _assign_pieces(gm: fx.GraphModule, splitting_ops: Sequence[str]
 def values_the_split_reads(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> set[str]:
     """The names of the nodes whose fake values :func:`split_graph` reads (``split_module``
     reads ``example_value``), so that a graph holding only these splits into the same pieces as
-    one holding every node's: the placeholders; every node whose value is not a tensor (a
+    one holding every node's: the placeholders and ``get_attr`` nodes (each becomes an input,
+    with its value, of every piece that uses it); every node whose value is not a tensor (a
     symbolic size binds its symbol where it is first seen); every node whose value another
     piece, or the graph's output, uses (its symbolic sizes become that piece's inputs; each
-    piece's placeholders take their values from these); and every tensor whose ``size()`` is
-    taken whole (the split rewrites that call per dimension). The other nodes' values are not
+    piece's placeholders take their values from these); and, as a precaution, every tensor
+    whose ``size()`` is taken whole (``split_module`` has code that rewrites such a call per
+    dimension from the tensor's value, unused in torch 2.13). The other nodes' values are not
     needed to compile a piece: Inductor traces it again from its inputs' values. (Re-deriving
     them by fake propagation would be wrong: outside Dynamo's tracing context an op like
     ``F.pad`` reads a symbolic size as an int, which pins the size to the traced one.)"""
     piece_of = _assign_pieces(gm, splitting_ops)[0]
     keep: set[str] = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):
             keep.add(node.name)
             continue
         if (node.op == "call_method" and node.target == "size" and len(node.args) == 1
