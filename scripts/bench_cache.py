@@ -46,7 +46,6 @@ import torch
 t_torch = time.perf_counter()
 from freezeframe.cache.cli import prewarm_spec
 {ff_import}
-t_import = time.perf_counter()
 inductor_load = [0.0]
 if {compiled!r}:
     # the time torch's own loader takes over each stored Inductor artifact (its generated
@@ -62,6 +61,7 @@ if {compiled!r}:
             inductor_load[0] += time.perf_counter() - start
 
     PieceCache._load_payload = staticmethod(_timed_load)
+t_import = time.perf_counter()
 spec = prewarm_spec({preset!r}, layers={layers!r}, device={device!r})
 t_build = time.perf_counter()
 stats = {{}}
