@@ -29,6 +29,7 @@ from freezeframe.compilation.split import (
     check_splitting_ops,
     fx_forward,
     split_graph,
+    splitting_ops_of,
 )
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import CompileError, ShapeOutOfRangeError
@@ -207,7 +208,7 @@ class CompileBackend:
 
     def _compile_piecewise(self, gm: fx.GraphModule,
                            example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        split = split_graph(gm, self.config.splitting_ops or ())
+        split = split_graph(gm, splitting_ops_of(self.config))
         self._report_unused_ops(split)
         self.stitching = split.stitching
         self.pieces = list(split.pieces)

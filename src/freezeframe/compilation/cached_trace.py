@@ -69,8 +69,7 @@ from freezeframe.compilation.saved_trace import (
     valued_nodes,
 )
 from freezeframe.compilation.signature import Signer
-from freezeframe.compilation.split import values_the_split_reads
-from freezeframe.config import CompilationMode
+from freezeframe.compilation.split import splitting_ops_of, values_the_split_reads
 from freezeframe.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -243,7 +242,7 @@ class ModelCache:
                 for key in ("example_value", "val"):
                     if key in node.meta and node.op == "placeholder":
                         put(node, key, _unviewed(node.meta[key]))
-            keep = values_the_split_reads(gm, self._splitting_ops())
+            keep = values_the_split_reads(gm, splitting_ops_of(self._model.config))
             for node in gm.graph.nodes:
                 for key in ("example_value", "val"):
                     if key not in node.meta or node.op == "placeholder":
@@ -266,13 +265,6 @@ class ModelCache:
             for (node, key), value in replaced.items():
                 node.meta[key] = value
         self._sources = sources
-
-    def _splitting_ops(self) -> Sequence[str]:
-        """The ops the model's graph is split at (none when it is compiled whole)."""
-        config = self._model.config
-        if config.mode is CompilationMode.DYNAMO_TRACE_ONCE:  # (as CompileBackend decides)
-            return ()
-        return tuple(config.splitting_ops or ())
 
     def _not_saving(self, why: str) -> None:
         logger.info("the trace of %s is not saved, so warm starts will trace with Dynamo: %s",

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from freezeframe.config import CompilationConfig, CompilationMode
 from freezeframe.errors import ConfigError
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "fx_forward",
     "matches_splitting_op",
     "split_graph",
+    "splitting_ops_of",
     "values_the_split_reads",
 ]
 
@@ -200,6 +202,14 @@ def check_splitting_ops(names: Iterable[str]) -> None:
             "splitting_ops: " + "; ".join(problems) + ". Fix the name, or import the module "
             "that registers the op (torch.library.custom_op or Library.define) before "
             "ff.compile")
+
+
+def splitting_ops_of(config: CompilationConfig) -> tuple[str, ...]:
+    """The ops a compiled model's graph is split at: the config's ``splitting_ops``, none when
+    the graph is compiled whole (``DYNAMO_TRACE_ONCE``)."""
+    if config.mode is CompilationMode.DYNAMO_TRACE_ONCE:
+        return ()
+    return tuple(config.splitting_ops or ())
 
 
 def _assign_pieces(gm: fx.GraphModule, splitting_ops: Sequence[str]
