@@ -358,3 +358,60 @@ def test_replacing_the_compiled_models_module_is_refused() -> None:
     model = ff.compile(Net(), config())
     with pytest.raises(ConfigError, match=r"module cannot be replaced.*ff.compile\(new_module"):
         model.module = Net()
+
+
+# -- the short cut of __call__, worked out once ------------------------------------------------
+def test_two_tensor_keys_tell_apart_two_storages_one_storage_and_one_tensor() -> None:
+    base = torch.randn(16)
+    a, b = base[:8], base[8:]
+    two, shared, same = (exact_key(args, {}, False) for args in (
+        (torch.randn(8), torch.randn(8)), (a, b), (a, a)))
+    assert len({two, shared, same}) == 3
+    assert same == exact_key((b, b), {}, False)
+    assert shared == exact_key((b, a), {}, False)
+    # a key of two tensors is never one of one tensor and an int, or of three values
+    assert exact_key((a, 8), {}, False) != two
+    assert exact_key((a, b, None), {}, False) != shared
+
+
+@pytest.mark.parametrize("change", ["forward wrapped", "forward hook", "global hook",
+                                    "module.compile"])
+def test_what_is_set_on_a_warm_model_is_seen_at_its_next_call(change: str) -> None:
+    """Once warm, a call skips nn.Module.__call__ while nothing has moved torch's hook-handle
+    counter or set an attribute of the compiled model; each of these changes must be seen on
+    the very next call."""
+    module = Net()
+    x = torch.randn(3, 4)
+    model = _warm(module, x)
+    with torch.no_grad():
+        model(x)
+        assert model._armed_at == torch.utils.hooks.RemovableHandle.next_id
+        handle = None
+        if change == "forward wrapped":
+            inner = model.forward
+            model.forward = lambda *a, **k: inner(*a, **k) * 2
+            want = module(x) * 2
+        elif change == "forward hook":
+            handle = model.register_forward_hook(lambda m, args, out: out - 1)
+            want = module(x) - 1
+        elif change == "global hook":
+            # a global hook also reaches the submodules the trace inlined: refused
+            handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+            try:
+                with pytest.raises(CompileError, match="global module hooks"):
+                    model(x)
+            finally:
+                handle.remove()
+            _eq(model(x), module(x))
+            return
+        else:
+            model.compile(backend="eager")
+            want = module(x)
+        try:
+            for _ in range(2):
+                _eq(model(x), want)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if change == "forward hook":
+            _eq(model(x), module(x))

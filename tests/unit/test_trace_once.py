@@ -55,8 +55,10 @@ def test_second_size_reuses_the_first_trace(mode):
 @pytest.mark.parametrize("mode", ["dynamo_trace_once", "piecewise"])
 def test_a_branch_on_the_batch_size_traces_each_side_once_and_warns(mode):
     model = ff.compile(BranchOnSize(), config(mode))
-    with pytest.warns(UserWarning, match=r"branches on a dynamic size \(x\.shape\[0\] >= 4"):
+    with pytest.warns(UserWarning, match=r"branches on a dynamic size \(x\.shape\[0\] >= 4") \
+            as caught:
         assert model(X4).tolist() == [2, 4, 6, 8]
+    assert [w.filename for w in caught] == [__file__]  # the user's line, not freezeframe's
     assert model.stats.size_branches == 1
     with pytest.warns(UserWarning, match=r"x\.shape\[0\] < 4"):
         assert model(X3).tolist() == [100, 200, 300]  # the other side, as eager

@@ -6,7 +6,10 @@ import dataclasses
 import inspect
 import logging
 import operator
+import os
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle as _hook_handles
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation.backend import CompileBackend
@@ -65,7 +69,22 @@ logger = logging.getLogger(__name__)
 
 _requires_grad = operator.attrgetter("requires_grad")
 _is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
 _inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+# Where freezeframe's and torch's own frames are: a warning is reported at the first frame
+# outside them, the user's line that called the model.
+_INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _warn_at_caller(message: str) -> None:
+    frame: types.FrameType | None = sys._getframe(0)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _first_lines(text: str, n: int) -> str:
@@ -177,6 +196,7 @@ class CompiledModel(nn.Module):
         # of that key has been routed with its variant's direct call worked out
         self._exact: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._lock = threading.RLock()  # one thread traces; the others wait for it
+        self._armed_at = -1  # the hook-handle count __call__'s short cut was worked out at
         self._warned: set[str] = set()
         self._stock: Callable[..., Any] | None = None
         self._full_wrapper: GraphWrapper | None = None
@@ -335,7 +355,7 @@ class CompiledModel(nn.Module):
                        "trace, no compiled pieces, no graphs); calls keep running eagerly until "
                        "Dynamo is enabled again, and are counted in stats.compile_disabled")
             logger.warning(message)
-            warnings.warn(message, stacklevel=7)
+            _warn_at_caller(message)
         return self.module(*args, **kwargs)
 
     def _trace_new(self, key: tuple[Any, ...], signature: CallSignature,
@@ -423,6 +443,9 @@ class CompiledModel(nn.Module):
                 "remove them before the first call")
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # Any attribute set may be one the short cut of __call__ depends on (forward,
+        # _compiled_call_impl): it is worked out again on the next call.
+        self.__dict__["_armed_at"] = -1
         if name == "module" and "module" in self.__dict__.get("_modules", {}):
             raise ConfigError(
                 f"{self.model_key}: a compiled model's module cannot be replaced: its traces, "
@@ -471,7 +494,7 @@ class CompiledModel(nn.Module):
                        "stats.retraces). Make forward's control flow independent of the batch "
                        "size to trace once")
             logger.warning(message)
-            warnings.warn(message, stacklevel=8)
+            _warn_at_caller(message)
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -482,14 +505,14 @@ class CompiledModel(nn.Module):
         trace (Dynamo, TorchScript), keeps autograd (``inference_mode=False``), has its
         ``forward`` replaced on the instance, or has seen no shape twice. The short cut skips
         only what an unhooked ``nn.Module`` call would have done (nothing) and forward's
-        routing (which this call repeats by its key)."""
-        if (_is_compiling() or not self._exact or not self.inference_mode
-                or "forward" in self.__dict__  # a wrapper set on the instance (accelerate)
-                or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
-                or self._backward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
-                or _nn_module._global_backward_pre_hooks or self._compiled_call_impl is not None
-                or torch._C._get_tracing_state()):
+        routing (which this call repeats by its key).
+
+        Whether the short cut may be taken is worked out once (:meth:`_arm`) and holds while
+        torch's hook-handle counter stays where it was (every hook registered, on this model,
+        anywhere else or globally, moves it) and no attribute of this model is set (which
+        disarms it): a step then checks only that counter and the two trace states."""
+        if (self._armed_at != _hook_handles.next_id or _is_compiling()
+                or _tracing_state() is not None) and not self._arm():
             return super().__call__(*args, **kwargs)
         state = self._state
         if state is not None and (self._check_state_every_call or state.changed_cheaply()):
@@ -502,6 +525,23 @@ class CompiledModel(nn.Module):
             return known(*args, **kwargs)
         with torch._C._InferenceMode(True):  # what torch.inference_mode() enters
             return known(*args, **kwargs)
+
+    def _arm(self) -> bool:
+        """Whether this call may skip ``nn.Module.__call__`` (see :meth:`__call__`); when it
+        may, remember the hook-handle counter so that the next calls need not ask again.
+        The counter is read before the hooks: a hook registered meanwhile moves it first."""
+        count = _hook_handles.next_id
+        if (_is_compiling() or _tracing_state() is not None or not self._exact
+                or not self.inference_mode
+                or "forward" in self.__dict__  # a wrapper set on the instance (accelerate)
+                or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                or self._backward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+                or _nn_module._global_backward_pre_hooks
+                or self._compiled_call_impl is not None):
+            return False
+        self.__dict__["_armed_at"] = count  # (not through __setattr__, which disarms)
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():

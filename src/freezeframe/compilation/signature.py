@@ -145,6 +145,7 @@ def _nested_tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
 # Plain values an exact key holds by (type, value): equal values of these types are
 # interchangeable in a trace (floats are not: -0.0 == 0.0, and a NaN equals nothing).
 _EXACT_PLAIN = frozenset({int, bool, str, type(None)})
+_PAIR = object()  # the first item of a two-tensor exact key
 
 
 def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -157,12 +158,29 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
 
     Two calls with one exact key have one :meth:`Signer.key` and the same dynamic sizes, so
     they meet the same size conditions: a compiled model remembers where a call with this key
-    went and sends the next one there directly (about 1 us, against 3 to 5 for the
-    structure key and the route)."""
-    if not kwargs and len(args) == 1 and not grad_matters:  # the common call, kept short
-        value = args[0]
-        if value.__class__ is torch.Tensor:
-            return (value.shape, value.dtype, value.device, value.stride(), value.requires_grad)
+    went and sends the next one there directly.
+
+    It runs on every call of a compiled model, between the pieces' own ops, where each
+    temporary object costs several times what it costs in a loop of its own: the calls of one
+    or two positional tensors (a batch, or tokens and positions) get flat keys of their own,
+    and storages are compared only where two of them are equal (as :meth:`Signer.key` does).
+    Keys of different shapes never compare equal: the one-tensor key starts with a
+    ``torch.Size``, the two-tensor key with ``_PAIR``, every other key with a tuple."""
+    if not kwargs and not grad_matters:  # the common calls, kept short
+        n = len(args)
+        if n == 1:
+            value = args[0]
+            if value.__class__ is torch.Tensor:
+                return (value.shape, value.dtype, value.device, value.stride(),
+                        value.requires_grad)
+        elif n == 2:
+            a, b = args
+            if a.__class__ is torch.Tensor and b.__class__ is torch.Tensor:
+                # 0: two storages; 1: one storage, two tensors; 2: one tensor twice
+                shared = 0 if a.untyped_storage().data_ptr() != \
+                    b.untyped_storage().data_ptr() else 2 if a is b else 1
+                return (_PAIR, a.shape, a.dtype, a.device, a.stride(), a.requires_grad,
+                        b.shape, b.dtype, b.device, b.stride(), b.requires_grad, shared)
     key: list[Any] = [tuple(kwargs)] if kwargs else []
     tensors: list[torch.Tensor] = []
     for value in (*args, *kwargs.values()) if kwargs else args:
@@ -177,8 +195,10 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
             return None
     if len(tensors) > 1:
         storages = [t.untyped_storage().data_ptr() for t in tensors]
-        ids = list(map(id, tensors))
-        key.append((tuple(map(storages.index, storages)), tuple(map(ids.index, ids))))
+        if len(set(storages)) != len(storages):
+            ids = list(map(id, tensors))
+            key.append(("aliases", tuple(map(storages.index, storages)),
+                        tuple(map(ids.index, ids))))
     if grad_matters:
         key.append(torch.is_grad_enabled())
     return tuple(key)
