@@ -370,3 +370,49 @@ def test_a_replaced_root_submodule_is_caught_at_the_next_call() -> None:
     mine.lin = nn.Linear(4, 4)
     with pytest.raises(CompileError, match=r"a submodule was added, removed or replaced"):
         model(torch.randn(3, 4))
+
+
+def test_a_global_hook_of_the_trace_removed_is_caught() -> None:
+    """The every-call tier counts hooks: one removed lowers the count, one added moves torch's
+    hook-handle counter, so a removal followed by another registration is seen too."""
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, i, o: o)
+    try:
+        mine, _ = _pair()
+        model = ff.compile(mine, _config())
+        x = torch.randn(3, 4)
+        model(x)
+        model(x)
+    finally:
+        handle.remove()
+    with pytest.raises(CompileError, match="global module hooks"):
+        model(x)
+    other = nn.modules.module.register_module_forward_hook(lambda mod, i, o: o)
+    try:
+        with pytest.raises(CompileError, match="global module hooks"):
+            model(x)
+    finally:
+        other.remove()
+
+
+@pytest.mark.parametrize("modes", ["all train", "mixed"])
+def test_a_flag_switched_among_submodules_of_either_mode_is_caught(modes: str) -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.b(self.a(x)))
+
+    module = Two().train()
+    if modes == "mixed":
+        module.a.eval()
+    model = ff.compile(module, _config())
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), module(x))
+    module.b.train(False)
+    with pytest.raises(CompileError, match=r"model\.b\.training was True at the trace"):
+        model(x)
+    module.b.train(True)
+    torch.testing.assert_close(model(x), module(x))

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.utils.hooks import RemovableHandle
+from torch.utils.hooks import RemovableHandle as _hook_handles
 
 from freezeframe.compilation.values import Same, describe, token
 
@@ -94,11 +94,6 @@ def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
 _training = operator.itemgetter("training")
 
 
-def _hook_ids(module: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return (tuple(module._forward_pre_hooks), tuple(module._forward_hooks))
-
-
-
 class _SubmoduleState:
     __slots__ = ("attrs", "hooks", "training")
 
@@ -145,6 +140,9 @@ class ModuleState:
         # here: a change is a difference of the full tier, never refreshed.
         self._sub_dicts = tuple(vars(sub) for _, sub in self._modules[1:])
         self._sub_flags = tuple(map(_training, self._sub_dicts))
+        # True or False when every submodule has that flag (checked without a tuple), else None
+        self._flags_alike = self._sub_flags[0] if self._sub_flags and all(
+            flag is self._sub_flags[0] for flag in self._sub_flags) else None
         self._traced_hooks = tuple((hooks, len(hooks)) for _, sub in self._modules[1:]
                                    for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
                                    if hooks)
@@ -154,6 +152,10 @@ class ModuleState:
         """Take the every-call tier's references again, after a full check found nothing
         changed (an attribute set to an equal new value, an internal attribute torch added)."""
         module = self.module
+        # a hook added anywhere: every hook handle takes the next id of one process-wide
+        # counter (which other hooks, a tensor's, also move: the full tier then finds
+        # nothing). Read before the hooks are counted: registering moves it first.
+        self._next_handle = _hook_handles.next_id
         self._root_size = len(vars(module))
         kept = [(name, value) for name, value in _user_attrs(module).items()
                 if not isinstance(value, torch.Tensor)]
@@ -162,43 +164,51 @@ class ModuleState:
         self._pick_root = operator.itemgetter(*names) if names else None
         self._single = len(kept) == 1
         self._picked: Any = kept[0][1] if self._single else tuple(v for _, v in kept)
-        self._global_fwd, self._global_pre = self._global_ids
-        self._root_fwd, self._root_pre = _hook_ids(module)
-        self._root_children = tuple(module._modules.values())
+        # hook counts (see changed_cheaply) and the direct submodules, as a dict of their own
+        self._global_fwd = len(_torch_module._global_forward_hooks)
+        self._global_pre = len(_torch_module._global_forward_pre_hooks)
+        self._root_fwd = len(module._forward_hooks)
+        self._root_pre = len(module._forward_pre_hooks)
+        self._root_children = dict(module._modules)
         # a root attribute holding a tensor is read as an input; it must stay a tensor
         tensors = tuple(name for name, value in _user_attrs(module).items()
                         if isinstance(value, torch.Tensor))
         self._pick_tensors = operator.itemgetter(*tensors) if tensors else None
         self._tensor_single = len(tensors) == 1
-        # a hook added anywhere: every hook handle takes the next id of one process-wide
-        # counter (which other hooks, a tensor's, also move: the full tier then finds nothing)
-        self._next_handle = RemovableHandle.next_id
 
     def changed_cheaply(self) -> bool:
         """The every-call tier: the root's train/eval flag, hooks, direct submodules and
         attribute references (an attribute set to another object, added or deleted, a tensor
         attribute that is no tensor any more), every submodule's train/eval flag, a hook
         registered anywhere or one of the trace's removed, and the global hooks. A True sends
-        the call to the full tier. (Written out flat: it runs on every step, where each call or
-        temporary costs a tenth of a microsecond.)"""
+        the call to the full tier.
+
+        Written out flat and without temporaries: it runs on every step, between the pieces'
+        own ops, where each call or object made costs several tenths of a microsecond. Hooks
+        are compared by count: every hook registered anywhere moves the handle counter, so a
+        count that is as it was and a counter that has not moved mean the same hooks."""
         attrs = self.module.__dict__  # (read directly: see _sub_dicts)
         try:
             if (attrs["training"] is not self.training
+                    or _hook_handles.next_id != self._next_handle
                     or len(attrs) != self._root_size
-                    or RemovableHandle.next_id != self._next_handle
-                    or tuple(_torch_module._global_forward_hooks) != self._global_fwd
-                    or tuple(_torch_module._global_forward_pre_hooks) != self._global_pre
-                    or tuple(attrs["_forward_pre_hooks"]) != self._root_pre
-                    or tuple(attrs["_forward_hooks"]) != self._root_fwd
-                    # tuples compare items by identity first (nn.Module has no __eq__)
-                    or tuple(attrs["_modules"].values()) != self._root_children):
+                    or len(_torch_module._global_forward_hooks) != self._global_fwd
+                    or len(_torch_module._global_forward_pre_hooks) != self._global_pre
+                    or len(attrs["_forward_pre_hooks"]) != self._root_pre
+                    or len(attrs["_forward_hooks"]) != self._root_fwd
+                    # dicts compare their values by identity first (nn.Module has no __eq__)
+                    or attrs["_modules"] != self._root_children):
                 return True
-        except KeyError:  # (nn.Module's own attributes deleted by hand)
-            return True
-        try:
-            if tuple(map(_training, self._sub_dicts)) != self._sub_flags:
+            flags = self._flags_alike
+            if flags is False:  # (the common case: every submodule in eval mode)
+                if any(map(_training, self._sub_dicts)):
+                    return True
+            elif flags is True:
+                if not all(map(_training, self._sub_dicts)):
+                    return True
+            elif tuple(map(_training, self._sub_dicts)) != self._sub_flags:
                 return True
-        except KeyError:  # (a __dict__ emptied by hand)
+        except KeyError:  # (nn.Module's own attributes deleted, a __dict__ emptied, by hand)
             return True
         for hooks, count in self._traced_hooks:
             if len(hooks) != count:
