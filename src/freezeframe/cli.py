@@ -236,7 +236,7 @@ def describe_config(cfg: Any) -> str:
     if sizes:
         size_text = f"{len(sizes)} sizes, max {sizes[-1]}: " + " ".join(map(str, sizes))
         padding_text = (_padding_cells(padding_intervals(sizes))
-                        + f"; 0->0; above {sizes[-1]}: no graph (unpadded)")
+                        + f"; 0 and above {sizes[-1]}: no graph (unpadded)")
     else:
         size_text = "none (CUDA graphs off)"
         padding_text = "none: every batch runs unpadded without a graph"

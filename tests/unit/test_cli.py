@@ -35,7 +35,7 @@ def test_config_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -
                  if not line.startswith(("capture", "compile", "cache", "batch")))
     assert lines["mode"] == "PIECEWISE (3)"
     assert lines["cudagraph_mode"] == "FULL_AND_PIECEWISE (uniform decode: FULL, mixed: PIECEWISE)"
-    assert lines["padding"] == "1->1 2->2 3..4->4; 0->0; above 4: no graph (unpadded)"
+    assert lines["padding"] == "1->1 2->2 3..4->4; 0 and above 4: no graph (unpadded)"
     assert "capture sizes       3 sizes, max 4: 1 2 4" in out
     assert "compile ranges      [1, 8192]" in out
     assert "compile sizes       1 2 4" in out
