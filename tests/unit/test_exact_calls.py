@@ -415,3 +415,43 @@ def test_what_is_set_on_a_warm_model_is_seen_at_its_next_call(change: str) -> No
                 handle.remove()
         if change == "forward hook":
             _eq(model(x), module(x))
+
+
+# -- another thread changing the model while a call works out its short cut --------------------
+def test_a_hook_stored_after_its_handle_moved_the_counter_still_runs() -> None:
+    """register_forward_hook makes the handle (moving the counter) before it stores the hook:
+    a call from another thread in between arms at the new count, so the stored hook must be
+    seen by reading the hook dict itself."""
+    module = Net()
+    x = torch.randn(3, 4)
+    model = _warm(module, x)
+    with torch.no_grad():
+        handle = torch.utils.hooks.RemovableHandle(model._forward_hooks)  # step one
+        model(x)  # "the other thread": arms at the moved counter
+        model._forward_hooks[handle.id] = lambda m, args, out: out * 0  # step two
+        for _ in range(2):
+            _eq(model(x), module(x) * 0)
+        handle.remove()
+        _eq(model(x), module(x))
+
+
+def test_forward_set_while_a_call_arms_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = Net()
+    x = torch.randn(3, 4)
+    model = _warm(module, x)
+    model.__dict__["_armed_at"] = -1  # as after any attribute set: the next call arms
+    checks = model_module.CompiledModel._may_skip_module_call
+    inner = model.forward
+
+    def set_between(self: Any) -> bool:
+        ok = checks(self)
+        if "forward" not in self.__dict__:  # "another thread" sets forward after the check
+            self.forward = lambda *a, **k: inner(*a, **k) * 2
+        return ok
+
+    monkeypatch.setattr(model_module.CompiledModel, "_may_skip_module_call", set_between)
+    with torch.no_grad():
+        model(x)
+        monkeypatch.undo()
+        for _ in range(2):
+            _eq(model(x), module(x) * 2)

@@ -416,3 +416,20 @@ def test_a_flag_switched_among_submodules_of_either_mode_is_caught(modes: str) -
         model(x)
     module.b.train(True)
     torch.testing.assert_close(model(x), module(x))
+
+
+def test_a_submodule_hook_stored_after_the_counter_was_refreshed_is_caught() -> None:
+    """A call that sees the counter moved refreshes it; a hook another thread stores after
+    that (torch makes the handle first) is seen in the submodule's hook dict."""
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    model(x)
+    handle = torch.utils.hooks.RemovableHandle(mine.lin._forward_hooks)  # counter moved
+    model(x)  # nothing stored yet: the full tier finds nothing and refreshes
+    mine.lin._forward_hooks[handle.id] = lambda mod, i, o: o + 100
+    with pytest.raises(CompileError, match=r"model\.lin had 0 forward hook"):
+        model(x)
+    handle.remove()
+    model(x)

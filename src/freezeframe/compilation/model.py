@@ -444,7 +444,8 @@ class CompiledModel(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Any attribute set may be one the short cut of __call__ depends on (forward,
-        # _compiled_call_impl): it is worked out again on the next call.
+        # _compiled_call_impl): it is worked out again on the next call. Disarmed after the
+        # set as well, for a thread arming meanwhile (see _arm).
         self.__dict__["_armed_at"] = -1
         if name == "module" and "module" in self.__dict__.get("_modules", {}):
             raise ConfigError(
@@ -452,6 +453,7 @@ class CompiledModel(nn.Module):
                 "pieces and graphs were made from the first one. Compile the new module "
                 "instead: ff.compile(new_module, config)")
         super().__setattr__(name, value)
+        self.__dict__["_armed_at"] = -1
 
     def _check_state(self, state: ModuleState) -> None:
         why = state.difference()
@@ -510,8 +512,13 @@ class CompiledModel(nn.Module):
         Whether the short cut may be taken is worked out once (:meth:`_arm`) and holds while
         torch's hook-handle counter stays where it was (every hook registered, on this model,
         anywhere else or globally, moves it) and no attribute of this model is set (which
-        disarms it): a step then checks only that counter and the two trace states."""
-        if (self._armed_at != _hook_handles.next_id or _is_compiling()
+        disarms it). A call then checks that counter, the two trace states and this model's
+        forward hooks, whose dicts are read on every call because torch moves the counter
+        before it stores the hook: a hook registered by another thread while this one arms
+        is still seen. (Global forward hooks are counted by the module-state check, which
+        refuses them; backward hooks cannot run under inference mode.)"""
+        if (self._armed_at != _hook_handles.next_id or self._forward_hooks
+                or self._forward_pre_hooks or _is_compiling()
                 or _tracing_state() is not None) and not self._arm():
             return super().__call__(*args, **kwargs)
         state = self._state
@@ -529,19 +536,30 @@ class CompiledModel(nn.Module):
     def _arm(self) -> bool:
         """Whether this call may skip ``nn.Module.__call__`` (see :meth:`__call__`); when it
         may, remember the hook-handle counter so that the next calls need not ask again.
-        The counter is read before the hooks: a hook registered meanwhile moves it first."""
+
+        Safe against another thread changing the model meanwhile: the counter is read
+        before anything is checked (registering a hook moves it first), and the conditions
+        are checked again after arming, while :meth:`__setattr__` disarms after it sets, so
+        an attribute set (``forward``) either is seen here or disarms after this store."""
         count = _hook_handles.next_id
-        if (_is_compiling() or _tracing_state() is not None or not self._exact
-                or not self.inference_mode
-                or "forward" in self.__dict__  # a wrapper set on the instance (accelerate)
-                or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
-                or self._backward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
-                or _nn_module._global_backward_pre_hooks
-                or self._compiled_call_impl is not None):
+        if not self._may_skip_module_call():
             return False
         self.__dict__["_armed_at"] = count  # (not through __setattr__, which disarms)
+        if not self._may_skip_module_call():
+            self.__dict__["_armed_at"] = -1
+            return False
         return True
+
+    def _may_skip_module_call(self) -> bool:
+        return not (_is_compiling() or _tracing_state() is not None or not self._exact
+                    or not self.inference_mode
+                    or "forward" in self.__dict__  # a wrapper set on the instance (accelerate)
+                    or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                    or self._backward_pre_hooks or _nn_module._global_forward_hooks
+                    or _nn_module._global_forward_pre_hooks
+                    or _nn_module._global_backward_hooks
+                    or _nn_module._global_backward_pre_hooks
+                    or self._compiled_call_impl is not None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():

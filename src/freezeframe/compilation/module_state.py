@@ -10,8 +10,9 @@ checks this state itself, in two tiers::
                          submodules and which object each of its attributes holds (an
                          attribute set, added or deleted, a tensor attribute that is no
                          tensor any more); every submodule's ``training`` flag; a hook
-                         registered anywhere (torch's process-wide hook-handle counter moved)
-                         or one the trace saw removed; and the global module hooks
+                         registered anywhere (torch's process-wide hook-handle counter moved,
+                         or a submodule's hook dict that was empty is not) or one the trace
+                         saw removed; and the global module hooks
                          (``torch.nn.modules.module.register_module_forward_hook``...): about
                          1 us on the development machine's CPU for a small model. A hit runs
                          the full tier (which refreshes these when nothing differs).
@@ -146,6 +147,12 @@ class ModuleState:
         self._traced_hooks = tuple((hooks, len(hooks)) for _, sub in self._modules[1:]
                                    for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
                                    if hooks)
+        # and every hook dict that was empty, read on every call as well: torch moves the
+        # handle counter before it stores a hook, so a hook another thread registers while
+        # a call refreshes the counter lands after it, and only the dict itself shows it
+        self._unhooked = tuple(hooks for _, sub in self._modules[1:]
+                               for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
+                               if not hooks)
         self.refresh()
 
     def refresh(self) -> None:
@@ -209,6 +216,8 @@ class ModuleState:
             elif tuple(map(_training, self._sub_dicts)) != self._sub_flags:
                 return True
         except KeyError:  # (nn.Module's own attributes deleted, a __dict__ emptied, by hand)
+            return True
+        if any(self._unhooked):
             return True
         for hooks, count in self._traced_hooks:
             if len(hooks) != count:
