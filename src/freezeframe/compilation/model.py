@@ -455,6 +455,21 @@ class CompiledModel(nn.Module):
         super().__setattr__(name, value)
         self.__dict__["_armed_at"] = -1
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """What a copy of a compiled model is (``copy.copy``, ``copy.deepcopy``, ``pickle``,
+        ``torch.save``): a new compiled model of the module (the same module for
+        ``copy.copy``, a copy of it otherwise) with the same config, dynamic dims, model key,
+        inference mode, train/eval flag and hooks. Nothing compiled is copied: traces, pieces
+        and graphs (with their device memory) belong to one instance. The copy traces on its
+        first call, keeps stats of its own, and loads its pieces from the compile cache when
+        ``use_cache`` is on."""
+        state: dict[str, Any] = {"training": self.training}
+        for name, value in self.__dict__.items():
+            if "hook" in name:  # nn.Module's hook dicts (and flags), each a container anew
+                state[name] = type(value)(value) if isinstance(value, dict) else value
+        return (_compiled_again, (self.module, self.config, self._dims or None,
+                                  self._user_key, self.inference_mode), state)
+
     def _check_state(self, state: ModuleState) -> None:
         why = state.difference()
         if why is None:
@@ -873,6 +888,14 @@ class CompiledModel(nn.Module):
         graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
         return (f"mode={mode.name}, backend={self.config.backend}, "
                 f"cudagraph_mode={graph_mode.name}")
+
+
+def _compiled_again(module: nn.Module, config: CompilationConfig,
+                    dynamic_arg_dims: Mapping[str, Sequence[int]] | None, model_key: str | None,
+                    inference_mode: bool) -> CompiledModel:
+    """A copy of a compiled model (:meth:`CompiledModel.__reduce__`)."""
+    return CompiledModel(module, config, dynamic_arg_dims, model_key=model_key,
+                         inference_mode=inference_mode)
 
 
 def compile(module: nn.Module, config: CompilationConfig,
