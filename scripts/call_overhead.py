@@ -5,8 +5,9 @@
 Part 1 compiles toy models with the eager compiler (so the pieces themselves cost what eager
 costs) and times, per call:
   eager       the original module
-  compiled    CompiledModel(x): the module-state check, the exact call key, then the graph
-              inputs read and the stitching graph called with each piece's entry bound in
+  compiled    CompiledModel(x): the module-state check, the last remembered call's check (or
+              the exact call key), then the graph inputs read and the stitching graph called
+              with each piece's entry bound in
   bytecode    Dynamo's captured bytecode alone, the way calls went before the direct call
   stitching   the stitching graph on the flat graph inputs (piece dispatch included)
   pieces      the stitching graph with each piece's entry bound directly (no dispatch)
@@ -37,7 +38,7 @@ import torch
 from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama, _ToyAttention
 
 import freezeframe as ff
-from freezeframe.compilation.signature import exact_key
+from freezeframe.compilation.signature import distinct_storages, exact_key
 from freezeframe.models.ops import define_op
 from freezeframe.runtime import GraphRunner, Tokens
 
@@ -250,7 +251,7 @@ def compiled_parts(name: str, module: torch.nn.Module, args: tuple[Any, ...],
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none",
                                splitting_ops=[splitting_op], use_cache=False)
     model = ff.compile(module, cfg)
-    for _ in range(3):
+    for _ in range(5):  # traced, direct call built, remembered, then served from memory
         model(*args)
     memo = model._exact
     known = memo[exact_key(args, {}, False)]
@@ -267,17 +268,31 @@ def compiled_parts(name: str, module: torch.nn.Module, args: tuple[Any, ...],
     def key_alone() -> Any:
         return memo[exact_key(args, {}, False)]
 
+    last = model._last  # the check of the last remembered call (signature.SameCall)
+    assert last is not None and last.check(*args)
+
+    def with_last() -> Any:
+        if len(args) == last.count and last.check(*args) and distinct_storages(args):
+            return last.call(*args)
+        raise AssertionError("the last call's check failed")
+
+    def last_alone() -> bool:
+        return len(args) == last.count and last.check(*args) and distinct_storages(args)
+
     rows = per_call_us({"remembered": lambda: known(*args), "+state": with_state,
-                        "+key": with_key, "compiled": lambda: model(*args),
-                        "state alone": state.changed_cheaply, "key alone": key_alone},
+                        "+key": with_key, "+last": with_last, "compiled": lambda: model(*args),
+                        "state alone": state.changed_cheaply, "key alone": key_alone,
+                        "last alone": last_alone},
                        rounds=150, iters=20)
     base = rows["remembered"]
     print(f"\n{name}: the compiled call's parts, in place (over the remembered call "
           f"{base:.1f} us) and alone")
     print(f"  module-state check  {rows['+state'] - base:6.1f} us in place, "
           f"{rows['state alone']:5.1f} alone")
+    print(f"  last call's check   {rows['+last'] - base:6.1f} us in place, "
+          f"{rows['last alone']:5.1f} alone (what a call like the last one runs)")
     print(f"  exact key + lookup  {rows['+key'] - base:6.1f} us in place, "
-          f"{rows['key alone']:5.1f} alone")
+          f"{rows['key alone']:5.1f} alone (what any other call runs)")
     print(f"  whole compiled call {rows['compiled'] - base:6.1f} us over the remembered call "
           "(the rest: the hook/trace conditions and inference-mode test of __call__)")
     return rows

@@ -455,3 +455,75 @@ def test_forward_set_while_a_call_arms_is_seen(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.undo()
         for _ in range(2):
             _eq(model(x), module(x) * 2)
+
+
+# -- the check of the last remembered call (signature.SameCall) --------------------------------
+def test_a_call_like_the_last_in_all_but_one_property_is_not_sent_its_way() -> None:
+    """After a warm call of two distinct tensors, each call differs from it in one property
+    the exact key holds; each must get its own answer, and the one alike must be served by
+    the last call's check."""
+    module = Net()
+    base = torch.randn(16, 4)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    model = _warm(module, a, b)
+    others = [(a, a), (base[:4], base[4:8]), (a, torch.randn(4, 4).t()),
+              (a, torch.randn(5, 4)), (a, b.double()), (a, b.clone().requires_grad_()),
+              (a,), (a, b, 2), (a, torch.randn(8, 4)[::2])]
+    with torch.no_grad():
+        for other in others:
+            for _ in range(3):
+                try:
+                    want = module(*other)
+                except Exception as exc:  # eager refuses it too: so must the model
+                    with pytest.raises(type(exc)):
+                        model(*other)
+                    break
+                _eq(model(*other), want)
+                _eq(model(a, b), module(a, b))
+        twin = (torch.randn(4, 4), torch.randn(4, 4))
+        model(*twin)
+        last = model._last
+        assert last is not None and last.count == 2 and last.check(*twin)
+        _eq(model(*twin), module(*twin))
+
+
+def test_the_last_calls_check_made_in_one_autograd_mode_is_not_trusted_in_another() -> None:
+    module = Net()
+    x = torch.randn(3, 4)
+    model = _warm(module, x)
+    with torch.no_grad():
+        model(x)
+    with torch.inference_mode():
+        assert model._last is not None and not model._last.check(x)
+        _eq(model(x), module(x))
+    _eq(model(x), module(x).detach())
+
+
+def test_two_views_of_one_storage_after_two_tensors_are_keyed_as_their_own_call() -> None:
+    """Storage sharing is the one thing the C++ tensor check does not see (it does see one
+    tensor passed twice): a call of two views of one storage after calls of two tensors must
+    be keyed and routed as a call of its own, as it would be without the check."""
+
+    class Writes(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return attention(x + y, x, x)
+
+    module = Writes()
+    model = ff.compile(module, config())
+    with torch.no_grad():
+        for _ in range(4):
+            a, b = torch.randn(3, 4), torch.randn(3, 4)
+            a2, b2 = a.clone(), b.clone()
+            _eq(model(a, b), module(a2, b2))
+            _eq(a, a2)
+        two = model._last
+        assert two is not None
+        c = torch.randn(3, 4)
+        assert not two.check(c, c)  # one tensor twice: the tensor check sees that itself
+        for _ in range(4):  # (traced, its direct call built, then remembered)
+            base = torch.randn(6, 4)
+            base2 = base.clone()
+            _eq(model(base[:3], base[3:]), module(base2[:3], base2[3:]))
+            _eq(base, base2)
+    assert exact_key((base[:3], base[3:]), {}, False) in model._exact

@@ -37,10 +37,13 @@ from freezeframe.compilation.module_state import ModuleState, has_uninitialised_
 from freezeframe.compilation.saved_trace import source_name
 from freezeframe.compilation.signature import (
     CallSignature,
+    SameCall,
     Signer,
     SizeGuards,
+    distinct_storages,
     exact_key,
     incompatibility,
+    same_call,
 )
 from freezeframe.compilation.split import Piece
 from freezeframe.compilation.trace import TraceOnce, is_size_equality, resolve_dynamic_arg_dims
@@ -195,6 +198,10 @@ class CompiledModel(nn.Module):
         # exact call key (signature.exact_key) -> where such a call goes: filled once a call
         # of that key has been routed with its variant's direct call worked out
         self._exact: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # per exact key, a check that a call is alike without building its key (SameCall),
+        # None where there is none; and the one of the last remembered call served
+        self._same: dict[tuple[Any, ...], SameCall | None] = {}
+        self._last: SameCall | None = None
         self._lock = threading.RLock()  # one thread traces; the others wait for it
         self._armed_at = -1  # the hook-handle count __call__'s short cut was worked out at
         self._warned: set[str] = set()
@@ -539,10 +546,21 @@ class CompiledModel(nn.Module):
         state = self._state
         if state is not None and (self._check_state_every_call or state.changed_cheaply()):
             self._check_state(state)
-        exact = exact_key(args, kwargs, False)
-        known = self._exact.get(exact) if exact is not None else None
-        if known is None:  # (forward checks and keys it again: once per new shape)
-            return self.forward(*args, **kwargs)
+        last = self._last  # the last remembered call served: is this one alike?
+        if (last is not None and not kwargs and len(args) == last.count and last.check(*args)
+                and (last.count == 1 or distinct_storages(args))):
+            known = last.call
+        else:
+            exact = exact_key(args, kwargs, False)
+            found = self._exact.get(exact) if exact is not None else None
+            if found is None or exact is None:  # (forward keys it again: once per new shape)
+                return self.forward(*args, **kwargs)
+            known = found
+            if exact in self._same:
+                same = self._same[exact]
+            else:  # (made once per exact key)
+                same = self._same[exact] = same_call(args, kwargs, known)
+            self.__dict__["_last"] = same  # (not through __setattr__, which disarms)
         if _inference_mode_enabled():
             return known(*args, **kwargs)
         with torch._C._InferenceMode(True):  # what torch.inference_mode() enters
@@ -669,6 +687,7 @@ class CompiledModel(nn.Module):
         stitching = variant.backend.stitching
         if len(self._exact) >= MAX_EXACT_KEYS:
             self._exact.clear()  # (a few slow calls refill it)
+            self._same.clear()
         if direct is None or variant.full_wrapper is not None:
             self._exact[exact] = lambda *a, **k: variant(a, k)
             return variant(args, kwargs)

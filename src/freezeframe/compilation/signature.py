@@ -36,8 +36,8 @@ import torch
 from freezeframe.compilation.values import MAX_DEPTH, Same, describe, parts, plain_token, token
 from freezeframe.errors import InputMismatchError
 
-__all__ = ["CallSignature", "Signer", "SizeGuards", "TensorSpec", "exact_key",
-           "incompatibility"]
+__all__ = ["CallSignature", "SameCall", "Signer", "SizeGuards", "TensorSpec", "distinct_storages",
+           "exact_key", "incompatibility", "same_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,12 @@ def _nested_tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
 _EXACT_PLAIN = frozenset({int, bool, str, type(None)})
 _PAIR = object()  # the first item of a two-tensor exact key
 
+_TensorGuards: Any
+try:  # torch's C++ tensor check, as Dynamo's guards use it
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - every supported torch has it
+    _TensorGuards = None
+
 
 def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
               grad_matters: bool) -> tuple[Any, ...] | None:
@@ -202,6 +208,59 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
     if grad_matters:
         key.append(torch.is_grad_enabled())
     return tuple(key)
+
+
+class SameCall:
+    """A check, mostly in C++, that a call is alike in everything its exact key holds to the
+    call this was made from, without building the key: the same number of positional
+    tensors and no keywords, each tensor of the same class, dispatch keys, dtype, device,
+    ``requires_grad``, sizes and strides (``torch._C._dynamo.guards.TensorGuards``, the check
+    Dynamo's own guards make), and pairwise distinct storages. Made only for calls of plain
+    tensors with distinct storages (:func:`same_call`); ``call`` is where such a call goes.
+
+    Measured side by side in place on the development CPU (a two-tensor call of the toy
+    Llama), it costs about 4-6 us against 16-20 for the key and its lookup. The tensor check
+    reads the thread's dispatch state (``torch.inference_mode``, ``torch.no_grad``): made in
+    one and run in another, it fails, and the call builds its key."""
+
+    __slots__ = ("call", "check", "count")
+
+    def __init__(self, count: int, check: Callable[..., bool],
+                 call: Callable[..., Any]) -> None:
+        self.count = count
+        self.check = check
+        self.call = call
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def distinct_storages(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether no two of ``tensors`` share a storage (as :func:`exact_key` compares them)."""
+    if len(tensors) == 2:
+        return tensors[0].untyped_storage().data_ptr() != tensors[1].untyped_storage().data_ptr()
+    return len(set(map(_storage, tensors))) == len(tensors)
+
+
+def same_call(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              call: Callable[..., Any]) -> SameCall | None:
+    """A :class:`SameCall` for calls like this one, going to ``call``; None for a call with
+    keywords, with anything but plain tensors, with two tensors on one storage, or where
+    this torch has no tensor check."""
+    if kwargs or not args or _TensorGuards is None \
+            or any(value.__class__ is not torch.Tensor for value in args):
+        return None
+    if len(args) > 1 and not distinct_storages(args):
+        return None
+    try:
+        guard = _TensorGuards(*args, dynamic_dims_sizes=[list(t.shape) for t in args],
+                              dynamic_dims_strides=[list(t.stride()) for t in args])
+        if not guard.check(*args):
+            return None
+    except (TypeError, RuntimeError):  # (another signature in another torch)
+        return None
+    return SameCall(len(args), guard.check, call)
 
 
 class Signer:
