@@ -496,6 +496,9 @@ def test_the_last_calls_check_made_in_one_autograd_mode_is_not_trusted_in_anothe
     with torch.inference_mode():
         assert model._last is not None and not model._last.check(x)
         _eq(model(x), module(x))
+        # made anew in this mode: the next call of the mode is recognised
+        assert model._last is not None and model._last.check(x)
+        _eq(model(x), module(x))
     _eq(model(x), module(x).detach())
 
 

@@ -558,6 +558,9 @@ class CompiledModel(nn.Module):
             known = found
             if exact in self._same:
                 same = self._same[exact]
+                if same is not None and not same.check(*args):
+                    # made in another dispatch state (no_grad, inference_mode): made anew
+                    same = self._same[exact] = same_call(args, kwargs, known)
             else:  # (made once per exact key)
                 same = self._same[exact] = same_call(args, kwargs, known)
             self.__dict__["_last"] = same  # (not through __setattr__, which disarms)

@@ -221,7 +221,8 @@ class SameCall:
     Measured side by side in place on the development CPU (a two-tensor call of the toy
     Llama), it costs about 4-6 us against 16-20 for the key and its lookup. The tensor check
     reads the thread's dispatch state (``torch.inference_mode``, ``torch.no_grad``): made in
-    one and run in another, it fails, and the call builds its key."""
+    one and run in another, it fails, and the call builds its key (and the compiled model
+    makes the check anew in that state)."""
 
     __slots__ = ("call", "check", "count")
 
