@@ -15,6 +15,7 @@ from torch import nn
 import freezeframe as ff
 from freezeframe import CompilationConfig, CompileError
 from freezeframe.compilation.module_state import ModuleState
+from tests.helpers.global_hooks import refused_under_a_global_hook
 
 
 def _config(**kw: Any) -> CompilationConfig:
@@ -128,12 +129,7 @@ def test_a_global_module_hook_is_caught_on_every_call() -> None:
     model = ff.compile(mine, _config())
     x = torch.randn(3, 4)
     model(x)
-    handle = nn.modules.module.register_module_forward_hook(lambda mod, i, o: o)
-    try:
-        with pytest.raises(CompileError, match="global module hooks"):
-            model(x)
-    finally:
-        handle.remove()
+    refused_under_a_global_hook(model, x)
     model(x)  # removed again: the state is as traced
 
 
@@ -386,12 +382,7 @@ def test_a_global_hook_of_the_trace_removed_is_caught() -> None:
         handle.remove()
     with pytest.raises(CompileError, match="global module hooks"):
         model(x)
-    other = nn.modules.module.register_module_forward_hook(lambda mod, i, o: o)
-    try:
-        with pytest.raises(CompileError, match="global module hooks"):
-            model(x)
-    finally:
-        other.remove()
+    refused_under_a_global_hook(model, x)  # and with another registered
 
 
 @pytest.mark.parametrize("modes", ["all train", "mixed"])
