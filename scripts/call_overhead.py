@@ -11,7 +11,9 @@ costs) and times, per call:
   bytecode    Dynamo's captured bytecode alone, the way calls went before the direct call
   stitching   the stitching graph on the flat graph inputs (piece dispatch included)
   pieces      the stitching graph with each piece's entry bound directly (no dispatch)
-"compiled - pieces" is what the compiled model adds to its pieces: the Chain rows, whose
+"compiled - pieces" is what the compiled model adds to its pieces, given both as the
+difference of the two bests and as the median over rounds of the two timed side by side in one
+round (steadier where a call costs hundreds of microseconds): the Chain rows, whose
 pieces cost a few microseconds, show it plainly; rows whose pieces run real layers carry more
 noise, and on this machine the pieces' own ops also run slower when more Python runs between
 calls. The toy Llama's compiled call is then taken apart (``compiled_parts``): each part of it
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,10 +47,13 @@ from freezeframe.runtime import GraphRunner, Tokens
 
 
 def per_call_us(variants: dict[str, Callable[[], Any]], rounds: int = 15,
-                iters: int = 400) -> dict[str, float]:
+                iters: int = 400,
+                samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Best per-call time of each variant, measured interleaved round by round so that load
     from other processes on a shared machine hits every variant alike, in CPU time of the
-    measuring thread (time.thread_time: time spent waiting for a core does not count)."""
+    measuring thread (time.thread_time: time spent waiting for a core does not count).
+    ``samples``, when given, receives every round's per-call time of each variant (for
+    :func:`paired_median`)."""
     for fn in variants.values():
         for _ in range(100):
             fn()
@@ -57,8 +63,18 @@ def per_call_us(variants: dict[str, Callable[[], Any]], rounds: int = 15,
             start = time.thread_time()
             for _ in range(iters):
                 fn()
-            best[key] = min(best[key], (time.thread_time() - start) / iters * 1e6)
+            us = (time.thread_time() - start) / iters * 1e6
+            best[key] = min(best[key], us)
+            if samples is not None:
+                samples.setdefault(key, []).append(us)
     return best
+
+
+def paired_median(samples: dict[str, list[float]], key: str, base: str) -> float:
+    """The median over rounds of ``key``'s time minus ``base``'s in the same round: steadier
+    than the difference of two bests where one call costs hundreds of microseconds and the
+    machine's speed drifts between rounds."""
+    return statistics.median(a - b for a, b in zip(samples[key], samples[base], strict=True))
 
 
 def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
@@ -90,13 +106,14 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
         pieces_stitching.__dict__[piece_name] = fn
     assert getattr(pieces_stitching, names[0]) is direct[names[0]]
     assert getattr(stitching, names[0]) is backend.piece_backends[0]
+    samples: dict[str, list[float]] = {}
     rows = per_call_us({
         "eager": lambda: module(*args),
         "compiled": lambda: model(*args),
         "bytecode": lambda: fast(module, *args),
         "stitching": lambda: stitching.forward(*flat),
         "pieces": lambda: pieces_stitching.forward(*flat),
-    }, rounds=rounds, iters=iters)
+    }, rounds=rounds, iters=iters, samples=samples)
 
     print(f"\n{name}: {len(backend.pieces)} pieces, {len(backend.piece_backends)} capturable")
     for key, us in rows.items():
@@ -105,6 +122,9 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
           f"({rows['compiled'] / rows['pieces']:.2f}x); for comparison, Dynamo's bytecode "
           f"adds {rows['bytecode'] - rows['pieces']:.1f} us over the pieces and piece dispatch "
           f"{rows['stitching'] - rows['pieces']:.1f} us")
+    print(f"  median of paired rounds: compiled - pieces "
+          f"{paired_median(samples, 'compiled', 'pieces'):.1f} us, bytecode - pieces "
+          f"{paired_median(samples, 'bytecode', 'pieces'):.1f} us")
     return rows
 
 
@@ -268,6 +288,7 @@ def compiled_parts(name: str, module: torch.nn.Module, args: tuple[Any, ...],
     def key_alone() -> Any:
         return memo[exact_key(args, {}, False)]
 
+    samples: dict[str, list[float]] = {}
     last = model._last  # the check of the last remembered call (signature.SameCall)
     assert last is not None and last.check(*args)
 
@@ -283,7 +304,7 @@ def compiled_parts(name: str, module: torch.nn.Module, args: tuple[Any, ...],
                         "+key": with_key, "+last": with_last, "compiled": lambda: model(*args),
                         "state alone": state.changed_cheaply, "key alone": key_alone,
                         "last alone": last_alone},
-                       rounds=150, iters=20)
+                       rounds=150, iters=20, samples=samples)
     base = rows["remembered"]
     print(f"\n{name}: the compiled call's parts, in place (over the remembered call "
           f"{base:.1f} us) and alone")
@@ -295,6 +316,10 @@ def compiled_parts(name: str, module: torch.nn.Module, args: tuple[Any, ...],
           f"{rows['key alone']:5.1f} alone (what any other call runs)")
     print(f"  whole compiled call {rows['compiled'] - base:6.1f} us over the remembered call "
           "(the rest: the hook/trace conditions and inference-mode test of __call__)")
+    paired = {k: paired_median(samples, k, "remembered")
+              for k in ("+state", "+last", "+key", "compiled")}
+    print("  median of paired rounds: " + ", ".join(
+        f"{k.lstrip('+')} {v:.1f} us" for k, v in paired.items()))
     return rows
 
 
