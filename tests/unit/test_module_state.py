@@ -424,3 +424,44 @@ def test_a_submodule_hook_stored_after_the_counter_was_refreshed_is_caught() -> 
         model(x)
     handle.remove()
     model(x)
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()),
+                                     nn.Sequential(nn.Linear(4, 4), nn.Tanh())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _replace_deep(m: Deep) -> None:
+    m.blocks[1][1] = nn.Sigmoid()
+
+
+def _delete_deep(m: Deep) -> None:
+    del m.blocks[1]  # (ModuleList puts a new _modules dict in place)
+
+
+def _wrap_sub_forward(m: Deep) -> None:
+    inner = m.blocks[0].forward
+    m.blocks[0].forward = lambda x: inner(x) * 0
+
+
+@pytest.mark.parametrize("change", [_replace_deep, _delete_deep, _wrap_sub_forward])
+def test_a_change_deep_inside_is_refused_on_a_routed_call(change: Callable[[Deep], None]
+                                                          ) -> None:
+    """A submodule replaced or deleted at any depth, or forward set on a submodule, would
+    leave a routed call on the stale trace: the every-call tier counts each submodule's
+    attributes and compares each parent's children."""
+    module = Deep().eval()
+    model = ff.compile(module, _config())
+    x = torch.randn(3, 4)
+    for _ in range(5):
+        torch.testing.assert_close(model(x), module(x), rtol=0, atol=0)
+    change(module)
+    with pytest.raises(CompileError, match=r"replaced after the trace|forward was set"):
+        model(x)

@@ -9,7 +9,9 @@ checks this state itself, in two tiers::
     every call           the root module: its ``training`` flag, its hooks, its direct
                          submodules and which object each of its attributes holds (an
                          attribute set, added or deleted, a tensor attribute that is no
-                         tensor any more); every submodule's ``training`` flag; a hook
+                         tensor any more); every submodule's ``training`` flag, number of
+                         attributes (one added or deleted, ``forward`` set on it) and
+                         children (a submodule replaced at any depth); a hook
                          registered anywhere (torch's process-wide hook-handle counter moved,
                          or a submodule's hook dict that was empty is not) or one the trace
                          saw removed; and the global module hooks
@@ -93,6 +95,7 @@ def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 _training = operator.itemgetter("training")
+_modules = operator.itemgetter("_modules")
 
 
 class _SubmoduleState:
@@ -164,6 +167,12 @@ class ModuleState:
         # nothing). Read before the hooks are counted: registering moves it first.
         self._next_handle = _hook_handles.next_id
         self._root_size = len(vars(module))
+        # below the root: how many attributes each submodule has (one added or deleted, a
+        # forward set on the instance), and which children each parent holds, read through
+        # its __dict__ (ModuleList's __delitem__ puts a new _modules dict there)
+        self._sub_sizes = tuple(map(len, self._sub_dicts))
+        self._parents = tuple(d for d in self._sub_dicts if d.get("_modules"))
+        self._children = tuple(dict(d["_modules"]) for d in self._parents)
         kept = [(name, value) for name, value in _user_attrs(module).items()
                 if not isinstance(value, torch.Tensor)]
         names = tuple(name for name, _ in kept)
@@ -218,6 +227,12 @@ class ModuleState:
         except KeyError:  # (nn.Module's own attributes deleted, a __dict__ emptied, by hand)
             return True
         if any(self._unhooked):
+            return True
+        try:
+            if any(map(operator.ne, map(len, self._sub_dicts), self._sub_sizes)) or any(
+                    map(operator.ne, map(_modules, self._parents), self._children)):
+                return True
+        except KeyError:  # (a __dict__ emptied by hand)
             return True
         for hooks, count in self._traced_hooks:
             if len(hooks) != count:
