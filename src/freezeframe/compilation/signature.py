@@ -154,6 +154,10 @@ except ImportError:  # pragma: no cover - every supported torch has it
     _TensorGuards = None
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
               grad_matters: bool) -> tuple[Any, ...] | None:
     """A key equal only for calls alike in everything that picks their route: each argument
@@ -200,7 +204,7 @@ def exact_key(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         else:
             return None
     if len(tensors) > 1:
-        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        storages = list(map(_storage, tensors))
         if len(set(storages)) != len(storages):
             ids = list(map(id, tensors))
             key.append(("aliases", tuple(map(storages.index, storages)),
@@ -231,10 +235,6 @@ class SameCall:
         self.count = count
         self.check = check
         self.call = call
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def distinct_storages(tensors: tuple[torch.Tensor, ...]) -> bool:
