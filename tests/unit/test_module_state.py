@@ -465,3 +465,51 @@ def test_a_change_deep_inside_is_refused_on_a_routed_call(change: Callable[[Deep
     change(module)
     with pytest.raises(CompileError, match=r"replaced after the trace|forward was set"):
         model(x)
+
+
+def test_the_every_call_check_is_generated_once_per_layout() -> None:
+    """The every-call tier is one generated function: a hook registered elsewhere (which moves
+    torch's hook-handle counter) only updates its counter, an attribute set to an equal new
+    object generates it anew, and either way the next call passes it."""
+    mine, theirs = _pair()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    model(x)
+    state = model._state
+    assert state is not None
+    check = state.changed_cheaply
+    assert not check()
+    assert "sub0['training'] is not False" in state.source
+    elsewhere = torch.ones(1, requires_grad=True).register_hook(lambda g: g)
+    assert check()  # the counter moved: the full tier runs on the next call
+    assert torch.equal(model(x), theirs(x).detach())
+    assert state.changed_cheaply is check and not check()
+    elsewhere.remove()
+    mine.scale = float("2.0")  # another object, the same value
+    assert check()
+    assert torch.equal(model(x), theirs(x).detach())
+    assert state.changed_cheaply is not check and not state.changed_cheaply()
+
+
+class OddlyNamed(nn.Module):
+    """A root attribute whose name is no Python identifier (set through setattr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        setattr(self, "scale factor", 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * getattr(self, "scale factor")
+
+
+def test_an_attribute_named_like_no_identifier_is_checked_on_every_call() -> None:
+    mine = OddlyNamed()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), x * 2.0)
+    assert torch.equal(model(x), x * 2.0)
+    setattr(mine, "scale factor", 3.0)
+    with pytest.raises(CompileError, match=r"model\.scale factor was 2\.0 at the trace and is "
+                                           r"3\.0 now"):
+        model(x)
