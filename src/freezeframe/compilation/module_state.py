@@ -156,9 +156,10 @@ class ModuleState:
         self._unhooked = tuple(hooks for _, sub in self._modules[1:]
                                for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
                                if not hooks)
-        self._layout: tuple[Any, ...] | None = None
+        # the layout the every-call check was generated for, the check and its source
+        self._made: tuple[tuple[Any, ...], Callable[[], bool], str] | None = None
         self.changed_cheaply: Callable[[], bool]
-        self.source = ""  # the generated code of changed_cheaply
+        self.source = ""
         self.refresh()
 
     def refresh(self) -> None:
@@ -189,9 +190,12 @@ class ModuleState:
             tuple(name for name, value in user.items() if isinstance(value, torch.Tensor)),
             tuple((name, id(value)) for name, value in user.items()
                   if not isinstance(value, torch.Tensor)))
-        if layout != self._layout:
-            self.changed_cheaply, self.source = _every_call_check(self, user)
-            self._layout = layout
+        made = self._made
+        if made is None or made[0] != layout:
+            made = self._made = (layout, *_every_call_check(self, user))
+        # (set from one tuple: two threads refreshing at once leave a check that matches
+        # its layout, whichever wrote last)
+        _, self.changed_cheaply, self.source = made
         self.changed_cheaply.__globals__["handle_mark"] = handle_mark
 
     def difference(self, tensor_stores: bool = False) -> str | None:
