@@ -469,8 +469,9 @@ def test_a_change_deep_inside_is_refused_on_a_routed_call(change: Callable[[Deep
 
 def test_the_every_call_check_is_generated_once_per_layout() -> None:
     """The every-call tier is one generated function: a hook registered elsewhere (which moves
-    torch's hook-handle counter) only updates its counter, an attribute set to an equal new
-    object generates it anew, and either way the next call passes it."""
+    torch's hook-handle counter) or an attribute set to an equal new object only updates the
+    values it compares with; an attribute torch keeps itself, added to a submodule, changes
+    its layout and generates it anew. Either way the next call passes it."""
     mine, theirs = _pair()
     model = ff.compile(mine, _config())
     x = torch.randn(3, 4)
@@ -480,7 +481,7 @@ def test_the_every_call_check_is_generated_once_per_layout() -> None:
     assert state is not None
     check = state.changed_cheaply
     assert not check()
-    assert "sub0['training'] is not False" in state.source
+    assert "sub0['training'] is not flag0" in state.source
     elsewhere = torch.ones(1, requires_grad=True).register_hook(lambda g: g)
     assert check()  # the counter moved: the full tier runs on the next call
     assert torch.equal(model(x), theirs(x).detach())
@@ -489,7 +490,91 @@ def test_the_every_call_check_is_generated_once_per_layout() -> None:
     mine.scale = float("2.0")  # another object, the same value
     assert check()
     assert torch.equal(model(x), theirs(x).detach())
+    assert state.changed_cheaply is check and not check()
+    mine.lin.__orig_class__ = nn.Linear  # type: ignore[attr-defined]  # (as typing sets it)
+    assert check()
+    assert torch.equal(model(x), theirs(x).detach())
     assert state.changed_cheaply is not check and not state.changed_cheaply()
+
+
+def test_a_root_dict_replaced_is_still_read() -> None:
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    model(x)
+    mine.__dict__ = dict(mine.__dict__)  # same contents, another dict
+    model(x)
+    mine.scale = 3.0
+    with pytest.raises(CompileError, match=r"model\.scale was 2\.0 at the trace and is 3\.0"):
+        model(x)
+
+
+def test_the_global_hook_dicts_replaced_are_seen() -> None:
+    from torch.nn.modules import module as torch_module
+    saved = torch_module._global_forward_hooks
+    handle = torch_module.register_module_forward_hook(
+        lambda mod, i, o: o * 2 if isinstance(mod, nn.Linear) else None)
+    try:
+        torch_module._global_forward_hooks = type(saved)()  # the hooks off
+        mine, _ = _pair()
+        model = ff.compile(mine, _config())
+        x = torch.randn(3, 4)
+        model(x)
+        model(x)
+        torch_module._global_forward_hooks = saved  # on again; no handle was made
+        with pytest.raises(CompileError, match="global module hooks"):
+            model(x)
+    finally:
+        torch_module._global_forward_hooks = saved
+        handle.remove()
+
+
+def test_a_training_flag_that_is_no_bool_is_compared_by_identity() -> None:
+    mine, theirs = _pair()
+    mine.lin.training = 0  # type: ignore[assignment]
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SyntaxWarning)
+        for _ in range(3):
+            assert torch.equal(model(x), theirs(x).detach())
+    state = model._state
+    assert state is not None and not state.changed_cheaply()
+
+
+class Adaptable(nn.Module):
+    """A submodule without children that uses an adapter once one has been added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapter = self._modules.get("adapter")
+        y = x @ self.weight
+        return y if adapter is None else y + adapter(x)
+
+
+class WithAdaptable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Adaptable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def test_a_child_added_to_a_submodule_without_children_is_refused() -> None:
+    mine = WithAdaptable()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    model(x)
+    mine.block.adapter = nn.Linear(4, 4)  # eager now adds it; the trace has no adapter
+    with pytest.raises(CompileError, match="submodule was added, removed or replaced"):
+        model(x)
 
 
 class OddlyNamed(nn.Module):

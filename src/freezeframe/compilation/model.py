@@ -390,7 +390,7 @@ class CompiledModel(nn.Module):
         if first:
             self._refuse_root_hooks()
         before = None if not first or has_uninitialised_lazy(self.module) \
-            else ModuleState(self.module)
+            else ModuleState(self.module, every_call=False)
         try:
             out = variant.cache(*args, **kwargs)
             if before is not None:

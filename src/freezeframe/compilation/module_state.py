@@ -135,8 +135,11 @@ class _SubmoduleState:
 class ModuleState:
     """A snapshot of ``module``'s Python state; see the module docstring."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, every_call: bool = True) -> None:
+        """``every_call=False``: a snapshot for :meth:`difference` only (no every-call tier
+        is generated)."""
         self.module = module
+        self._every_call = every_call
         self.training = module.training
         self._global_ids = _global_hook_ids()
         self._modules = tuple(module.named_modules(remove_duplicate=False))
@@ -156,6 +159,9 @@ class ModuleState:
         self._unhooked = tuple(hooks for _, sub in self._modules[1:]
                                for hooks in (sub._forward_hooks, sub._forward_pre_hooks)
                                if not hooks)
+        # and which submodules had no children (one added to such a leaf, as
+        # torch.nn.utils.parametrize or an adapter does, is seen in its _modules dict)
+        self._leaves = tuple(not d.get("_modules") for d in self._sub_dicts)
         # the layout the every-call check was generated for, the check and its source
         self._made: tuple[tuple[Any, ...], Callable[[], bool], str] | None = None
         self.changed_cheaply: Callable[[], bool]
@@ -174,6 +180,8 @@ class ModuleState:
         handle_mark = _hook_handles.next_id
         root = vars(module)
         user = _user_attrs(module)
+        if not self._every_call:
+            return
         layout = (
             module.training, len(root), len(_torch_module._global_forward_hooks),
             len(_torch_module._global_forward_pre_hooks), len(module._forward_hooks),
@@ -186,17 +194,18 @@ class ModuleState:
             tuple((id(d), tuple(d["_modules"].items())) for d in self._sub_dicts
                   if d.get("_modules")),
             # a root attribute holding a tensor is read as an input: it must stay a tensor;
-            # any other is compared by identity
-            tuple(name for name, value in user.items() if isinstance(value, torch.Tensor)),
-            tuple((name, id(value)) for name, value in user.items()
-                  if not isinstance(value, torch.Tensor)))
+            # any other is compared by identity, with the object this refresh found
+            tuple((name, isinstance(value, torch.Tensor)) for name, value in user.items()))
         made = self._made
         if made is None or made[0] != layout:
             made = self._made = (layout, *_every_call_check(self, user))
         # (set from one tuple: two threads refreshing at once leave a check that matches
         # its layout, whichever wrote last)
         _, self.changed_cheaply, self.source = made
-        self.changed_cheaply.__globals__["handle_mark"] = handle_mark
+        values = self.changed_cheaply.__globals__
+        for k, value in enumerate(user.values()):
+            values[f"value{k}"] = value
+        values["handle_mark"] = handle_mark
 
     def difference(self, tensor_stores: bool = False) -> str | None:
         """The full tier: what differs from the snapshot, in words, or None.
@@ -216,23 +225,31 @@ class ModuleState:
         return None
 
 
-def _every_call_check(state: ModuleState, user: dict[str, Any]) -> tuple[Callable[[], bool], str]:
+def _every_call_check(state: ModuleState,
+                      user: dict[str, Any]) -> tuple[Callable[[], bool], str]:
     """The every-call tier of ``state`` as one generated function, and its source.
 
-    Every object it reads is bound to a name of the function's own globals and every value it
-    compares with is a literal or such a name, so the check runs as straight-line bytecode
-    that the interpreter specialises (a dict subscript, ``len`` of a dict, an identity test):
-    measured in place between a toy Llama's ops on the development CPU, about a third of the
-    same checks made through ``map``/``itemgetter`` loops, whose per-item calls dominate
-    there. For a two-layer model with no hooks::
+    Every object it reads is a name of the function's own globals (the values a refresh
+    updates, ``handle_mark`` and ``value0``..., among them) and the only literals in its text
+    are counts, so the check runs as straight-line bytecode the interpreter specialises (a
+    dict subscript, ``len`` of a dict, an identity test): measured in place between a toy
+    Llama's ops on the development CPU, about half of the same checks made through
+    ``map``/``itemgetter`` loops, whose per-item calls dominate there. The root's
+    ``__dict__`` and torch's global hook dicts are looked up on every call (either may be
+    replaced); below the root, each submodule's ``__dict__`` is the one the trace saw. For a
+    two-layer model with no hooks::
 
         def changed_cheaply():
             try:
-                return (root['training'] is not False
+                root = module.__dict__
+                return (root['training'] is not root_flag
                         or hook_handles.next_id != handle_mark
-                        or len(root) != 31 or len(global_fwd) != 0 or ...
+                        or len(root) != 31
+                        or len(torch_module._global_forward_hooks) != 0 or ...
                         or root['_modules'] != root_children
-                        or sub0['training'] is not False or len(sub0) != 31
+                        or sub0['training'] is not flag0 or len(sub0) != 31
+                        or ...
+                        or sub3['training'] is not flag3 or len(sub3) != 17 or sub3['_modules']
                         or ...
                         or unhooked0 or unhooked1 or ...
                         or parent0['_modules'] != children0 or ...
@@ -243,29 +260,32 @@ def _every_call_check(state: ModuleState, user: dict[str, Any]) -> tuple[Callabl
     module = state.module
     names: dict[str, Any] = {"hook_handles": _hook_handles, "len": len,
                              "isinstance": isinstance, "Tensor": torch.Tensor,
-                             "root": vars(module),
-                             "global_fwd": _torch_module._global_forward_hooks,
-                             "global_pre": _torch_module._global_forward_pre_hooks,
+                             "module": module, "torch_module": _torch_module,
+                             "root_flag": module.training,
                              "root_children": dict(module._modules), "handle_mark": -1}
-    terms = [f"root['training'] is not {module.training}",
+    terms = ["root['training'] is not root_flag",
              "hook_handles.next_id != handle_mark",
              f"len(root) != {len(vars(module))}",
-             f"len(global_fwd) != {len(_torch_module._global_forward_hooks)}",
-             f"len(global_pre) != {len(_torch_module._global_forward_pre_hooks)}",
+             "len(torch_module._global_forward_hooks) != "
+             f"{len(_torch_module._global_forward_hooks)}",
+             "len(torch_module._global_forward_pre_hooks) != "
+             f"{len(_torch_module._global_forward_pre_hooks)}",
              f"len(root['_forward_pre_hooks']) != {len(module._forward_pre_hooks)}",
              f"len(root['_forward_hooks']) != {len(module._forward_hooks)}",
              # dicts compare their values by identity first (nn.Module has no __eq__)
              "root['_modules'] != root_children"]
-    for k, (flag, attrs) in enumerate(zip(state._sub_flags, state._sub_dicts, strict=True)):
-        names[f"sub{k}"] = attrs
-        terms.append(f"sub{k}['training'] is not {flag} or len(sub{k}) != {len(attrs)}")
+    for k, (flag, attrs, leaf) in enumerate(zip(state._sub_flags, state._sub_dicts,
+                                                state._leaves, strict=True)):
+        names[f"sub{k}"], names[f"flag{k}"] = attrs, flag
+        term = f"sub{k}['training'] is not flag{k} or len(sub{k}) != {len(attrs)}"
+        terms.append(term + f" or sub{k}['_modules']" if leaf else term)
     for k, hooks in enumerate(state._unhooked):
         names[f"unhooked{k}"] = hooks
         terms.append(f"unhooked{k}")
     for k, (hooks, count) in enumerate(state._traced_hooks):
         names[f"hooked{k}"] = hooks
         terms.append(f"len(hooked{k}) != {count}")
-    parents = [d for d in state._sub_dicts if d.get("_modules")]
+    parents = [d for d, leaf in zip(state._sub_dicts, state._leaves, strict=True) if not leaf]
     for k, attrs in enumerate(parents):
         names[f"parent{k}"], names[f"children{k}"] = attrs, dict(attrs["_modules"])
         terms.append(f"parent{k}['_modules'] != children{k}")
@@ -274,14 +294,12 @@ def _every_call_check(state: ModuleState, user: dict[str, Any]) -> tuple[Callabl
         if isinstance(value, torch.Tensor):
             terms.append(f"not isinstance(root[name{k}], Tensor)")
         else:
-            names[f"value{k}"] = value
-            terms.append(f"root[name{k}] is not value{k}")
-    source = ("def changed_cheaply():\n    try:\n        return (" +
-              "\n                or ".join(terms) +
+            terms.append(f"root[name{k}] is not value{k}")  # (value{k}: set by refresh)
+    source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
+              "        return (" + "\n                or ".join(terms) +
               ")\n    except KeyError:\n        return True\n")
     exec(compile(source, f"<every-call check of {type(module).__name__}>", "exec"), names)
     return names["changed_cheaply"], source
-
 
 def has_uninitialised_lazy(module: nn.Module) -> bool:
     """Whether a lazy submodule (``nn.LazyLinear``...) still waits for its first call, which
