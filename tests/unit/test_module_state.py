@@ -598,3 +598,19 @@ def test_an_attribute_named_like_no_identifier_is_checked_on_every_call() -> Non
     with pytest.raises(CompileError, match=r"model\.scale factor was 2\.0 at the trace and is "
                                            r"3\.0 now"):
         model(x)
+
+
+def test_a_parametrization_registered_after_the_trace_is_refused() -> None:
+    """torch.nn.utils.parametrize moves the weight into a child module of the layer (which had
+    no children): refused with the change named, where a raw KeyError 'weight' came out of
+    the parameter read before."""
+    from torch.nn.utils import parametrizations
+
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    model(x)
+    parametrizations.orthogonal(mine.lin)
+    with pytest.raises(CompileError, match="a submodule was added, removed or replaced"):
+        model(x)
