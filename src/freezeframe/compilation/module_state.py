@@ -11,7 +11,8 @@ checks this state itself, in two tiers::
                          attribute set, added or deleted, a tensor attribute that is no
                          tensor any more); every submodule's ``training`` flag, number of
                          attributes (one added or deleted, ``forward`` set on it) and
-                         children (a submodule replaced at any depth); a hook
+                         children (a submodule replaced at any depth, a child added to one
+                         that had none, as ``torch.nn.utils.parametrize`` does); a hook
                          registered anywhere (torch's process-wide hook-handle counter moved,
                          or a submodule's hook dict that was empty is not) or one the trace
                          saw removed; and the global module hooks
@@ -35,6 +36,8 @@ dataclass field by field, functions and large objects by identity), except tenso
 dtype, device and rank (the trace reads them as inputs). Parameters and buffers are not part of
 it: the trace reads them as inputs, so in-place updates and replacements are seen. A config
 object changed in place (``model.cfg.eps = 1e-3``) is therefore caught by the full tier only.
+Not checked at all: a module's class changed in place (``m.lin.__class__ = Other``, without
+the child that ``torch.nn.utils.parametrize`` adds along with it).
 
 A difference is never served from the stale trace: :meth:`ModuleState.difference` names it and
 the caller raises. A forward that changes its own attributes while it runs (a Python step
