@@ -159,16 +159,30 @@ def test_a_root_attribute_set_to_an_equal_value_is_served() -> None:
     assert model.stats.retraces == 0
 
 
-def test_a_submodule_attribute_change_is_caught_at_the_next_new_route() -> None:
-    """Without debug, submodules are compared when a call needs a new route; a call of a
-    routed structure is served without that scan (documented)."""
+def test_a_submodule_attribute_set_is_refused_on_the_next_call() -> None:
+    """Every call compares which object each submodule attribute holds, so a call of a
+    routed structure is refused as well."""
     mine, _ = _pair()
     model = ff.compile(mine, _config())
     model(torch.randn(3, 4))
+    model(torch.randn(3, 4))
     mine.bn.momentum = 0.5
-    model(torch.randn(3, 4))  # routed: served without the scan
     with pytest.raises(CompileError, match=r"model\.bn\.momentum was 0\.1 at the trace and "
                                            r"is 0\.5 now"):
+        model(torch.randn(3, 4))
+
+
+def test_an_object_changed_in_place_is_caught_at_the_next_new_route() -> None:
+    """Without debug, an attribute's object changed in place (a list item, a config field)
+    is compared when a call needs a new route; a call of a routed structure is served
+    without that scan (documented)."""
+    mine, _ = _pair()
+    model = ff.compile(mine, _config())
+    model(torch.randn(3, 4))
+    mine.offsets[0] = 3.0
+    model(torch.randn(3, 4))  # routed: served without the scan
+    with pytest.raises(CompileError, match=r"model\.offsets was \[1\.0, 0\.0\] at the trace "
+                                           r"and is \[3\.0, 0\.0\] now"):
         model(torch.randn(4, 3).t())
 
 

@@ -9,8 +9,9 @@ checks this state itself, in two tiers::
     every call           the root module: its ``training`` flag, its hooks, its direct
                          submodules and which object each of its attributes holds (an
                          attribute set, added or deleted, a tensor attribute that is no
-                         tensor any more); every submodule's ``training`` flag, number of
-                         attributes (one added or deleted, ``forward`` set on it) and
+                         tensor any more); every submodule's ``training`` flag, attributes
+                         (the same way), number of attributes (one added or deleted,
+                         ``forward`` set on it) and
                          children (a submodule replaced at any depth, a child added to one
                          that had none, as ``torch.nn.utils.parametrize`` does); a hook
                          registered anywhere (torch's process-wide hook-handle counter moved,
@@ -18,8 +19,8 @@ checks this state itself, in two tiers::
                          saw removed; and the global module hooks
                          (``torch.nn.modules.module.register_module_forward_hook``...).
                          Generated as one straight-line function per module layout
-                         (:func:`_every_call_check`): about 2 us alone on the development
-                         machine's CPU for the two-layer toy Llama, 6-9 us between its ops.
+                         (:func:`_every_call_check`): about 3 us alone on the development
+                         machine's CPU for the two-layer toy Llama, 7-11 us between its ops.
                          A hit runs the full tier (which refreshes these when nothing
                          differs).
     the full tier        every submodule's flag, forward hooks and attributes, compared with
@@ -88,8 +89,10 @@ _TORCH_OWN = frozenset(vars(nn.Module())) | {
     "_load_hook", "__orig_class__"}
 
 
-def _user_attrs(module: nn.Module) -> dict[str, Any]:
-    return {name: value for name, value in vars(module).items()
+def _user_attrs(module: nn.Module | dict[str, Any]) -> dict[str, Any]:
+    """The user's attributes of a module (or of its ``__dict__``)."""
+    attrs = module if isinstance(module, dict) else vars(module)
+    return {name: value for name, value in attrs.items()
             if name not in _TORCH_OWN and not name.startswith("__")}
 
 
@@ -185,6 +188,7 @@ class ModuleState:
         user = _user_attrs(module)
         if not self._every_call:
             return
+        below = tuple(map(_user_attrs, self._sub_dicts))
         layout = (
             module.training, len(root), len(_torch_module._global_forward_hooks),
             len(_torch_module._global_forward_pre_hooks), len(module._forward_hooks),
@@ -198,16 +202,22 @@ class ModuleState:
                   if d.get("_modules")),
             # a root attribute holding a tensor is read as an input: it must stay a tensor;
             # any other is compared by identity, with the object this refresh found
-            tuple((name, isinstance(value, torch.Tensor)) for name, value in user.items()))
+            tuple((name, isinstance(value, torch.Tensor)) for name, value in user.items()),
+            # and so is each submodule's (eps, p, a scale), with the objects found here
+            tuple(tuple((name, isinstance(value, torch.Tensor)) for name, value in attrs.items())
+                  for attrs in below))
         made = self._made
         if made is None or made[0] != layout:
-            made = self._made = (layout, *_every_call_check(self, user))
+            made = self._made = (layout, *_every_call_check(self, user, below))
         # (set from one tuple: two threads refreshing at once leave a check that matches
         # its layout, whichever wrote last)
         _, self.changed_cheaply, self.source = made
         values = self.changed_cheaply.__globals__
         for k, value in enumerate(user.values()):
             values[f"value{k}"] = value
+        for k, attrs in enumerate(below):
+            for j, value in enumerate(attrs.values()):
+                values[f"held{k}_{j}"] = value
         values["handle_mark"] = handle_mark
 
     def difference(self, tensor_stores: bool = False) -> str | None:
@@ -228,8 +238,8 @@ class ModuleState:
         return None
 
 
-def _every_call_check(state: ModuleState,
-                      user: dict[str, Any]) -> tuple[Callable[[], bool], str]:
+def _every_call_check(state: ModuleState, user: dict[str, Any],
+                      below: tuple[dict[str, Any], ...]) -> tuple[Callable[[], bool], str]:
     """The every-call tier of ``state`` as one generated function, and its source.
 
     Every object it reads is a name of the function's own globals (the values a refresh
@@ -256,7 +266,8 @@ def _every_call_check(state: ModuleState,
                         or ...
                         or unhooked0 or unhooked1 or ...
                         or parent0['_modules'] != children0 or ...
-                        or root[name0] is not value0)
+                        or root[name0] is not value0 or ...
+                        or sub1[attr1_0] is not held1_0 or ...)
             except KeyError:  # nn.Module's own attributes deleted, a __dict__ emptied
                 return True
     """
@@ -298,6 +309,13 @@ def _every_call_check(state: ModuleState,
             terms.append(f"not isinstance(root[name{k}], Tensor)")
         else:
             terms.append(f"root[name{k}] is not value{k}")  # (value{k}: set by refresh)
+    for k, attrs in enumerate(below):
+        for j, (name, value) in enumerate(attrs.items()):
+            names[f"attr{k}_{j}"] = name
+            if isinstance(value, torch.Tensor):
+                terms.append(f"not isinstance(sub{k}[attr{k}_{j}], Tensor)")
+            else:
+                terms.append(f"sub{k}[attr{k}_{j}] is not held{k}_{j}")  # (set by refresh)
     source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
               "        return (" + "\n                or ".join(terms) +
               ")\n    except KeyError:\n        return True\n")
