@@ -179,6 +179,8 @@ class ModuleState:
         changed (an attribute set to an equal new value, an internal attribute torch added,
         a hook registered elsewhere): :attr:`changed_cheaply` is generated anew, unless only
         the hook-handle counter moved (then its one value is updated)."""
+        if not self._every_call:
+            return
         module = self.module
         # a hook added anywhere: every hook handle takes the next id of one process-wide
         # counter (which other hooks, a tensor's, also move: the full tier then finds
@@ -186,8 +188,6 @@ class ModuleState:
         handle_mark = _hook_handles.next_id
         root = vars(module)
         user = _user_attrs(module)
-        if not self._every_call:
-            return
         below = tuple(map(_user_attrs, self._sub_dicts))
         layout = (
             module.training, len(root), len(_torch_module._global_forward_hooks),
