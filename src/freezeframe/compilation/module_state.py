@@ -19,7 +19,7 @@ checks this state itself, in two tiers::
                          saw removed; and the global module hooks
                          (``torch.nn.modules.module.register_module_forward_hook``...).
                          Generated as one straight-line function per module layout
-                         (:func:`_every_call_check`): about 3 us alone on the development
+                         (:func:`_every_call_source`): about 3 us alone on the development
                          machine's CPU for the two-layer toy Llama, 7-11 us between its ops.
                          A hit runs the full tier (which refreshes these when nothing
                          differs).
@@ -168,8 +168,8 @@ class ModuleState:
         # and which submodules had no children (one added to such a leaf, as
         # torch.nn.utils.parametrize or an adapter does, is seen in its _modules dict)
         self._leaves = tuple(not d.get("_modules") for d in self._sub_dicts)
-        # the layout the every-call check was generated for, the check and its source
-        self._made: tuple[tuple[Any, ...], Callable[[], bool], str] | None = None
+        # the every-call check and its source
+        self._made: tuple[Callable[[], bool], str] | None = None
         self.changed_cheaply: Callable[[], bool]
         self.source = ""
         self.refresh()
@@ -177,48 +177,28 @@ class ModuleState:
     def refresh(self) -> None:
         """Take the every-call tier's references again, after a full check found nothing
         changed (an attribute set to an equal new value, an internal attribute torch added,
-        a hook registered elsewhere): :attr:`changed_cheaply` is generated anew, unless only
-        the hook-handle counter moved (then its one value is updated)."""
+        a hook registered elsewhere). :attr:`changed_cheaply` is generated anew only when its
+        text changes (a count, an attribute added that the full tier accepts); otherwise the
+        objects it compares with are updated in its globals."""
         if not self._every_call:
             return
-        module = self.module
         # a hook added anywhere: every hook handle takes the next id of one process-wide
         # counter (which other hooks, a tensor's, also move: the full tier then finds
         # nothing). Read before the hooks are counted: registering moves it first.
         handle_mark = _hook_handles.next_id
-        root = vars(module)
-        user = _user_attrs(module)
-        below = tuple(map(_user_attrs, self._sub_dicts))
-        layout = (
-            module.training, len(root), len(_torch_module._global_forward_hooks),
-            len(_torch_module._global_forward_pre_hooks), len(module._forward_hooks),
-            len(module._forward_pre_hooks), tuple(module._modules.items()),
-            # per submodule: its flag and how many attributes it has (one added or deleted,
-            # a forward set on the instance); which children each parent holds (read
-            # through its __dict__: ModuleList's __delitem__ puts a new _modules dict there)
-            tuple((flag, len(d)) for flag, d in zip(self._sub_flags, self._sub_dicts,
-                                                    strict=True)),
-            tuple((id(d), tuple(d["_modules"].items())) for d in self._sub_dicts
-                  if d.get("_modules")),
-            # a root attribute holding a tensor is read as an input: it must stay a tensor;
-            # any other is compared by identity, with the object this refresh found
-            tuple((name, isinstance(value, torch.Tensor)) for name, value in user.items()),
-            # and so is each submodule's (eps, p, a scale), with the objects found here
-            tuple(tuple((name, isinstance(value, torch.Tensor)) for name, value in attrs.items())
-                  for attrs in below))
+        source, names = _every_call_source(self, _user_attrs(self.module),
+                                           tuple(map(_user_attrs, self._sub_dicts)))
+        names["handle_mark"] = handle_mark
         made = self._made
-        if made is None or made[0] != layout:
-            made = self._made = (layout, *_every_call_check(self, user, below))
-        # (set from one tuple: two threads refreshing at once leave a check that matches
-        # its layout, whichever wrote last)
-        _, self.changed_cheaply, self.source = made
-        values = self.changed_cheaply.__globals__
-        for k, value in enumerate(user.values()):
-            values[f"value{k}"] = value
-        for k, attrs in enumerate(below):
-            for j, value in enumerate(attrs.values()):
-                values[f"held{k}_{j}"] = value
-        values["handle_mark"] = handle_mark
+        if made is None or made[1] != source:
+            exec(compile(source, f"<every-call check of {type(self.module).__name__}>",
+                         "exec"), names)
+            # (one tuple: two threads refreshing at once leave a check and its source that
+            # belong together, whichever wrote last)
+            made = self._made = (names["changed_cheaply"], source)
+        else:
+            made[0].__globals__.update(names)
+        self.changed_cheaply, self.source = made
 
     def difference(self, tensor_stores: bool = False) -> str | None:
         """The full tier: what differs from the snapshot, in words, or None.
@@ -238,14 +218,18 @@ class ModuleState:
         return None
 
 
-def _every_call_check(state: ModuleState, user: dict[str, Any],
-                      below: tuple[dict[str, Any], ...]) -> tuple[Callable[[], bool], str]:
-    """The every-call tier of ``state`` as one generated function, and its source.
+def _every_call_source(state: ModuleState, user: dict[str, Any],
+                       below: tuple[dict[str, Any], ...]) -> tuple[str, dict[str, Any]]:
+    """The source of the every-call tier of ``state`` as one function, and the objects it
+    reads by name (its globals). ``user`` and ``below`` are the root's and each submodule's
+    user attributes as they are now.
 
-    Every object it reads is a name of the function's own globals (the values a refresh
-    updates, ``handle_mark`` and ``value0``..., among them) and the only literals in its text
-    are counts, so the check runs as straight-line bytecode the interpreter specialises (a
-    dict subscript, ``len`` of a dict, an identity test): measured in place between a toy
+    Every object it reads is a name of the function's globals (``handle_mark``, the root's
+    attribute names and objects ``name0``/``value0``..., each submodule's
+    ``attr1_0``/``held1_0``...) and the only literals in its text are counts, so a refresh
+    whose text is the same only updates those names. The check runs as straight-line
+    bytecode the interpreter specialises (a dict subscript, ``len`` of a dict, an identity
+    test): measured in place between a toy
     Llama's ops on the development CPU, about half of the same checks made through
     ``map``/``itemgetter`` loops, whose per-item calls dominate there. The root's
     ``__dict__`` and torch's global hook dicts are looked up on every call (either may be
@@ -275,8 +259,8 @@ def _every_call_check(state: ModuleState, user: dict[str, Any],
     names: dict[str, Any] = {"hook_handles": _hook_handles, "len": len,
                              "isinstance": isinstance, "Tensor": torch.Tensor,
                              "module": module, "torch_module": _torch_module,
-                             "root_flag": module.training,
-                             "root_children": dict(module._modules), "handle_mark": -1}
+                             "root_flag": state.training,
+                             "root_children": dict(module._modules)}
     terms = ["root['training'] is not root_flag",
              "hook_handles.next_id != handle_mark",
              f"len(root) != {len(vars(module))}",
@@ -304,23 +288,22 @@ def _every_call_check(state: ModuleState, user: dict[str, Any],
         names[f"parent{k}"], names[f"children{k}"] = attrs, dict(attrs["_modules"])
         terms.append(f"parent{k}['_modules'] != children{k}")
     for k, (name, value) in enumerate(user.items()):
-        names[f"name{k}"] = name
+        names[f"name{k}"], names[f"value{k}"] = name, value
         if isinstance(value, torch.Tensor):
             terms.append(f"not isinstance(root[name{k}], Tensor)")
         else:
-            terms.append(f"root[name{k}] is not value{k}")  # (value{k}: set by refresh)
+            terms.append(f"root[name{k}] is not value{k}")
     for k, attrs in enumerate(below):
         for j, (name, value) in enumerate(attrs.items()):
-            names[f"attr{k}_{j}"] = name
+            names[f"attr{k}_{j}"], names[f"held{k}_{j}"] = name, value
             if isinstance(value, torch.Tensor):
                 terms.append(f"not isinstance(sub{k}[attr{k}_{j}], Tensor)")
             else:
-                terms.append(f"sub{k}[attr{k}_{j}] is not held{k}_{j}")  # (set by refresh)
+                terms.append(f"sub{k}[attr{k}_{j}] is not held{k}_{j}")
     source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
               "        return (" + "\n                or ".join(terms) +
               ")\n    except KeyError:\n        return True\n")
-    exec(compile(source, f"<every-call check of {type(module).__name__}>", "exec"), names)
-    return names["changed_cheaply"], source
+    return source, names
 
 def has_uninitialised_lazy(module: nn.Module) -> bool:
     """Whether a lazy submodule (``nn.LazyLinear``...) still waits for its first call, which
