@@ -303,7 +303,7 @@ class Signer:
                 tensors.append(value)
             pieces.append((name, self._leaf_key(name, value, nested)))
         if len(tensors) > 1:  # storages are read only where two tensors could share one
-            storages = [t.untyped_storage().data_ptr() for t in tensors]
+            storages = list(map(_storage, tensors))
             if len(set(storages)) != len(storages):
                 ids = list(map(id, tensors))  # the same tensor twice, or two views of one
                 pieces.append(("aliases", tuple(map(storages.index, storages)),
@@ -345,7 +345,7 @@ class Signer:
             specs.append((name, self._spec(name, value, name, tensors, 0)))
         groups: dict[int, dict[int, list[str]]] = {}
         for path, tensor in tensors:
-            same = groups.setdefault(tensor.untyped_storage().data_ptr(), {})
+            same = groups.setdefault(_storage(tensor), {})
             same.setdefault(id(tensor), []).append(path)
         aliases = tuple(tuple(" is ".join(paths) for paths in g.values())
                         for g in groups.values() if sum(map(len, g.values())) > 1)
