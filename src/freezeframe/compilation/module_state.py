@@ -225,7 +225,7 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     user attributes as they are now.
 
     Every object it reads is a name of the function's globals (``handle_mark``, the root's
-    attribute names and objects ``name0``/``value0``..., each submodule's
+    attribute names and objects ``attr_0``/``held_0``..., each submodule's
     ``attr1_0``/``held1_0``...) and the only literals in its text are counts, so a refresh
     whose text is the same only updates those names. The check runs as straight-line
     bytecode the interpreter specialises (a dict subscript, ``len`` of a dict, an identity
@@ -250,7 +250,7 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
                         or ...
                         or unhooked0 or unhooked1 or ...
                         or parent0['_modules'] != children0 or ...
-                        or root[name0] is not value0 or ...
+                        or root[attr_0] is not held_0 or ...
                         or sub1[attr1_0] is not held1_0 or ...)
             except KeyError:  # nn.Module's own attributes deleted, a __dict__ emptied
                 return True
@@ -287,19 +287,15 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     for k, attrs in enumerate(parents):
         names[f"parent{k}"], names[f"children{k}"] = attrs, dict(attrs["_modules"])
         terms.append(f"parent{k}['_modules'] != children{k}")
-    for k, (name, value) in enumerate(user.items()):
-        names[f"name{k}"], names[f"value{k}"] = name, value
-        if isinstance(value, torch.Tensor):
-            terms.append(f"not isinstance(root[name{k}], Tensor)")
-        else:
-            terms.append(f"root[name{k}] is not value{k}")
-    for k, attrs in enumerate(below):
+    for holder, tag, attrs in (("root", "", user),
+                               *((f"sub{k}", str(k), a) for k, a in enumerate(below))):
         for j, (name, value) in enumerate(attrs.items()):
-            names[f"attr{k}_{j}"], names[f"held{k}_{j}"] = name, value
-            if isinstance(value, torch.Tensor):
-                terms.append(f"not isinstance(sub{k}[attr{k}_{j}], Tensor)")
+            attr, held = f"attr{tag}_{j}", f"held{tag}_{j}"
+            names[attr], names[held] = name, value
+            if isinstance(value, torch.Tensor):  # (read as an input: it must stay a tensor)
+                terms.append(f"not isinstance({holder}[{attr}], Tensor)")
             else:
-                terms.append(f"sub{k}[attr{k}_{j}] is not held{k}_{j}")
+                terms.append(f"{holder}[{attr}] is not {held}")
     source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
               "        return (" + "\n                or ".join(terms) +
               ")\n    except KeyError:\n        return True\n")
