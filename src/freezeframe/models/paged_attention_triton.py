@@ -42,9 +42,11 @@ from triton.runtime.jit import JITFunction
 from freezeframe.errors import ConfigError
 from freezeframe.graphs.emulated import opaque
 
-__all__ = ["interpreter_ready", "paged_attention"]
+__all__ = ["compile_for_gpu", "interpreter_ready", "paged_attention"]
 
-_NEG = -1.0e30  # a masked score: finite, so exp() of it is 0 without inf - inf
+# A masked score: finite, so exp() of it is 0 without inf - inf. A compiled kernel may read a
+# module global only when it is a tl.constexpr (Triton >= 3.0; the interpreter reads any).
+_NEG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -125,24 +127,87 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _kernel_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, positions: torch.Tensor, token_req: torch.Tensor,
+                 token_valid: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 scale: float) -> tuple[tuple[Any, ...], dict[str, int]]:
+    """The kernel's runtime arguments and its compile-time constants, for a launch and for
+    :func:`compile_for_gpu` alike (one list, so the two cannot disagree)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[1]
+    args = (q, k_cache, v_cache, out, positions, token_req, token_valid, block_tables,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), scale)
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                     GROUP_P2=_pow2(group), HEAD_DIM_P2=_pow2(head_dim),
+                     BLOCK_P2=_pow2(block_size))
+    return args, constants
+
+
 @opaque  # the emulated graph backend records the launch as one step (it writes raw memory)
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             positions: torch.Tensor, token_req: torch.Tensor, token_valid: torch.Tensor,
             block_tables: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[1]
-    group = num_heads // num_kv
-    grid = (num_tokens, num_kv)
+    args, constants = _kernel_args(q, k_cache, v_cache, out, positions, token_req, token_valid,
+                                   block_tables, block_size, scale)
+    grid = (q.shape[0], k_cache.shape[1])  # (token, KV head)
     kernel: Any = _paged_attention_kernel
-    kernel[grid](
-        q, k_cache, v_cache, out, positions, token_req, token_valid, block_tables,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        GROUP_P2=_pow2(group), HEAD_DIM_P2=_pow2(head_dim), BLOCK_P2=_pow2(block_size),
-    )
+    kernel[grid](*args, **constants)
     return out
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 torch.int64: "i64", torch.int32: "i32", torch.int8: "i8"}
+
+
+def _triton_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_TYPES[value.dtype]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"no Triton type for the kernel argument {value!r}")
+    if isinstance(value, float):
+        return "fp32"
+    return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+
+def compile_for_gpu(capability: int, *, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                    head_dim: int, block_size: int, num_blocks: int = 64,
+                    max_blocks: int = 8) -> Any:
+    """Compile the kernel for an NVIDIA GPU of compute ``capability`` (80: A100, 90: H100),
+    down to a cubin, without a GPU and without launching it; returns Triton's compiled kernel.
+
+    Why: Triton's interpreter, which runs the kernel on CPU tensors in the tests, accepts code
+    that a real compile refuses (a plain Python global read inside the kernel, say). Compiling
+    for the real targets on the CPU turns that into a test failure instead of a failure on the
+    first GPU. The arguments are built by the same :func:`_kernel_args` a launch uses, from
+    meta tensors of the given shapes and dtypes (index tensors int64, as the attention op
+    passes them). Needs a process in which triton was imported without ``TRITON_INTERPRET=1``
+    (the tests run it in a child process)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = _paged_attention_kernel
+    if not isinstance(kernel, JITFunction) or isinstance(kernel, InterpretedFunction):
+        raise ConfigError(
+            "compile_for_gpu: triton was imported with TRITON_INTERPRET=1, so the kernel is an "
+            "interpreted function that cannot be compiled; call it in a process started without "
+            "that variable")
+    slots = num_blocks * block_size + 1
+
+    def meta(*shape: int, kind: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.empty(*shape, dtype=kind, device="meta")
+
+    args, constants = _kernel_args(
+        meta(4, num_heads, head_dim, kind=dtype), meta(slots, num_kv_heads, head_dim, kind=dtype),
+        meta(slots, num_kv_heads, head_dim, kind=dtype), meta(4, num_heads, head_dim, kind=dtype),
+        meta(4), meta(4), meta(4, kind=torch.int8), meta(4, max_blocks), block_size,
+        head_dim ** -0.5)
+    names = kernel.arg_names
+    signature = {name: _triton_type(value) for name, value in zip(names, args, strict=False)}
+    signature.update({name: "constexpr" for name in constants})
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32))
 
 
 def paged_attention(
