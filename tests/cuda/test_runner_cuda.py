@@ -40,3 +40,24 @@ def test_cuda_runner_matches_eager_for_every_size(mode: str) -> None:
         assert get_counter() == (0 if graph_mode is CUDAGraphMode.FULL else 2), n
         torch.testing.assert_close(y, want)
     assert runner.stats.fallback_too_large == MAX_TOKENS - max(SIZES)
+
+
+def test_a_step_before_capture_warms_its_key_up_before_capturing_it() -> None:
+    """A CUDA capture records kernels without running them: the first step of a key runs
+    without a graph (its lazy set-up happens there), the second captures."""
+    cfg = ff.CompilationConfig(
+        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
+        cudagraph_mode="piecewise", graph_backend="cuda", cudagraph_capture_sizes=SIZES,
+        max_num_tokens=MAX_TOKENS, max_num_seqs=16)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(64)}, device="cuda", progress=False)
+    x = torch.randn(3, 64, device="cuda")
+    want = SillyModel()(x)
+    torch.testing.assert_close(runner(x), want)
+    assert (runner.stats.warmups, model.stats.graphs_captured) == (1, 0)
+    torch.testing.assert_close(runner(x), want)
+    assert model.stats.graphs_captured == 3
+    report = runner.capture()
+    assert report.num_graphs == len(SIZES)
+    assert runner.stats.warmups == len(SIZES)  # one per key: key 4 was warmed by the step
+    torch.testing.assert_close(runner(x), want)

@@ -127,10 +127,10 @@ FALLBACK_REASONS: Mapping[str, tuple[int, str]] = {
 @dataclasses.dataclass(frozen=True)
 class GraphCapture:
     """One captured graph: its key, the wall time of its warm-ups and capture, and the memory
-    it took: on CUDA the device's free-memory delta over its capture (graphs share one pool, so
-    a graph captured after a larger one may take almost nothing); where the graphs account for
-    their own memory (``emulated``: the tensors each one keeps), the bytes it added; 0 where
-    neither applies.
+    it took: on CUDA the growth of the graph pool's segments over its capture, read from the
+    caching allocator (graphs share one pool, so a graph captured after a larger one may take
+    almost nothing); where the graphs account for their own memory (``emulated``: the tensors
+    each one keeps), the bytes it added; 0 where neither applies.
 
     ``predicted_bytes`` is what the graph-memory prediction said for it (None when no
     prediction was made), and ``probe`` whether it was one of the measured sizes the prediction
@@ -148,8 +148,9 @@ class GraphCapture:
 @dataclasses.dataclass(frozen=True)
 class CaptureReport:
     """What :meth:`GraphRunner.capture` did. ``memory_bytes`` is the graph memory of the whole
-    capture: the free-memory delta on CUDA (which also counts pool growth shared by several
-    graphs), the sum of the graphs' own accounting on ``emulated``.
+    capture: the growth of the graph pool on CUDA (the allocator's segments of that pool; a
+    model whose graphs the runner cannot see falls back to the free-memory delta), the sum of
+    the graphs' own accounting on ``emulated``.
 
     ``prediction`` is the graph-memory prediction (made before the capture when the runner has a
     ``graph_memory_budget``, from the same measured sizes after it on ``emulated`` otherwise),
@@ -309,7 +310,9 @@ class GraphRunner:
         # graphs (counted fallback_capture_failed) instead of reaching a closed capture window
         self._capture_failed = False
         self._logged_reasons: set[str] = set()
+        # sizes and graph keys that ran eagerly before their first capture (see _num_warmups)
         self._primed_sizes: set[int] = set()
+        self._primed_keys: set[GraphKey] = set()
         self.device = _resolve_device(device, model)
         self.graphs_available = graphs_possible(config)
 
@@ -486,6 +489,12 @@ class GraphRunner:
         if mode is not _NONE and self._deferred and self._deferred.waiting((mode, desc)):
             mode, desc = self._deferred_step((mode, desc), step_tokens, step_uniform, has_lora,
                                              num_active_loras)
+        if mode is not _NONE and self.report is None and self._records_only() \
+                and (mode, desc) not in self._primed_keys:
+            # before capture(), a step of a key nothing ran yet would capture that key's code
+            # on its first run (the window is open): it runs without a graph, as a warm-up
+            mode, desc = self._warm_up_step((mode, desc), step_tokens, step_uniform, has_lora,
+                                            num_active_loras)
         padded_tokens = desc.num_tokens if mode is not _NONE else step_tokens
         padded_reqs = desc.num_reqs if desc.num_reqs is not None else reqs
         if mode is CUDAGraphMode.PIECEWISE and reqs is not None:
@@ -857,6 +866,17 @@ class GraphRunner:
         reason = "capture_failed" if key in deferred.failed else "not_captured"
         return self._without_graph(key, reason, num_tokens, uniform, has_lora, num_active_loras)
 
+    def _warm_up_step(self, key: GraphKey, num_tokens: int, uniform: bool, has_lora: bool,
+                      num_active_loras: int) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """A step before capture() whose graph key no pass ran yet, where the backend only
+        records (see _records_only): it runs without a graph (counted in ``warmups``, not a
+        fallback), and the next step of the key captures it."""
+        self._primed_keys.add(key)
+        self._primed_sizes.add(key[1].num_tokens)
+        self.stats.inc("warmups")
+        return self.dispatcher.dispatch(num_tokens, uniform, has_lora, num_active_loras,
+                                        invalid_modes=_GRAPH_MODES)
+
     def _without_graph(self, key: GraphKey, reason: str, num_tokens: int, uniform: bool,
                        has_lora: bool, num_active_loras: int
                        ) -> tuple[CUDAGraphMode, BatchDescriptor]:
@@ -1173,7 +1193,7 @@ class GraphRunner:
             torch.cuda.empty_cache()
         used_before = self._graph_memory_in_use()
         self.stats.inc("capture_runs")
-        primed = set(self._primed_sizes)
+        primed = (set(self._primed_sizes), set(self._primed_keys))
         stream = torch.cuda.current_stream(self.device) if on_cuda else None
         self._leaf_sizes.clear()
         try:
@@ -1232,13 +1252,14 @@ class GraphRunner:
                 "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
                 "run eagerly meanwhile")
 
-    def _forget_failed_capture(self, primed: set[int], stream: Any) -> None:
+    def _forget_failed_capture(self, primed: tuple[set[int], set[GraphKey]],
+                               stream: Any) -> None:
         """Undo a capture attempt that raised, so that a retry starts as the first attempt
         did: the graphs it stored (some may hold a half-recorded capture) are freed, the sizes
         it primed count as unprimed (a failed first call may have left the model untraced),
         and the caller's CUDA stream is current again."""
         self.stats.inc("capture_failures")
-        self._primed_sizes = primed
+        self._primed_sizes, self._primed_keys = primed
         self._graph_writes.clear()
         if self._held is not None:
             for wrapper in self._held.graph_wrappers():
@@ -1267,14 +1288,33 @@ class GraphRunner:
                 wrapper.clear()
             self.stats.inc("foreign_graphs_dropped", len(foreign))
 
-    def _num_warmups(self, num_tokens: int) -> int:
+    def _records_only(self) -> bool:
+        """Whether the graph backend only records kernels when it captures (``cuda``), so code
+        that first runs inside a capture would do its lazy set-up there (a Triton kernel's
+        compile and autotuning, cuBLAS handles and workspaces, Inductor's first launch): work
+        a capture cannot hold. ``emulated`` captures by running, as eager code does."""
+        backend = self._held.graph_backend if self._held is not None else None
+        if backend is not None:
+            return not backend.capture_computes
+        return self.device.type == "cuda"
+
+    def _num_warmups(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> int:
         """The configured warm-ups, but at least one eager pass before the very first capture
         and before the first capture of each concrete compile size: tracing and compiling must
         happen outside any capture (a capture records kernels; Dynamo cannot trace under the
-        emulated recorder, and compiling inside a CUDA capture is not allowed)."""
+        emulated recorder, and compiling inside a CUDA capture is not allowed). Where the
+        backend only records (``cuda``), at least one before the first capture of every graph
+        key as well: each key may reach code no earlier pass ran (another compile range, an
+        attention kernel's specialisation for this many requests, a micro-batch slice at a
+        new offset)."""
         n = self.config.cudagraph_num_of_warmups
+        num_tokens = desc.num_tokens
         first_sight = num_tokens not in self._primed_sizes
         self._primed_sizes.add(num_tokens)
+        new_key = (mode, desc) not in self._primed_keys
+        self._primed_keys.add((mode, desc))
+        if new_key and self._records_only():
+            return max(n, 1)
         if first_sight and (len(self._primed_sizes) == 1
                             or num_tokens in (self.config.compile_sizes or ())):
             return max(n, 1)
@@ -1305,7 +1345,7 @@ class GraphRunner:
         on_cuda = self.device.type == "cuda"
         used_before = self._graph_memory_in_use()
         t0 = time.perf_counter()
-        for _ in range(self._num_warmups(tokens)):
+        for _ in range(self._num_warmups(mode, desc)):
             self._forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
             self.stats.inc("warmups")
         if on_cuda:
@@ -1344,6 +1384,15 @@ class GraphRunner:
             assert self._held is not None
             held = sum(w.memory_bytes() for w in self._held.graph_wrappers())
             return held + (self._ubatch.memory_bytes() if self._ubatch is not None else 0)
+        backend = self._held.graph_backend if self._held is not None else None
+        if backend is not None and self.device.type == "cuda":
+            # the pool's own segments: free memory also moves with cuBLAS workspaces and
+            # warm-up caches, which made small graphs look as large as big ones
+            index = self.device.index
+            pooled = backend.pool_bytes(index if index is not None
+                                        else torch.cuda.current_device())
+            if pooled is not None:
+                return pooled
         return -_free_memory(self.device)
 
     def _predict(self, keys: list[tuple[CUDAGraphMode, BatchDescriptor]],
@@ -1440,7 +1489,7 @@ class GraphRunner:
         mode, desc = key
         window = self._held.capture_window if self._held is not None else None
         saved = _SavedBuffers(self.model)
-        primed = set(self._primed_sizes)
+        primed = (set(self._primed_sizes), set(self._primed_keys))
         on_cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if on_cuda else None
         try:
