@@ -226,12 +226,60 @@ def test_an_item_in_a_failed_capture_leaves_the_next_capture_working() -> None:
         return t * 5
 
     stats = Stats()
-    w = GraphWrapper(fn, PW, CudaBackend(), stats=stats, window=CaptureWindow())
+    backend = CudaBackend()
+    w = GraphWrapper(fn, PW, backend, stats=stats, window=CaptureWindow())
     with forward_context(2, mode=PW):
         with pytest.raises(CaptureError, match="captured region"):
             w(x)
         assert not torch.cuda.is_current_stream_capturing()
+        assert backend.pools_replaced == 1  # the invalidated capture's pool is retired
         assert torch.equal(host(w(x)), torch.full((2,), 5.0))
         x.fill_(3.0)
         assert torch.equal(host(w(x)), torch.full((2,), 15.0))
     assert (stats.graphs_captured, stats.replays) == (1, 1)
+
+
+def test_two_invalidated_captures_in_a_row_leave_capture_working() -> None:
+    """torch 2.11 leaves an invalidated capture's pool marked as recording; a second capture
+    into it used to fail outside the error handling ("already recording to mempool_id")."""
+    x = torch.ones(2, device=DEV)
+    x.sum().item()  # warm-up
+    calls = [0]
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] <= 2:
+            return t * float(t.sum().item())
+        return t * 5
+
+    stats = Stats()
+    backend = CudaBackend()
+    w = GraphWrapper(fn, PW, backend, stats=stats, window=CaptureWindow())
+    with forward_context(2, mode=PW):
+        for _ in range(2):
+            with pytest.raises(CaptureError, match="captured region"):
+                w(x)
+        assert torch.equal(host(w(x)), torch.full((2,), 5.0))
+    assert (stats.graphs_captured, backend.pools_replaced) == (1, 2)
+
+
+def test_capturing_after_every_graph_of_the_pool_is_gone_takes_a_fresh_pool() -> None:
+    """The first capture allocates cuBLAS's workspace in the pool, which keeps the pool alive
+    after its graphs are dropped; capturing into it again tripped an allocator assert."""
+    backend = CudaBackend()
+    weight = torch.randn(64, 64, device=DEV)
+    stats = Stats()
+    w = GraphWrapper(lambda t: torch.relu(t @ weight), PW, backend, stats=stats,
+                     window=CaptureWindow())
+    buf = torch.randn(8, 64, device=DEV)
+    with forward_context(8, mode=PW):
+        torch.testing.assert_close(host(w(buf)), host(torch.relu(buf @ weight)))
+    first_pool = backend.pool()
+    w.clear()
+    gc.collect()
+    with forward_context(8, mode=PW):
+        torch.testing.assert_close(host(w(buf)), host(torch.relu(buf @ weight)))
+        buf.mul_(-2)
+        torch.testing.assert_close(host(w(buf)), host(torch.relu(buf @ weight)))
+    assert backend.pools_replaced == 1 and backend.pool() != first_pool
+    assert (stats.graphs_captured, stats.replays) == (2, 1)

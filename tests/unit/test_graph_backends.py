@@ -128,8 +128,8 @@ def test_first_piece_flushes_later_pieces_do_not(fake_cuda: FakeCuda) -> None:
 
 def test_side_stream_is_ordered_around_the_capture(fake_cuda: FakeCuda) -> None:
     backend = CudaBackend()
-    backend.capture(lambda: None)
-    backend.capture(lambda: None)
+    kept = [backend.capture(lambda: None)[0] for _ in range(2)]  # the pool's graphs live on
+    assert len(kept) == 2 and backend.pools_replaced == 0
     if fake_cuda.current is fake_cuda.default:
         side = backend._side_streams[0]
         assert side.waited_on == ["default", "default"]  # waits for the caller's work
@@ -138,7 +138,19 @@ def test_side_stream_is_ordered_around_the_capture(fake_cuda: FakeCuda) -> None:
         assert backend._side_streams == {}
 
 
-def test_failed_capture_ends_capture_and_reraises(fake_cuda: FakeCuda) -> None:
+@pytest.fixture
+def pool_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, Any]]:
+    """The allocator pool functions a failed capture calls, recorded instead of run."""
+    calls: list[tuple[str, int, Any]] = []
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(torch._C, name,
+                            lambda index, pool, name=name: calls.append((name, index, pool)),
+                            raising=False)
+    return calls
+
+
+def test_failed_capture_ends_capture_and_reraises(fake_cuda: FakeCuda,
+                                                  pool_calls: list[Any]) -> None:
     backend = CudaBackend()
 
     def boom() -> None:
@@ -147,6 +159,33 @@ def test_failed_capture_ends_capture_and_reraises(fake_cuda: FakeCuda) -> None:
     with pytest.raises(ValueError, match="user bug"):
         backend.capture(boom, gc_disable=True)
     assert fake_cuda.log[-1] == "end"
+    # torch 2.11 raises in capture_end before it stops routing allocations to the pool, and a
+    # failed graph never gives its pool reference back: both done by hand, then a fresh pool
+    assert pool_calls == [("_cuda_endAllocateToPool", 0, "pool1"),
+                          ("_cuda_releasePool", 0, "pool1")]
+    assert backend.pools_replaced == 1
+    _kept, _ = backend.capture(lambda: None, gc_disable=True)
+    assert fake_cuda.log[-2].startswith("begin(pool=pool2,")
+
+
+def test_a_pool_whose_graphs_are_all_gone_is_not_captured_into_again(
+        fake_cuda: FakeCuda) -> None:
+    """The first capture leaves blocks (cuBLAS's workspace) that outlive the pool's graphs;
+    torch's allocator asserts when a capture goes into such a pool again."""
+    backend = CudaBackend()
+    first, _ = backend.capture(lambda: None, gc_disable=True)
+    second, _ = backend.capture(lambda: None, gc_disable=True)
+    del first  # one graph of the pool is left: the pool stays
+    third, _ = backend.capture(lambda: None, gc_disable=True)
+    assert (fake_cuda.pools, backend.pools_replaced) == (1, 0)
+    del second, third
+    gc.collect()
+    _kept, _ = backend.capture(lambda: None, gc_disable=True)
+    assert (fake_cuda.pools, backend.pools_replaced) == (2, 1)
+    assert fake_cuda.log[-2].startswith("begin(pool=pool2,")
+    if fake_cuda.current is fake_cuda.default:
+        assert fake_cuda.log[-2].endswith("stream=side)")
+        assert backend._side_streams[0] is not None
 
 
 def test_cuda_capture_errors_become_capture_errors(fake_cuda: FakeCuda) -> None:

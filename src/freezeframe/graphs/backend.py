@@ -62,6 +62,10 @@ class GraphBackend(Protocol):
     thread are captured) and returns ``contextlib.nullcontext``; ``emulated`` records through a
     dispatch mode, which is per thread, so the factory makes a recorder that appends to the
     capturing thread's one.
+
+    ``pool_bytes(device)`` is the memory the graphs' shared pool holds on ``device``, from the
+    allocator's own accounting (``cuda``), or ``None`` for a backend without one (``emulated``:
+    each graph holds its own tensors and reports them itself).
     """
 
     name: str
@@ -75,6 +79,8 @@ class GraphBackend(Protocol):
     def prepare(self, runnable: Callable[..., Any]) -> Callable[..., Any]: ...
 
     def share_capture(self) -> Callable[[], AbstractContextManager[Any]]: ...
+
+    def pool_bytes(self, device: int | None = None) -> int | None: ...
 
 
 def graphs_possible(config: CompilationConfig) -> bool:

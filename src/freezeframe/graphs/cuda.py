@@ -12,8 +12,10 @@ backends never share memory behind each other's back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +65,21 @@ def is_capture_violation(exc: BaseException) -> bool:
     return "captur" in text and ("cuda" in text or "graph" in text)
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+def _pool_call(name: str, *args: Any) -> None:
+    """Call the allocator's pool function ``torch._C.<name>`` where this torch has it, and log
+    (never raise) what it refuses: it only tidies up after an error already on its way."""
+    fn = getattr(torch._C, name, None)
+    if fn is None:  # pragma: no cover - depends on the torch build
+        logger.debug("torch._C.%s is missing in torch %s", name, torch.__version__)
+        return
+    try:
+        fn(*args)
+    except Exception:
+        logger.debug("torch._C.%s%s refused", name, args, exc_info=True)
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, index: int,
+             pool: Any) -> None:
     """End a capture that the captured code broke off with an exception.
 
     Until the capture ends, the stream stays in capture mode (with ``capture_error_mode=
@@ -71,26 +87,48 @@ def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
     stream's allocations into the graph pool. ``capture_end`` refuses to end a capture on any
     stream but the one it began on, and the failed code may have left another stream current,
     so the capture stream is made current for it. What ``capture_end`` raises (an invalidated
-    capture has no graph) is secondary to the error being raised and only logged; the partial
-    graph is dropped with ``graph``.
+    capture has no graph) is secondary to the error being raised and only logged.
+
+    In torch 2.11 ``capture_end`` raises for an invalidated capture *before* it tells the
+    allocator to stop routing allocations into the pool, and the failed graph never gives back
+    the reference to the pool it took at ``capture_begin``. Both are done here by hand (a torch
+    that already did the first refuses the repeat, which is logged), and the caller moves to a
+    fresh pool: the next capture into this one would fail with "already recording to
+    mempool_id".
     """
     try:
         with torch.cuda.stream(stream):
             graph.capture_end()
     except Exception:
         logger.debug("capture_end after a failed capture also failed", exc_info=True)
+    _pool_call("_cuda_endAllocateToPool", index, pool)
+    _pool_call("_cuda_releasePool", index, pool)
 
 
 class CudaGraph:
     """A captured ``torch.cuda.CUDAGraph``; replay launches it on the current stream."""
 
-    __slots__ = ("graph",)
+    __slots__ = ("__weakref__", "graph")
 
     def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
         self.graph = graph
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+@dataclasses.dataclass
+class _Pool:
+    """One device's current graph pool: its handle and the graphs captured into it."""
+
+    handle: Any
+    graphs: weakref.WeakSet[CudaGraph] = dataclasses.field(default_factory=weakref.WeakSet)
+    captured: int = 0  # graphs ever captured into it
+
+    @property
+    def emptied(self) -> bool:
+        """Every graph captured into the pool is gone."""
+        return self.captured > 0 and not self.graphs
 
 
 class CudaBackend:
@@ -106,26 +144,67 @@ class CudaBackend:
     If the current stream is the device's default stream (capturing on the legacy default
     stream is not allowed), a side stream owned by this backend is used, ordered after the
     current stream before capture and before it again after.
+
+    Pool rules, stated once: every graph of a device goes into that device's current pool; a
+    failed capture, and a pool whose graphs are all gone, retire the pool and its side stream,
+    and the next capture starts a fresh pool (see :meth:`_retire`); ``pools_replaced`` counts
+    the retirements.
     """
 
     name = "cuda"
     capture_computes = False  # kernels are recorded, not run: the wrapper replays once
 
     def __init__(self) -> None:
-        # device index -> pool handle; filled lazily so constructing the backend touches no
-        # CUDA state (a config can be resolved before the device is chosen).
-        self._pools: dict[int, Any] = {}
+        # device index -> its current pool; filled lazily so constructing the backend touches
+        # no CUDA state (a config can be resolved before the device is chosen).
+        self._pools: dict[int, _Pool] = {}
         self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self.pools_replaced = 0
 
     def pool(self, device: int | None = None) -> Any:
-        """The shared graph memory pool of ``device`` (default: the current device)."""
-        index = torch.cuda.current_device() if device is None else device
-        handle = self._pools.get(index)
-        if handle is None:
+        """The handle of ``device``'s current graph memory pool (default: current device)."""
+        return self._pool(torch.cuda.current_device() if device is None else device).handle
+
+    def _pool(self, index: int) -> _Pool:
+        pool = self._pools.get(index)
+        if pool is not None and pool.emptied:
+            self._retire(index)  # every graph of the pool is gone (see _retire)
+            pool = None
+        if pool is None:
             with torch.cuda.device(index):
-                handle = torch.cuda.graph_pool_handle()
-            self._pools[index] = handle
-        return handle
+                pool = self._pools[index] = _Pool(torch.cuda.graph_pool_handle())
+        return pool
+
+    def pool_bytes(self, device: int | None = None) -> int:
+        """The bytes ``device``'s current pool holds reserved from the device: the sizes of its
+        allocator segments, read from the caching allocator's own snapshot of that pool (not
+        from free device memory, which moves with every other allocation, cuBLAS workspaces
+        and warm-up caches included). 0 before the first capture."""
+        index = torch.cuda.current_device() if device is None else device
+        pool = self._pools.get(index)
+        if pool is None:
+            return 0
+        want = tuple(pool.handle)
+        try:
+            segments = torch.cuda.memory_snapshot(mempool_id=pool.handle, include_traces=False)
+        except TypeError:  # pragma: no cover - a torch whose snapshot takes no pool
+            segments = torch.cuda.memory_snapshot()
+        return sum(int(seg["total_size"]) for seg in segments
+                   if tuple(seg.get("segment_pool_id", want)) == want
+                   and int(seg.get("device", index)) == index)
+
+    def _retire(self, index: int) -> None:
+        """Capture the next graph of device ``index`` into a fresh pool, on a fresh side stream.
+
+        A pool is retired after a capture into it failed (torch 2.11 leaves it marked as
+        recording, see :func:`_abandon`), and once every graph captured into it is gone: the
+        pool outlives its graphs (a block allocated during capture, such as the cuBLAS
+        workspace, keeps it), and capturing into it again trips an internal assert of torch's
+        allocator. The old pool's memory goes back to the device when its last block is
+        freed."""
+        if self._pools.pop(index, None) is not None:
+            self.pools_replaced += 1
+        self._side_streams.pop(index, None)
 
     def _capture_stream(self, index: int) -> torch.cuda.Stream:
         current = torch.cuda.current_stream(index)
@@ -140,7 +219,7 @@ class CudaBackend:
     def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False,
                 error_mode: str = "global") -> tuple[CudaGraph, Any]:
         index = torch.cuda.current_device()
-        pool = self.pool(index)
+        pool = self._pool(index)
         caller_stream = torch.cuda.current_stream(index)
         stream = self._capture_stream(index)
         graph = torch.cuda.CUDAGraph()
@@ -152,14 +231,15 @@ class CudaBackend:
         if stream != caller_stream:
             stream.wait_stream(caller_stream)
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+            graph.capture_begin(pool=pool.handle, capture_error_mode=error_mode)
             try:
                 output = fn()
                 # on the capture stream: the captured code may have left another one current
                 with torch.cuda.stream(stream):
                     graph.capture_end()
             except BaseException as exc:
-                _abandon(graph, stream)
+                _abandon(graph, stream, index, pool.handle)
+                self._retire(index)
                 if is_capture_violation(exc):
                     raise CaptureError(
                         "an operation inside the captured region is not allowed during CUDA "
@@ -171,7 +251,10 @@ class CudaBackend:
                 raise
         if stream != caller_stream:
             caller_stream.wait_stream(stream)
-        return CudaGraph(graph), output
+        captured = CudaGraph(graph)
+        pool.graphs.add(captured)
+        pool.captured += 1
+        return captured, output
 
     def weak_ref(self, output: Any) -> Any:
         return weak_ref_tensors(output)
@@ -184,4 +267,5 @@ class CudaBackend:
         return contextlib.nullcontext
 
     def __repr__(self) -> str:
-        return f"CudaBackend(pools={sorted(self._pools)})"
+        return (f"CudaBackend(pools={sorted(self._pools)}, "
+                f"pools_replaced={self.pools_replaced})")

@@ -438,5 +438,8 @@ class EmulatedBackend:
             return contextlib.nullcontext
         return lambda: _Recorder(joining=recorder)
 
+    def pool_bytes(self, device: int | None = None) -> int | None:
+        return None  # no shared pool: each emulated graph holds its own tensors
+
     def __repr__(self) -> str:
         return "EmulatedBackend()"
