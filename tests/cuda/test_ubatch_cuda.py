@@ -178,3 +178,24 @@ def test_split_cuda_graph_capture_and_replay() -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
         assert out is captured  # replay writes into the captured output
+
+
+def test_a_tensor_the_comm_stream_reads_is_not_handed_to_the_compute_stream_early() -> None:
+    """``h = comm(h)`` drops the compute stream's tensor while the comm kernel still reads it;
+    the stream-use recorder a comm section enters keeps the allocator from giving its block to
+    the compute stream's next allocation until the comm stream is past it."""
+    from freezeframe.runtime.ubatch.overlap import _CommStreamUses
+
+    compute = torch.cuda.current_stream()
+    comm = torch.cuda.Stream()
+    h = torch.ones(1 << 20, device="cuda")  # 4 MiB, allocated on the compute stream
+    address = h.data_ptr()
+    comm.wait_stream(compute)
+    with torch.cuda.stream(comm), _CommStreamUses(comm, compute):
+        torch.cuda._sleep(SPIN_CYCLES)  # the comm stream is busy well past the next lines
+        received = h * 2  # the "communication" reads h on the comm stream
+    del h
+    again = torch.empty(1 << 20, device="cuda")  # the compute stream's next allocation
+    assert again.data_ptr() != address
+    compute.wait_stream(comm)
+    assert float(received[0].item()) == 2.0

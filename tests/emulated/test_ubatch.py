@@ -3,8 +3,10 @@ unwinding, and FULL graphs captured across micro-batches on the emulated backend
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -266,6 +268,28 @@ def test_full_graph_captured_across_micro_batches_then_replayed(model: CommModel
         assert model.calls == calls  # the model's Python did not run again
         assert torch.equal(out, expected)
         assert out is captured  # replay writes into the captured output
+
+
+def test_tensors_slice_extras_made_before_the_capture_live_as_long_as_the_split_graph(
+        model: CommModel) -> None:
+    """slice_extras makes each micro-batch's metadata before the capture begins (outside the
+    graph's pool); the graph reads that memory on every replay, so the wrapper keeps it until
+    the graph is dropped (on CUDA, freeing it let the next allocation take it)."""
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def extras(index: int, sl: Any, parent: Any) -> dict[str, Any]:
+        t = torch.full((1,), float(index))
+        made.append(weakref.ref(t))
+        return {"offset": t}
+
+    wrapper = MicroBatchWrapper(model, backend=EmulatedBackend(), timeout_s=30,
+                                slice_extras=extras)
+    _step(wrapper, _inputs(8), _plan([4, 4], 8), CUDAGraphMode.FULL)
+    gc.collect()
+    assert len(made) == 2 and all(ref() is not None for ref in made)
+    wrapper.clear()
+    gc.collect()
+    assert all(ref() is None for ref in made)
 
 
 def test_split_graph_replay_copies_a_new_input_tensor_in(model: CommModel) -> None:

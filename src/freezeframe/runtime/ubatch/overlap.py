@@ -31,7 +31,13 @@ custom op (the communication op itself, or a splitting op), which Dynamo records
 which runs, and yields, at execution time. A tensor allocated on the comm stream and read later
 on the compute stream belongs to the comm stream's allocator pool; call
 ``t.record_stream(torch.cuda.current_stream())`` after switching back if it may be freed while
-the compute stream still reads it (the usual PyTorch multi-stream rule).
+the compute stream still reads it (the usual PyTorch multi-stream rule). freezeframe does that
+for every tensor an op *dispatched through torch* reads or writes while a micro-batch is on the
+comm stream (a custom op, a c10d collective, an ATen op): inputs are marked as used by the comm
+stream and outputs as used by the compute stream (see :class:`_CommStreamUses`), so the other
+micro-batch's allocations cannot take their memory while the comm kernels still read it. A
+kernel launched without going through torch's dispatcher (a raw Triton or CUDA-extension call)
+is invisible there: wrap it in a custom op, or call ``record_stream`` yourself.
 
 Failure. If one micro-batch raises, the schedule is aborted: every thread waiting for the baton
 wakes up and unwinds, and the caller gets the original exception. Every wait has a deadline, so a
@@ -74,6 +80,7 @@ from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
@@ -196,6 +203,36 @@ class _Schedule:
 # -- the per-thread context --------------------------------------------------------------------
 
 
+class _CommStreamUses(TorchDispatchMode):
+    """Entered by a micro-batch thread while it is on the comm stream: every CUDA tensor an op
+    reads is marked as used by the comm stream, every CUDA tensor it returns as used by the
+    compute stream (``Tensor.record_stream``).
+
+    Why: the caching allocator hands a freed block to the next allocation *of the stream that
+    allocated it* at once. ``h = all_to_all(h)`` frees the compute-stream tensor the comm kernel
+    is still reading, and the other micro-batch, computing meanwhile, would be given its memory;
+    likewise a comm output read later on the compute stream. A recorded use makes the
+    allocator wait for the using stream (inside a CUDA capture: not reuse the block until the
+    capture ends)."""
+
+    def __init__(self, comm: torch.cuda.Stream, compute: torch.cuda.Stream) -> None:
+        super().__init__()
+        self.comm = comm
+        self.compute = compute
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.comm)
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.compute)
+        return out
+
+
 @dataclasses.dataclass
 class MicroBatchContext:
     """What one micro-batch thread knows about itself; :func:`current_micro_batch` returns it."""
@@ -212,6 +249,7 @@ class MicroBatchContext:
     _on_comm: bool = dataclasses.field(default=False, repr=False)
     _sm_cm: contextlib.AbstractContextManager[Any] | None = \
         dataclasses.field(default=None, repr=False)
+    _uses: _CommStreamUses | None = dataclasses.field(default=None, repr=False)
 
     @property
     def compute_stream(self) -> Any:
@@ -243,6 +281,8 @@ class MicroBatchContext:
             torch.cuda.set_stream(self.comm_stream)
             # communication must see this micro-batch's finished compute, nothing more
             self.comm_stream.wait_event(self._compute_done)
+            self._uses = _CommStreamUses(self.comm_stream, self.compute_stream)
+            self._uses.__enter__()
         self._on_comm = True
         if self.sm_partition is not None:
             self._sm_cm = self.sm_partition(self.index)
@@ -263,9 +303,13 @@ class MicroBatchContext:
         self._on_comm = False
 
     def _leave_sm_partition(self) -> None:
+        """Leave what a comm section entered: the SM partition and the stream-use recorder."""
         cm, self._sm_cm = self._sm_cm, None
         if cm is not None:
             cm.__exit__(None, None, None)
+        uses, self._uses = self._uses, None
+        if uses is not None:
+            uses.__exit__(None, None, None)
 
     def _rejoin_compute(self) -> None:
         """At the end of the micro-batch: the caller's stream must wait for any communication
@@ -443,6 +487,10 @@ class MicroBatchWrapper:
             stats=self.stats, window=window if window is not None else CaptureWindow())
         # descriptor -> the slices its split graph was captured with
         self._layouts: dict[BatchDescriptor, tuple[MicroBatchSlice, ...]] = {}
+        # descriptor -> what its split graph's micro-batches ran with (argument slices, the
+        # tensors slice_extras made before the capture): the graph reads their memory, so they
+        # live as long as it does
+        self._captured_work: dict[BatchDescriptor, tuple[_Work, ...]] = {}
         self._pending: _Run | None = None  # threads started for the capture in progress
 
     @classmethod
@@ -481,6 +529,7 @@ class MicroBatchWrapper:
         if self._graphs is not None:
             self._graphs.clear()
         self._layouts.clear()
+        self._captured_work.clear()
 
     # -- entry --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -533,7 +582,7 @@ class MicroBatchWrapper:
             return self._graphs(*args, **kwargs)
         # Threads start, and create their CUDA events and handles, before the capture begins
         # (creating them inside one is not allowed); inside it they only run.
-        self._pending = self._launch(fctx, plan, args, kwargs)
+        run = self._pending = self._launch(fctx, plan, args, kwargs)
         try:
             out = self._graphs(*args, **kwargs)
         finally:
@@ -541,6 +590,7 @@ class MicroBatchWrapper:
             if pending is not None:  # the capture was refused before it ran the step
                 pending.abort()
         self._layouts[desc] = plan.padded_slices
+        self._captured_work[desc] = tuple(run.work)
         return out
 
     def _split_step(self, *args: Any, **kwargs: Any) -> Any:
