@@ -283,3 +283,27 @@ def test_a_mode_whose_logits_differ_from_eager_is_named_and_fails_the_command(
     assert code == 1
     assert capsys.readouterr().err.endswith(
         "freezeframe bench: error: full gave other logits than eager (see the notes above)\n")
+
+
+def test_results_are_written_after_every_mode_so_a_run_cut_short_keeps_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bench stopped in its second mode (here: one that raises; on a GPU lease: a deadline)
+    has already written the first mode's results."""
+    real = bench_run._Bench.run_mode
+
+    def second_mode_dies(self: Any, mode: str) -> Any:
+        if mode == "none":
+            saved = json.loads((tmp_path / "results.json").read_text())
+            assert list(saved["modes"]) == ["eager"]
+            assert saved["unfinished_modes"] == ["none"]
+            raise KeyboardInterrupt("stopped at the deadline")
+        return real(self, mode)
+
+    monkeypatch.setattr(bench_run._Bench, "run_mode", second_mode_dies)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(BenchOptions(preset="tiny", batch_sizes=(1,), modes=("eager", "none"),
+                               steps=1, warmup=0, out=str(tmp_path)))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert list(saved["modes"]) == ["eager"] and saved["unfinished_modes"] == ["none"]
+    assert saved["modes"]["eager"]["decode"]["1"]["median_ms"] > 0
+    assert not (tmp_path / ".results.json.partial").exists()

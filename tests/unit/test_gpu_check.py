@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 
-from freezeframe.bench.gpu_check import NEEDS_CUDA, STEPS, main, pytest_summary
+from freezeframe.bench.gpu_check import (
+    CUDA_BUDGET_S,
+    NEEDS_CUDA,
+    STEPS,
+    TIMEOUTS,
+    main,
+    pytest_summary,
+)
 from freezeframe.bench.gpu_probes import overlapping_kernel_pairs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,8 +50,8 @@ def test_cpu_quick_path_runs_what_it_can_and_says_no_gpu_figure(tmp_path: Path) 
         ("tests", "skipped", "skipped with --skip"),
         ("bench", "passed", ""),
         ("capture", "skipped", NEEDS_CUDA),
-        ("cache", "skipped", "skipped with --skip"),
         ("ubatch", "skipped", NEEDS_CUDA),
+        ("cache", "skipped", "skipped with --skip"),
     ]
     assert [name for name, _, _ in statuses(out)] == list(STEPS)
     doc = json.loads((out / "gpu_check.json").read_text())
@@ -147,3 +154,14 @@ def test_every_cuda_marked_test_lives_where_gpu_check_collects_them() -> None:
                  and not any(home in p.parents for home in homes)]
     assert elsewhere == []
     assert CUDA_TESTS == ("tests/cuda", "tests/scenarios")
+
+
+def test_the_cuda_steps_deadlines_are_shares_of_an_eight_minute_budget() -> None:
+    """The default GPU run fits its budget by construction: each step's deadline is its share,
+    and the shares add up to the budget (a lent GPU comes with about 15 minutes in all)."""
+    assert CUDA_BUDGET_S == 480
+    assert sum(cuda for cuda, _cpu in TIMEOUTS.values()) == CUDA_BUDGET_S
+    assert list(TIMEOUTS) == list(STEPS)
+    # the GPU-only evidence comes before what could run elsewhere
+    assert STEPS.index("capture") < STEPS.index("cache")
+    assert STEPS.index("ubatch") < STEPS.index("cache")

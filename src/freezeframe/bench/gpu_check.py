@@ -1,26 +1,35 @@
 """``scripts/gpu_check``: one command that checks every GPU claim and writes what it found.
 
-Steps, in order (each timed; each passed, failed or skipped with a reason):
+Steps, in order (each timed; each passed, failed or skipped with a reason). The GPU-only
+evidence comes first, so that what a short GPU lease can measure is measured before anything
+that could also run elsewhere:
 
-1. ``environment`` - Python, torch, triton, GPU name/memory/driver/CUDA, freezeframe; fails
-   when something the project needs is missing (optional extras only degrade).
-2. ``tests`` - the ``cuda`` test tier (``pytest -m cuda tests/cuda tests/scenarios``, CUDA
-   only) and the emulated tier (``tests/emulated tests/scenarios``, the scenarios on the
-   emulated backend), each a pytest subprocess.
-3. ``bench`` - ``freezeframe bench``: ``--preset 1b`` on CUDA, the tiny preset on CPU.
+1. ``environment`` - Python, torch, triton, GPU name/memory/driver/CUDA, the C compiler and
+   Python headers Triton builds its launchers with, freezeframe; fails when something the
+   project needs is missing (optional extras only degrade).
+2. ``tests`` - on CUDA the ``cuda`` test tier (``pytest -m cuda tests/cuda tests/scenarios``)
+   and the ``kernels`` tier (the Triton attention kernel's tests, which run on the GPU there);
+   the emulated tier (``tests/emulated tests/scenarios``) runs on CPU, and on CUDA only with
+   ``--emulated-tier`` (CI runs it on every commit).
+3. ``bench`` - ``freezeframe bench``: ``--preset 1b`` on CUDA (eager, piecewise and
+   full_and_piecewise; ``--peers`` adds ``torch.compile`` and ``reduce-overhead``, which cost
+   several full Inductor compiles), the tiny preset on CPU. The bench writes its results after
+   every mode, so a bench stopped at its deadline still leaves the modes it finished.
 4. ``capture`` - the capture report of the default ladder on the 1B preset (CUDA only): time
    and memory per graph and in total, replays checked against the uncompiled model.
-5. ``cache`` - compile cache cold vs warm start with Inductor in fresh processes, outputs
-   compared (``scripts/bench_cache.py``).
-6. ``ubatch`` - a dual-batch step's ``torch.profiler`` Chrome trace and overlap check (CUDA
+5. ``ubatch`` - a dual-batch step's ``torch.profiler`` Chrome trace and overlap check (CUDA
    only).
+6. ``cache`` - compile cache cold vs warm start with Inductor in fresh processes, outputs
+   compared (``scripts/bench_cache.py``; the tiny preset, whose compile fits the budget).
 
 Everything goes to ``--out`` (default ``docs/results/<gpu-or-cpu>-<date>/``): ``gpu_check.json``,
-a ``README.md`` with the tables, each step's log and files. The exit status is 1 when any step
-failed, 0 otherwise (2 for a bad argument). Every step except ``environment`` runs in child
-processes with a deadline, so a crash or a hang in one is a failed step, not a lost run. On a
-CUDA machine the whole run is held to ``--budget-s`` (default 480 s): a step that would start
-after the budget is spent fails with that reason.
+a ``README.md`` with the tables, each step's log and files; both are rewritten after every step,
+so a run cut short keeps what it finished. The exit status is 1 when any step failed, 0
+otherwise (2 for a bad argument). Every step except ``environment`` runs in child processes with
+a deadline, so a crash or a hang in one is a failed step, not a lost run. On a CUDA machine the
+whole run is held to ``--budget-s`` (default 480 s), and each step's own deadline is its share
+of that budget (``TIMEOUTS``, which add up to it): a step never takes the time of the steps
+after it, and one that would start after the budget is spent fails with that reason.
 
 This module imports only the standard library (and freezeframe, which imports no torch), so it
 can report a missing or broken torch instead of crashing on it.
@@ -51,17 +60,20 @@ __all__ = ["STEPS", "CheckOptions", "StepResult", "main", "pytest_summary", "run
 ROOT = Path(__file__).resolve().parents[3]  # src/freezeframe/bench/gpu_check.py -> repo root
 SRC = Path(__file__).resolve().parents[2]
 
-STEPS = ("environment", "tests", "bench", "capture", "cache", "ubatch")
+STEPS = ("environment", "tests", "bench", "capture", "ubatch", "cache")
 GPU_ONLY = frozenset({"capture", "ubatch"})
 NEEDS_CUDA = "needs CUDA (torch.cuda.is_available() is False)"
 NO_GPU_FIGURE = "**No GPU figure was produced**"
-# per-step deadlines in seconds, (on CUDA, on CPU); the CUDA ones also share --budget-s
+# per-step deadlines in seconds, (on CUDA, on CPU). On CUDA they are the steps' shares of
+# CUDA_BUDGET_S and add up to it, so the default run fits its budget by construction.
 TIMEOUTS: Mapping[str, tuple[float, float]] = {
-    "environment": (60, 120), "tests": (180, 900), "bench": (300, 600),
-    "capture": (150, 300), "cache": (180, 300), "ubatch": (90, 90),
+    "environment": (20, 120), "tests": (110, 900), "bench": (170, 600),
+    "capture": (80, 300), "ubatch": (40, 90), "cache": (60, 300),
 }
 CUDA_BUDGET_S = 480.0
 CUDA_TESTS = ("tests/cuda", "tests/scenarios")  # where every cuda-marked test lives
+# unmarked tests that run on the GPU when there is one (their DEVICE is cuda there)
+KERNEL_TESTS = ("tests/unit/test_paged_attention.py",)
 MIN_STEP_S = 10.0  # a step is not started with less time than this left in the budget
 
 
@@ -73,6 +85,8 @@ class CheckOptions:
     quick: bool = False
     skip: frozenset[str] = frozenset()
     emulated_tests: tuple[str, ...] = ("tests/emulated", "tests/scenarios")
+    emulated_tier: bool = False  # run the emulated tier on CUDA too (always on CPU)
+    peers: bool = False  # the bench also times torch.compile and reduce-overhead on CUDA
     budget_s: float | None = None  # None: CUDA_BUDGET_S on CUDA, no budget on CPU; 0: none
     timeouts: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
@@ -232,11 +246,17 @@ def _step_tests(run: _Run, result: StepResult, timeout: float) -> None:
         # every cuda-marked test lives in CUDA_TESTS (a unit test checks this); collecting only
         # there keeps the tier independent of test-only extras such as hypothesis
         tiers.append(("cuda", [*pytest, "-m", "cuda", *CUDA_TESTS]))
+        tiers.append(("kernels", [*pytest, *KERNEL_TESTS]))
     else:
         result.details["cuda"] = {"status": "skipped", "reason": NEEDS_CUDA}
-    # the scenarios' cuda half ran in the cuda tier
-    marks = ["-m", "not cuda and not inductor" if run.opts.quick else "not cuda"]
-    tiers.append(("emulated", [*pytest, *marks, *run.opts.emulated_tests]))
+    if not run.cuda or run.opts.emulated_tier:
+        # the scenarios' cuda half ran in the cuda tier
+        marks = ["-m", "not cuda and not inductor" if run.opts.quick else "not cuda"]
+        tiers.append(("emulated", [*pytest, *marks, *run.opts.emulated_tests]))
+    else:
+        result.details["emulated"] = {
+            "status": "skipped", "reason": "runs on CPU (CI runs it on every commit); "
+                                          "--emulated-tier runs it here too"}
     end = time.perf_counter() + timeout
     lines = []
     for tier, argv in tiers:
@@ -264,13 +284,14 @@ def _step_tests(run: _Run, result: StepResult, timeout: float) -> None:
     result.summary = "; ".join(lines)
 
 
-def _bench_args(cuda: bool, quick: bool) -> list[str]:
+def _bench_args(cuda: bool, quick: bool, peers: bool = False) -> list[str]:
     if cuda:
+        modes = "eager,piecewise,full_and_piecewise" + (",compile,reduce-overhead" if peers
+                                                        else "")
         if quick:
-            return ["--preset", "1b", "--batch-sizes", "1,8,64",
-                    "--modes", "eager,piecewise,full,full_and_piecewise",
-                    "--steps", "5", "--warmup", "1"]
-        return ["--preset", "1b", "--batch-sizes", "1,2,4,8,16,32,64",
+            return ["--preset", "1b", "--batch-sizes", "1,8,64", "--modes", modes,
+                    "--steps", "5", "--warmup", "1", "--contexts", "128,4096"]
+        return ["--preset", "1b", "--batch-sizes", "1,4,16,64", "--modes", modes,
                 "--steps", "10", "--warmup", "2"]
     if quick:
         return ["--preset", "tiny", "--batch-sizes", "1,2", "--modes",
@@ -280,32 +301,43 @@ def _bench_args(cuda: bool, quick: bool) -> list[str]:
 
 def _step_bench(run: _Run, result: StepResult, timeout: float) -> None:
     out = run.out / "bench"
-    args = [*_bench_args(run.cuda, run.opts.quick), "--device", "cuda" if run.cuda else "cpu",
-            "--out", str(out), "-q"]
+    args = [*_bench_args(run.cuda, run.opts.quick, run.opts.peers),
+            "--device", "cuda" if run.cuda else "cpu", "--out", str(out), "-q"]
     result.details["command"] = "freezeframe bench " + " ".join(
         a if a != str(out) else "OUT/bench" for a in args)
     (run.out / "bench").mkdir(exist_ok=True)
     (out / "results.json").unlink(missing_ok=True)
     proc = run.child([run.python, "-m", "freezeframe.cli", "bench", *args], timeout,
                      "bench/bench.log", result)
-    if proc.returncode != 0 or not (out / "results.json").exists():
+    if proc.returncode != 0:
         result.fail(f"freezeframe bench failed: {proc.why(timeout)}")
+    if not (out / "results.json").exists():
+        if proc.returncode == 0:
+            result.fail("freezeframe bench wrote no results.json")
         return
-    # the table and its notes; the bench's last line names files under the absolute out dir
+    # the bench rewrites results.json after every mode: a bench stopped at its deadline
+    # still reports the modes it finished
+    data = json.loads((out / "results.json").read_text())
     table = "\n".join(line for line in proc.stdout.strip().splitlines()
                       if not line.startswith("wrote "))
-    (out / "table.txt").write_text(table + "\n")
+    if table:
+        (out / "table.txt").write_text(table + "\n")
+        result.details["table"] = table
     result.files += [str(p.relative_to(run.out)) for p in sorted(out.iterdir())
                      if p.name in ("results.json", "latency_vs_batch.png", "table.txt")]
-    data = json.loads((out / "results.json").read_text())
-    result.details["table"] = table
     result.details["notes"] = data.get("notes", [])
     timed = [m for m, e in data.get("modes", {}).items() if "decode" in e]
     skipped = {m: e["skipped"] for m, e in data.get("modes", {}).items() if "skipped" in e}
     result.details["skipped_modes"] = skipped
+    result.details["decode_ms"] = {
+        m: {bs: row.get("median_ms") for bs, row in e["decode"].items()}
+        for m, e in data.get("modes", {}).items() if "decode" in e}
+    unfinished = data.get("unfinished_modes", [])
     result.summary = (f"{data.get('preset')} preset on {data.get('device')}: "
                       f"{len(timed)} modes timed at batch sizes {data.get('batch_sizes')}"
-                      + (f"; skipped {sorted(skipped)}" if skipped else ""))
+                      + (f"; skipped {sorted(skipped)}" if skipped else "")
+                      + (f"; not reached {unfinished}" if unfinished and proc.returncode
+                         else ""))
 
 
 def _step_capture(run: _Run, result: StepResult, timeout: float) -> None:
@@ -322,10 +354,12 @@ def _step_capture(run: _Run, result: StepResult, timeout: float) -> None:
 def _step_cache(run: _Run, result: StepResult, timeout: float) -> None:
     target = run.out / "cache.json"
     target.unlink(missing_ok=True)
-    preset = "1b" if run.cuda else "tiny"
+    # the tiny preset on CUDA too: three Inductor compiles of the 1B preset in fresh processes
+    # do not fit the step's share of the budget, and the warm/cold ratio is what is measured
+    preset = "tiny"
     argv = [run.python, str(ROOT / "scripts" / "bench_cache.py"), "--preset", preset,
             "--device", "cuda" if run.cuda else "cpu", "--warm-runs",
-            "1" if run.opts.quick else "2", "--json", str(target)]
+            "1" if run.opts.quick or run.cuda else "2", "--json", str(target)]
     proc = run.child(argv, timeout, "cache.log", result)
     if proc.returncode not in (0, 1) or not target.exists():
         result.fail(f"scripts/bench_cache.py did not finish: {proc.why(timeout)}")
@@ -441,6 +475,7 @@ def run_check(opts: CheckOptions, python: str = sys.executable,
                     result.seconds = time.perf_counter() - t0
             echo(f"gpu_check:   {result.status} ({result.seconds:.1f} s): "
                  f"{result.reason or result.summary}")
+            write_report(run, results)  # after every step: a run cut short keeps it
         failed = [r.name for r in results if r.status == "failed"]
         write_report(run, results)
         echo(f"gpu_check: {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}"
@@ -465,6 +500,7 @@ def write_report(run: _Run, results: Sequence[StepResult]) -> None:
         "date": date, "cuda": run.cuda, "gpu": gpu or None, "quick": run.opts.quick,
         "budget_s": run.budget_s or None, "total_s": round(run.elapsed(), 1),
         "passed": not failed,
+        "complete": len(results) == len(STEPS),
         "steps": [dataclasses.asdict(r) for r in results],
     }
     (run.out / "gpu_check.json").write_text(json.dumps(doc, indent=2, default=str))
@@ -482,6 +518,9 @@ def write_report(run: _Run, results: Sequence[StepResult]) -> None:
                   f"capability {gpu['capability']}, driver {gpu['driver']}, CUDA "
                   f"{run.env_info.get('torch_cuda_build')}.", ""]
     verdict = f"**FAILED**: {', '.join(failed)}" if failed else "all checks passed"
+    if len(results) < len(STEPS):
+        verdict = (f"in progress, {len(results)} of {len(STEPS)} steps reached; so far: "
+                   + verdict)
     lines += [f"Result: {verdict}. Mode: {'--quick' if run.opts.quick else 'full'}; total "
               f"{run.elapsed():.0f} s" + (f" (budget {run.budget_s:.0f} s)" if run.budget_s
                                           else "") + ". Produced by `scripts/gpu_check`; the "
@@ -497,9 +536,12 @@ def write_report(run: _Run, results: Sequence[StepResult]) -> None:
     if results[0].files:
         lines += ["", f"Files: {', '.join(f'`{f}`' for f in results[0].files)}"]
     for name, section in (("tests", _tests_section), ("bench", _bench_section),
-                          ("capture", _capture_section), ("cache", _cache_section),
-                          ("ubatch", _ubatch_section)):
-        r = by_name[name]
+                          ("capture", _capture_section), ("ubatch", _ubatch_section),
+                          ("cache", _cache_section)):
+        found = by_name.get(name)
+        if found is None:  # not reached yet (the report is written after every step)
+            continue
+        r = found
         if r.status != "skipped" and r.details:
             lines += ["", *section(r)]
         if r.files:
@@ -521,7 +563,7 @@ def _environment_section(info: Mapping[str, Any]) -> list[str]:
 
 def _tests_section(r: StepResult) -> list[str]:
     out = ["## Tests", "", "| tier | command | status | pytest summary |", "|---|---|---|---|"]
-    for tier in ("cuda", "emulated"):
+    for tier in ("cuda", "kernels", "emulated"):
         info = r.details.get(tier)
         if info is None:
             continue
@@ -546,19 +588,31 @@ def _capture_section(r: StepResult) -> list[str]:
     out = ["## Capture report", "",
            f"{d['preset']} preset, {d['compiler']} compiler, {d['cudagraph_mode']}, capture "
            f"sizes {d['capture_sizes']}. Total: {len(d['graphs'])} graphs in "
-           f"{d['capture_s']:.2f} s, {_mib(d['capture_memory_bytes'])} MiB (free-memory delta; "
-           f"the allocator's reserved memory grew {_mib(d['reserved_growth_bytes'])} MiB). "
-           "Predicted before capture: no estimate exists in freezeframe yet, so there is "
-           "nothing to compare with.", "",
-           "| mode | tokens | requests | uniform | capture ms | memory MiB |",
-           "|---|---|---|---|---|---|"]
+           f"{d['capture_s']:.2f} s, {_mib(d['capture_memory_bytes'])} MiB (growth of the graph "
+           "pool's segments, from the caching allocator; the allocator's reserved memory grew "
+           f"{_mib(d['reserved_growth_bytes'])} MiB). " + _prediction_line(d), "",
+           "| mode | tokens | requests | uniform | capture ms | memory MiB | predicted MiB |",
+           "|---|---|---|---|---|---|---|"]
     out += [f"| {g['mode']} | {g['num_tokens']} | {g['num_reqs'] or ''} | {g['uniform']} | "
-            f"{g['seconds'] * 1e3:.1f} | {_mib(g['memory_bytes'])} |" for g in d["graphs"]]
+            f"{g['seconds'] * 1e3:.1f} | {_mib(g['memory_bytes'])} | "
+            + ("measured (probe)" if g.get("probe") else
+               _mib(g["predicted_bytes"]) if g.get("predicted_bytes") is not None else "")
+            + " |" for g in d["graphs"]]
     out += ["", "| replay check | graph steps | relative error vs uncompiled | repeatable |",
             "|---|---|---|---|"]
     out += [f"| {c['step']} | {c['graph_replays']}/2 | {c['relative_error']:.3g} | "
             f"{c['replay_repeatable']} |" for c in d["replay_checks"]]
     return out
+
+
+def _prediction_line(d: Mapping[str, Any]) -> str:
+    predicted = d.get("predicted_memory_bytes")
+    if predicted is None:
+        return "No prediction was made before the capture."
+    error = d.get("prediction_error")
+    return (f"Predicted before the rest was captured, from the probes captured first: "
+            f"{_mib(predicted)} MiB" + (f" ({error:+.1%} against the measurement)."
+                                        if error is not None else "."))
 
 
 def _cache_section(r: StepResult) -> list[str]:
@@ -612,6 +666,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--emulated-tests", default="tests/emulated,tests/scenarios",
                    metavar="PATHS", help="comma-separated pytest paths of the emulated suite "
                                          "(default tests/emulated,tests/scenarios)")
+    p.add_argument("--emulated-tier", action="store_true",
+                   help="on CUDA, also run the emulated test tier (it always runs on CPU)")
+    p.add_argument("--peers", action="store_true",
+                   help="on CUDA, the bench also times torch.compile and reduce-overhead "
+                        "(several full Inductor compiles: raise --budget-s)")
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"wall-time budget in seconds (default {CUDA_BUDGET_S:.0f} on CUDA, "
                         "none on CPU; 0: none)")
@@ -638,6 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             skip=frozenset(s.strip() for item in args.skip for s in item.split(",")
                            if s.strip()),
             emulated_tests=tuple(p.strip() for p in args.emulated_tests.split(",") if p.strip()),
+            emulated_tier=args.emulated_tier, peers=args.peers,
             budget_s=args.budget_s, timeouts=timeouts)
     except ValueError as exc:
         parser.error(str(exc))

@@ -136,9 +136,30 @@ def probe_environment(need_tests: bool = True) -> dict[str, Any]:
             }
             problems += [f"{n} is not importable: Inductor needs it on a CUDA machine"
                          for n in NEEDED_ON_CUDA if versions[n] is None]
+            info["launcher_toolchain"], missing = _launcher_toolchain()
+            problems += missing
     info["ok"] = not problems
     info["problems"] = problems
     return info
+
+
+def _launcher_toolchain() -> tuple[dict[str, str | None], list[str]]:
+    """What Triton builds its kernel launchers with at first use (a C compiler and Python's
+    headers), and a problem for each one missing: without them the first Triton kernel (ours,
+    or one Inductor generated) fails on the GPU, not before."""
+    import sysconfig
+
+    compiler = next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    found = {"c_compiler": compiler, "python_h": str(header) if header.exists() else None}
+    problems = []
+    if compiler is None:
+        problems.append("no C compiler (cc, gcc or clang) on PATH: Triton builds its kernel "
+                        "launchers with one at first use")
+    if found["python_h"] is None:
+        problems.append(f"Python's headers are missing ({header} not found): Triton builds its "
+                        "kernel launchers against them (install python3-dev)")
+    return found, problems
 
 
 # -- capture report -------------------------------------------------------------------------
@@ -207,12 +228,13 @@ class _Captured:
             "capture_s": report.seconds,
             "capture_memory_bytes": report.memory_bytes,
             "reserved_growth_bytes": self.reserved_growth_bytes,
-            # freezeframe has no estimate of graph memory before capture: nothing to compare with
-            "predicted_memory_bytes": None,
+            "predicted_memory_bytes": report.predicted_bytes,
+            "prediction_error": report.prediction_error,
             "summary": report.summary(),
             "graphs": [{"mode": g.mode.name, "num_tokens": g.descriptor.num_tokens,
                         "num_reqs": g.descriptor.num_reqs, "uniform": g.descriptor.uniform,
-                        "seconds": g.seconds, "memory_bytes": g.memory_bytes}
+                        "seconds": g.seconds, "memory_bytes": g.memory_bytes,
+                        "predicted_bytes": g.predicted_bytes, "probe": g.probe}
                        for g in report.graphs],
         }
 
@@ -231,7 +253,10 @@ def _compile_and_capture(base: LlamaModel, config: CompilationConfig,
 
     weights_bytes = memory(torch.cuda.memory_allocated)
     t0 = time.perf_counter()
-    llama = compile_with_runner(base, config, steps.shapes)
+    # a budget the capture cannot exceed (the whole device), so the runner measures a few
+    # sizes first and predicts the rest: the report then sets prediction beside measurement
+    budget = memory(lambda d: int(torch.cuda.get_device_properties(d).total_memory)) or None
+    llama = compile_with_runner(base, config, steps.shapes, graph_memory_budget=budget)
     # compiles (a dynamic dim first seen as 1 is specialised)
     _replay_logits(llama.forward, steps.mixed(steps.shapes.max_bs), base)
     if on_cuda:

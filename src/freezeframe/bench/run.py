@@ -225,13 +225,21 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     result = bench.header(notes)
     # each mode's logits of its first decode step at each batch size, compared with eager's
     firsts: dict[str, list[torch.Tensor]] = {}
+    result["unfinished_modes"] = list(opts.modes)
     for mode in opts.modes:
         entry, first = bench.run_mode(mode)
         result["modes"][mode] = entry
+        result["unfinished_modes"].remove(mode)
         if first is not None:
             firsts[mode] = first
-    _compare_with_eager(result, firsts, bench.dtype)
-    _add_speedups(result, batch_sizes)
+        # each mode once, as soon as it and eager have run
+        _compare_with_eager(result, firsts, bench.dtype,
+                            only=None if mode == "eager" else mode)
+        _add_speedups(result, batch_sizes)
+        if out is not None:  # after every mode, so a run stopped early keeps what it did
+            write_json(result, out)
+    if "eager" not in firsts:
+        result["notes"].append("outputs not checked: the eager mode was not run")
     if out is not None:
         write_outputs(result, out)
     return result
@@ -391,15 +399,17 @@ class CompiledLlama:
 
 
 def compile_with_runner(base: LlamaModel, config: CompilationConfig,
-                        shapes: StepShapes) -> CompiledLlama:
-    """Wrap ``base`` for ``config``; it compiles on its first step, captures on ``capture()``."""
+                        shapes: StepShapes, graph_memory_budget: int | None = None
+                        ) -> CompiledLlama:
+    """Wrap ``base`` for ``config``; it compiles on its first step, captures on ``capture()``
+    (measuring and predicting graph memory first when a ``graph_memory_budget`` is given)."""
     import freezeframe as ff
 
     compiled = ff.compile(base, config, dynamic_arg_dims=dict(
         LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
     runner = ff.GraphRunner(compiled, config,
                             inputs=llama_runner_inputs(base, shapes.max_num_seqs),
-                            progress=False)
+                            progress=False, graph_memory_budget=graph_memory_budget)
     return CompiledLlama(compiled, runner, RunnerForward(runner, shapes.max_num_seqs))
 
 
@@ -685,17 +695,19 @@ MATCH_TOLERANCE_16BIT = 5e-2
 
 
 def _compare_with_eager(result: dict[str, Any], firsts: Mapping[str, list[torch.Tensor]],
-                        dtype: torch.dtype) -> None:
+                        dtype: torch.dtype, only: str | None = None) -> None:
     """Record, per mode, how far its logits are from eager's on the same steps
     (``max_rel_diff_vs_eager``) and whether that is within tolerance (``matches_eager``); a
-    mode that does not match is named in the notes. Needs the eager mode in the run."""
+    mode that does not match is named in the notes. ``only``: that mode alone (else every mode
+    run so far). Nothing happens before the eager mode has run."""
     reference = firsts.get("eager")
     if reference is None:
-        result["notes"].append("outputs not checked: the eager mode was not run")
         return
     tolerance = MATCH_TOLERANCE.get(dtype, MATCH_TOLERANCE_16BIT)
     result["match_tolerance"] = tolerance
     for mode, outs in firsts.items():
+        if only is not None and mode != only:
+            continue
         diff = max(float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
                    for got, want in zip(outs, reference, strict=True))
         entry = result["modes"][mode]
@@ -771,6 +783,17 @@ def _match_cell(entry: Mapping[str, Any]) -> str:
     return f"{verdict} {entry['max_rel_diff_vs_eager']:.0e}"
 
 
+def write_json(result: dict[str, Any], out: Path) -> Path:
+    """results.json, written whole to a temporary name first and then renamed into place, so a
+    reader (or a run killed while writing) never sees half a file."""
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "results.json"
+    partial = out / ".results.json.partial"
+    partial.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(partial, target)
+    return target
+
+
 def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     """results.json and, when matplotlib is installed, latency_vs_batch.png."""
     out.mkdir(parents=True, exist_ok=True)
@@ -800,7 +823,7 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(out / "latency_vs_batch.png", dpi=120)
         plt.close(fig)
         written.append(out / "latency_vs_batch.png")
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    write_json(result, out)
     return written
 
 
