@@ -38,6 +38,7 @@ class FakeCuda:
         self.default = FakeStream("default")
         self.current = self.default if current_is_default else FakeStream("runner")
         self.pools = 0
+        self.invalidate = False
         self.graphs: list[FakeGraph] = []
         outer = self
 
@@ -52,6 +53,9 @@ class FakeCuda:
 
             def capture_end(self) -> None:
                 outer.log.append("end")
+                if outer.invalidate:  # CUDA invalidated the capture (a host sync inside it)
+                    raise RuntimeError("CUDA error: operation failed due to a previous error "
+                                       "during capture")
 
             def replay(self) -> None:
                 self.replays += 1
@@ -159,13 +163,32 @@ def test_failed_capture_ends_capture_and_reraises(fake_cuda: FakeCuda,
     with pytest.raises(ValueError, match="user bug"):
         backend.capture(boom, gc_disable=True)
     assert fake_cuda.log[-1] == "end"
-    # torch 2.11 raises in capture_end before it stops routing allocations to the pool, and a
-    # failed graph never gives its pool reference back: both done by hand, then a fresh pool
-    assert pool_calls == [("_cuda_endAllocateToPool", 0, "pool1"),
-                          ("_cuda_releasePool", 0, "pool1")]
+    # capture_end succeeded: the graph gives its pool back itself (a second release aborts)
+    assert pool_calls == []
     assert backend.pools_replaced == 1
     _kept, _ = backend.capture(lambda: None, gc_disable=True)
     assert fake_cuda.log[-2].startswith("begin(pool=pool2,")
+
+
+def test_an_invalidated_capture_ends_the_pool_allocation_by_hand(
+        fake_cuda: FakeCuda, pool_calls: list[Any]) -> None:
+    """torch 2.11 raises in capture_end before it stops routing allocations to the pool, and
+    a graph whose capture never ended does not give its pool reference back: both by hand,
+    then a fresh pool."""
+    backend = CudaBackend()
+    fake_cuda.invalidate = True
+
+    def sync_inside() -> None:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.raises(CaptureError, match="host sync"):
+        backend.capture(sync_inside, gc_disable=True)
+    assert pool_calls == [("_cuda_endAllocateToPool", 0, "pool1"),
+                          ("_cuda_releasePool", 0, "pool1")]
+    fake_cuda.invalidate = False
+    _kept, _ = backend.capture(lambda: None, gc_disable=True)
+    assert fake_cuda.log[-2].startswith("begin(pool=pool2,")
+    assert backend.pools_replaced == 1
 
 
 def test_a_pool_whose_graphs_are_all_gone_is_not_captured_into_again(

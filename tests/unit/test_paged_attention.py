@@ -167,7 +167,10 @@ def test_mixed_prefill_and_decode_batch_with_padding(dtype: torch.dtype) -> None
     assert torch.equal(got[real:], torch.zeros_like(got[real:]))  # padded tokens: zeros
     for static in (False, True):  # the varlen path (host sync) and the static one
         want, want_k, want_v = run_op(batch, "torch", static=static)
-        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        # all but the sink slot, which the 3 padded tokens write at once: on CUDA which
+        # write lands there is not determined, and nothing reads it
+        assert torch.equal(k_cache[:-1], want_k[:-1]) and torch.equal(v_cache[:-1],
+                                                                      want_v[:-1])
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(got[:real].double(), oracle(batch, k_cache, v_cache)[:real],
                                atol=TOL[dtype], rtol=TOL[dtype])

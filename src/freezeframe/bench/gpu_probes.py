@@ -247,6 +247,11 @@ def _compile_and_capture(base: LlamaModel, config: CompilationConfig,
     from freezeframe.bench.run import compile_with_runner
 
     on_cuda = steps.device.type == "cuda"
+    started = time.perf_counter()
+
+    def say(what: str) -> None:  # progress on stderr: a probe killed at its deadline says where
+        print(f"capture probe: {time.perf_counter() - started:6.1f} s {what}", file=sys.stderr,
+              flush=True)
 
     def memory(fn: Callable[[torch.device], int]) -> int:
         return fn(steps.device) if on_cuda else 0
@@ -257,14 +262,17 @@ def _compile_and_capture(base: LlamaModel, config: CompilationConfig,
     # sizes first and predicts the rest: the report then sets prediction beside measurement
     budget = memory(lambda d: int(torch.cuda.get_device_properties(d).total_memory)) or None
     llama = compile_with_runner(base, config, steps.shapes, graph_memory_budget=budget)
+    say("compiling")
     # compiles (a dynamic dim first seen as 1 is specialised)
     _replay_logits(llama.forward, steps.mixed(steps.shapes.max_bs), base)
     if on_cuda:
         torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
+    say(f"compiled in {compile_s:.1f} s; capturing")
     reserved_before = memory(torch.cuda.memory_reserved)
     report = llama.runner.capture()
     reserved_after = memory(torch.cuda.memory_reserved)
+    say(f"captured: {report.summary()}")
     return _Captured(llama, report, weights_bytes, compile_s, reserved_after - reserved_before)
 
 

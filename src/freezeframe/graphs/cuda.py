@@ -89,20 +89,23 @@ def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, index: int,
     so the capture stream is made current for it. What ``capture_end`` raises (an invalidated
     capture has no graph) is secondary to the error being raised and only logged.
 
-    In torch 2.11 ``capture_end`` raises for an invalidated capture *before* it tells the
-    allocator to stop routing allocations into the pool, and the failed graph never gives back
-    the reference to the pool it took at ``capture_begin``. Both are done here by hand (a torch
-    that already did the first refuses the repeat, which is logged), and the caller moves to a
-    fresh pool: the next capture into this one would fail with "already recording to
-    mempool_id".
+    When ``capture_end`` itself raises (CUDA invalidated the capture: a host sync inside it),
+    torch 2.11 has not yet told the allocator to stop routing allocations into the pool, and
+    the graph, whose capture never ended, will not give back the reference to the pool it took
+    at ``capture_begin``. Both are done here by hand, only then (a torch that already ended the
+    allocation refuses the repeat, which is logged); the caller moves to a fresh pool, since
+    the next capture into this one would fail with "already recording to mempool_id". When
+    ``capture_end`` succeeds (the captured Python raised, CUDA saw nothing wrong), the graph is
+    an ordinary ended capture: its destructor gives the pool back, and releasing it here too
+    would free the pool twice (the process aborts).
     """
     try:
         with torch.cuda.stream(stream):
             graph.capture_end()
     except Exception:
         logger.debug("capture_end after a failed capture also failed", exc_info=True)
-    _pool_call("_cuda_endAllocateToPool", index, pool)
-    _pool_call("_cuda_releasePool", index, pool)
+        _pool_call("_cuda_endAllocateToPool", index, pool)
+        _pool_call("_cuda_releasePool", index, pool)
 
 
 class CudaGraph:
