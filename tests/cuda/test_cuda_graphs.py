@@ -48,7 +48,7 @@ def side_stream() -> Iterator[torch.cuda.Stream]:
 
 
 def config(cudagraph_mode: str = "piecewise", **changes: Any) -> CompilationConfig:
-    return silly_config("cuda", cudagraph_mode, **changes)
+    return silly_config(changes.pop("graph_backend", "cuda"), cudagraph_mode, **changes)
 
 
 def run(model: Any, mode: CUDAGraphMode, desc: int | BatchDescriptor | None,
@@ -268,6 +268,12 @@ def test_capturing_after_every_graph_of_the_pool_is_gone_takes_a_fresh_pool() ->
     after its graphs are dropped; capturing into it again tripped an allocator assert."""
     backend = CudaBackend()
     weight = torch.randn(64, 64, device=DEV)
+    # cuBLAS's handle exists (made by a matmul on another stream), but this stream's workspace
+    # does not: the first capture allocates it, in the pool (creating the handle itself inside
+    # a capture fails: CUBLAS_STATUS_NOT_INITIALIZED, seen on the H100)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        weight @ weight
+    torch.cuda.synchronize()
     stats = Stats()
     w = GraphWrapper(lambda t: torch.relu(t @ weight), PW, backend, stats=stats,
                      window=CaptureWindow())

@@ -234,7 +234,7 @@ class ComparesIdentity(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = attention(x, x, x)
-        return x + 1 if id(self.marker) == id(_SENTINEL) else x - 1
+        return x + 1 if self.marker is _SENTINEL else x - 1
 
 
 def test_an_identity_the_trace_specialised_on_is_never_saved(tmp_path: Path) -> None:

@@ -165,3 +165,45 @@ def test_the_cuda_steps_deadlines_are_shares_of_an_eight_minute_budget() -> None
     # the GPU-only evidence comes before what could run elsewhere
     assert STEPS.index("capture") < STEPS.index("cache")
     assert STEPS.index("ubatch") < STEPS.index("cache")
+
+
+def test_the_cache_step_reads_what_scripts_bench_cache_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's cache figures come from the very entry ``scripts/bench_cache.py`` builds
+    (its starts stubbed: each is a fresh process with Inductor, minutes on this CPU); the
+    first GPU run failed here on a key the script no longer wrote."""
+    import importlib.util
+
+    from freezeframe.bench.gpu_check import cache_figures
+
+    spec = importlib.util.spec_from_file_location("bench_cache", REPO / "scripts" /
+                                                  "bench_cache.py")
+    assert spec is not None and spec.loader is not None
+    bench_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cache)
+    timings = {"baseline": (10.0, 1.0), "cold": (70.0, 60.0), "warm": (13.0, 4.0)}
+
+    def start(kind: str, *args: Any) -> dict[str, Any]:
+        process_s, first_call_s = timings[kind]
+        stats = {"cold": {"inductor_compiles": 3}, "warm": {"cache_hits": 3}}.get(kind, {})
+        return {"process_s": process_s, "first_call_s": first_call_s, "stats": stats,
+                "inductor_load_s": 1.5, "checksum": 1.0, "out": [1.0], "stages": {}}
+
+    monkeypatch.setattr(bench_cache, "_start", start)
+    entry = bench_cache._bench("tiny", None, 1, "cuda")
+    figures = cache_figures(json.loads(json.dumps(entry)))
+    assert figures["starts"] == {
+        "baseline": {"first_call_s": 1.0, "process_s": 10.0,
+                     "stats": dict.fromkeys(("inductor_compiles", "cache_hits", "cache_misses",
+                                             "artifacts_loaded"), 0)},
+        "cold": {"first_call_s": 60.0, "process_s": 70.0,
+                 "stats": {"inductor_compiles": 3, "cache_hits": 0, "cache_misses": 0,
+                           "artifacts_loaded": 0}},
+        "warm1": {"first_call_s": 4.0, "process_s": 13.0,
+                  "stats": {"inductor_compiles": 0, "cache_hits": 3, "cache_misses": 0,
+                            "artifacts_loaded": 0}},
+    }
+    assert figures["warm_cold_first_call"] == pytest.approx(4.0 / 60.0)
+    assert figures["warm_cold_startup"] == pytest.approx(3.0 / 60.0)
+    assert (figures["preset"], figures["device"], figures["outputs_identical"]) == (
+        "tiny", "cuda", True)

@@ -291,6 +291,19 @@ def _guard_keyword(entry: Any, name: str) -> Any:
     return keywords[name]
 
 
+def _hasattr_name(entry: Any, source: str) -> str:
+    """The attribute a HASATTR guard tests: its ``attr`` keyword, or, where Dynamo names it
+    only in the guarded source (torch 2.11's guard on iterating a ModuleList reads
+    ``...['ups'].__iter__``), the source's last attribute."""
+    try:
+        return str(_guard_keyword(entry, "attr"))
+    except _CannotCheck:
+        match = re.search(r"\.([A-Za-z_][A-Za-z0-9_]*)$", source)
+        if match is None:
+            raise
+        return match.group(1)
+
+
 def _source_text(source: Any) -> str:
     name = source.name  # a property in torch 2.13, a method in older builds
     return str(name() if callable(name) else name)
@@ -327,7 +340,15 @@ def value_checks(entries: Sequence[Any], frame: _Frame) -> list[ValueCheck]:
         if kind in _VALUE_GUARDS:
             add(ValueCheck("value", source, _encode(_entry_value(entry)), guard=kind))
         elif kind == "TYPE_MATCH":
-            add(ValueCheck("type", source, _qualified(type(_entry_value(entry))), guard=kind))
+            value = _entry_value(entry)
+            if type(value) is object and source.startswith("L["):
+                # a bare object() held by the model (or passed in) is a sentinel, told apart
+                # from others only by identity; a trace that compared it with ``is`` has no
+                # guard but this one (Dynamo 2.13 guards such a comparison by type alone), so
+                # nothing could re-check it. One reached through a module global (torch's own
+                # polyfill sentinels) is the same object for every caller of that code.
+                raise _CannotCheck(f"the identity of the bare object() at {source}")
+            add(ValueCheck("type", source, _qualified(type(value)), guard=kind))
         elif kind in ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"):
             value = _entry_value(entry)
             add(ValueCheck("type", source, _qualified(type(value)), guard=kind))
@@ -341,7 +362,7 @@ def value_checks(entries: Sequence[Any], frame: _Frame) -> list[ValueCheck]:
             _encode(key)  # a key that cannot be written down cannot be checked
             add(ValueCheck("contains", source, "NOT" not in kind, arg=key, guard=kind))
         elif kind == "HASATTR":
-            attr = _guard_keyword(entry, "attr")
+            attr = _hasattr_name(entry, source)
             if not source.endswith("." + attr):
                 raise _CannotCheck(f"HASATTR guard on {source} for attribute {attr!r}")
             add(ValueCheck("hasattr", source[: -len(attr) - 1], bool(entry.has_value),
