@@ -19,7 +19,8 @@ import inspect
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -156,13 +157,14 @@ def isa_probe_record() -> dict[str, Any] | None:
 
 
 def isa_probe_trusted(record: Any) -> bool:
-    """Whether a load may skip the ISA probe, taking ``record`` (:func:`isa_probe_record` of
-    the process that compiled the artifact) as its result: this CPU has the same features, the
-    compiler is the same version (torch is the same: the cache key says so), the user did not
-    set ``cpp.vec_isa_ok`` themselves, and the probe had accepted every ISA those features
-    allow, with the flags this process would use, so trusting the features picks exactly the
-    ISA (and kernel files) the probe picked. Any doubt (no record, another torch layout) is
-    False: the probe runs, as without a cache."""
+    """Whether a load may answer Inductor's ISA probe from ``record`` (:func:`isa_probe_record`
+    of the process that compiled the artifact) instead of running it: this CPU has the same
+    features, the compiler is the same version (torch is the same: the cache key says so), the
+    user did not set ``cpp.vec_isa_ok`` themselves, and every ISA the record accepted is one
+    these features allow, recorded with at least the flags this process starts from (the
+    probe's sub-checks, AVX-512 BF16 and AMX-FP16, add flags to what it accepted). Then each
+    build the probe would try has its answer in the record (see :func:`_answer_isa_probe`).
+    Any doubt (no record, another torch layout) is False: the probe runs, as without a cache."""
     import platform
 
     if not isinstance(record, dict) or platform.machine() not in ("x86_64", "AMD64"):
@@ -175,10 +177,15 @@ def isa_probe_trusted(record: Any) -> bool:
         if inductor_config.cpp.vec_isa_ok is not None:
             return False
         cpu = list(cpu_vec_isa.x86_isa_checker())
-        allowed = [[str(isa), isa.build_arch_flags()]
-                   for isa in cpu_vec_isa.supported_vec_isa_list
-                   if all(flag in cpu for flag in str(isa).split())]
-        return (record.get("cpu") == cpu and record.get("valid") == allowed
+        base = {str(isa): set(isa.build_arch_flags().split())
+                for isa in cpu_vec_isa.supported_vec_isa_list
+                if all(flag in cpu for flag in str(isa).split())}
+        valid = record.get("valid")
+        if not isinstance(valid, list) or not all(
+                isinstance(v, list) and len(v) == 2 and v[0] in base
+                and base[v[0]] <= set(str(v[1]).split()) for v in valid):
+            return False
+        return (record.get("cpu") == cpu
                 and record.get("compiler") == get_compiler_version_info(get_cpp_compiler()))
     except Exception as exc:  # pragma: no cover - depends on the torch build and toolchain
         logger.debug("the CPU ISA probe record cannot be checked: %s: %s",
@@ -186,20 +193,43 @@ def isa_probe_trusted(record: Any) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _replay_settings(trust_isa_probe: bool) -> Iterator[None]:
-    """Inductor settings while an artifact loads (and its generated module loads its kernels):
-    with ``trust_isa_probe``, the recorded ISA probe result in place of the probe
-    (``cpp.vec_isa_ok``; see :func:`isa_probe_trusted`). Nothing else may differ from the
-    compile: a setting that reaches a kernel's compile command (``cpp_cache_precompile_headers``
-    adds a macro, for one) changes the kernel's file name, so the load would build it again."""
-    if not trust_isa_probe:
-        yield
-        return
-    from torch._inductor import config as inductor_config
+# Held while Inductor's per-process ISA answers are being filled from a record (one patch of
+# VecISA.check_build at a time; see _answer_isa_probe)
+_ISA_FILL_LOCK = threading.Lock()
 
-    with inductor_config.patch({"cpp.vec_isa_ok": True}):
-        yield
+
+def _answer_isa_probe(record: dict[str, Any]) -> None:
+    """Fill Inductor's per-process answers about the CPU's vector ISAs from ``record``, so no
+    probe library is built or loaded in this process.
+
+    Inductor decides which ISAs work by building a small library per ISA and loading it in a
+    child Python (``VecISA.check_build``), and, for ISAs that have them, a second and third
+    build with extra flags (AVX-512 BF16, AMX, AMX-FP16); it keeps every answer for the rest of
+    the process (``valid_vec_isa_list`` and each ISA's ``__bool__`` are cached). While that
+    list is computed here, a build is answered from the record: it works when the record
+    accepted this ISA with every flag the build asks for, which is what the probe found on this
+    same CPU, compiler and torch (:func:`isa_probe_trusted`). The stand-in is installed under
+    a lock for that one call and removed after it; a process whose list is already computed is
+    left alone."""
+    from torch._inductor import cpu_vec_isa
+
+    accepted = {str(name): set(str(flags).split()) for name, flags in record["valid"]}
+
+    def from_record(isa: Any, code: str) -> bool:
+        flags = accepted.get(str(isa))
+        return flags is not None and set(isa.build_arch_flags().split()) <= flags
+
+    listing = cpu_vec_isa.valid_vec_isa_list
+    with _ISA_FILL_LOCK:
+        info = getattr(listing, "cache_info", None)
+        if info is not None and info().currsize:
+            return  # answered already in this process (by a probe or an earlier record)
+        real = cpu_vec_isa.VecISA.check_build
+        cpu_vec_isa.VecISA.check_build = from_record  # type: ignore[method-assign,assignment]
+        try:
+            listing()
+        finally:
+            cpu_vec_isa.VecISA.check_build = real  # type: ignore[method-assign]
 
 
 def prefetch_torch_key() -> None:
@@ -266,8 +296,9 @@ class PieceCache:
         try:
             host = header.get("host")
             isa = host.get("isa") if isinstance(host, dict) else None
-            with _replay_settings(isa_probe_trusted(isa)):
-                runnable = self._load_payload(payload, path.parent)
+            if isinstance(isa, dict) and isa_probe_trusted(isa):
+                _answer_isa_probe(isa)
+            runnable = self._load_payload(payload, path.parent)
         except Exception as exc:  # any failure is a miss: torch key mismatch, unpickling, ...
             why = f"{type(exc).__name__}: {exc}"
             self.cache.discard(path, why)
