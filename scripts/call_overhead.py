@@ -1,6 +1,9 @@
 """Per-call overhead of a compiled model against calling its pieces directly.
 
-    PYTHONPATH=src:. python scripts/call_overhead.py
+    python scripts/call_overhead.py
+
+Runs from the repository root without PYTHONPATH: this checkout's ``src`` and the repository
+root (for ``tests.helpers``) go first on ``sys.path``.
 
 Part 1 compiles toy models with the eager compiler (so the pieces themselves cost what eager
 costs) and times, per call:
@@ -30,20 +33,32 @@ machine's speed, so compare rows of one run.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import inspect
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from tests.helpers.toy_models import LlamaConfig, SillyModel, ToyLlama, _ToyAttention
 
-import freezeframe as ff
-from freezeframe.compilation.signature import distinct_storages, exact_key
-from freezeframe.models.ops import define_op
-from freezeframe.runtime import GraphRunner, Tokens
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "src"), str(REPO)]  # this checkout's freezeframe, and its tests/
+
+from tests.helpers.toy_models import (  # noqa: E402
+    LlamaConfig,
+    SillyModel,
+    ToyLlama,
+    _ToyAttention,
+)
+
+import freezeframe as ff  # noqa: E402
+from freezeframe.compilation.signature import distinct_storages, exact_key  # noqa: E402
+from freezeframe.models.ops import define_op  # noqa: E402
+from freezeframe.runtime import GraphRunner, Tokens  # noqa: E402
 
 
 def per_call_us(variants: dict[str, Callable[[], Any]], rounds: int = 15,
@@ -373,6 +388,8 @@ class Doubler(torch.nn.Module):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__,  # no options; --help says what it times
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     with torch.inference_mode():
         # The lean op first: silly::attention's own 30-50 us call is noisy enough to move the

@@ -1,6 +1,9 @@
 """Startup and early serving under the three capture policies, side by side in one run.
 
-    PYTHONPATH=src:. python scripts/capture_policies.py [--steps 1000] [--layers 2]
+    python scripts/capture_policies.py [--steps 1000] [--layers 2]
+
+Runs from the repository root without PYTHONPATH: this checkout's ``src`` and the repository
+root (for ``tests.helpers``) go first on ``sys.path``.
 
 For each policy (eager, lazy, background) a fresh ToyLlama is compiled (eager compiler, FULL
 graphs on the emulated backend: this script is for the CPU) and served a fixed stream of steps
@@ -22,12 +25,17 @@ import argparse
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
-from tests.helpers.toy_models import LlamaConfig, ToyLlama
 
-import freezeframe as ff
-from freezeframe.runtime import GraphRunner, Tokens
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "src"), str(REPO)]  # this checkout's freezeframe, and its tests/
+
+from tests.helpers.toy_models import LlamaConfig, ToyLlama  # noqa: E402
+
+import freezeframe as ff  # noqa: E402
+from freezeframe.runtime import GraphRunner, Tokens  # noqa: E402
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 # decode-heavy traffic: mostly small batches, a few large ones

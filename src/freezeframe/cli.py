@@ -14,7 +14,9 @@ Every error a user can cause is one line on stderr, ``freezeframe COMMAND: error
 * :class:`~freezeframe.errors.ConfigError` raised by a command (a bad config, a device that is
   not there, an output directory that cannot be written) exits 2;
 * any other :class:`~freezeframe.errors.FreezeframeError` (compiling or capturing failed) exits 1;
-* Ctrl-C exits 130.
+* Ctrl-C exits 130;
+* a closed stdout (``freezeframe demo | head -1``) ends the command quietly with 141, the status
+  of a command that SIGPIPE ended (what ``seq 100000 | head -1`` leaves in ``PIPESTATUS``).
 
 ``freezeframe --debug COMMAND ...`` or ``FREEZEFRAME_DEBUG=1`` prints the traceback above that
 line. Any other exception is a bug in freezeframe and keeps its traceback.
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import textwrap
 import time
 import traceback
@@ -54,6 +57,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE (13), as a shell reports a command a closed pipe ended
 DEBUG_ENV = "FREEZEFRAME_DEBUG"
 logger = logging.getLogger(__name__)
 
@@ -142,6 +146,31 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        # The reader went away (``| head``): nothing more can be shown, and that is no error
+        # of ours. Pointing stdout at devnull lets the interpreter's final flush of what is
+        # still buffered succeed instead of printing a second BrokenPipeError.
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (replaced, or closed)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     names = {name for name, _ in SUBCOMMANDS}
     first = next((a for a in args_list if not a.startswith("-")), None)
@@ -400,6 +429,37 @@ def _read_file(path: str, argument: str) -> str:
         raise ConfigError(f"{argument}: {path!r} is not UTF-8 text; give a JSON file") from None
 
 
+def _check_output_file(path: str, flag: str, example: str) -> None:
+    """Raise :class:`ConfigError` naming ``flag``, ``path`` and the fix unless a file can be
+    written at ``path``: checked before a command's work, not when it writes its result. An
+    existing file is opened for appending (nothing is written to it); for a new one, a probe
+    file is created and removed next to it."""
+    target = Path(path)
+    prefix = f"{flag}: cannot write {path!r}"
+    if target.is_dir():
+        raise ConfigError(f"{prefix}: Is a directory; give a file path such as "
+                          f"{str(target / example)!r}")
+    parent = target.parent
+    if not parent.is_dir():
+        blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():  # a file where a directory is due
+            raise ConfigError(f"{prefix}: Not a directory ({str(blocker)!r} is a file); choose "
+                              "a path inside a directory")
+        raise ConfigError(f"{prefix}: No such file or directory (directory {str(parent)!r} "
+                          "does not exist); create it first or choose another path")
+    try:
+        if target.exists():
+            with target.open("a", encoding="utf-8"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=parent)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{prefix}: {exc.strerror or exc}; choose a writable location") \
+            from None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from freezeframe import planning
 
@@ -411,6 +471,10 @@ def run_plan(args: argparse.Namespace) -> int:
         except ModuleNotFoundError:
             raise ConfigError("--plot: matplotlib is not installed; pip install matplotlib (or "
                               "freezeframe[bench]), or leave out --plot") from None
+    for flag, path, example in (("--out", args.out, "config.json"),
+                                ("--plot", args.plot, "plan.png")):
+        if path is not None:  # before the work, so a bad path does not cost the run
+            _check_output_file(path, flag, example)
     histogram = planning.read_histogram(_read_file(args.histogram, "HISTOGRAM"), args.histogram)
     models = {}
     for name, flag in (("step_times", "--step-times"), ("graph_mib", "--graph-mib")):

@@ -12,6 +12,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe.compilation.model import MAX_TRACES
+from freezeframe.compilation.signature import CallSignature, Signer, difference
 from freezeframe.errors import CompileError, InputMismatchError
 from tests.helpers.toy_models import LlamaConfig, ToyLlama
 
@@ -416,3 +417,70 @@ def test_a_forward_of_only_star_args_says_what_to_do() -> None:
     with pytest.raises(ff.ConfigError, match=r"takes only \*args / \*\*kwargs.*give forward "
                                              r"named parameters"):
         ff.compile(StarArgs(), config())
+
+
+# -- the retrace message names what changed ---------------------------------------------------
+def _forward(x: torch.Tensor, y: torch.Tensor | None = None, xs: list | None = None,
+             scale: float = 1.0) -> None:
+    pass
+
+
+def _sig(*args: object, **kwargs: object) -> CallSignature:
+    return Signer(_forward, {"x": (0,), "y": (0,)}, grad_matters=True).signature(args, kwargs)
+
+
+def _list5(i: int = -1, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Five float32 vectors, the ``i``-th of ``dtype``: a list that describes alike."""
+    return [torch.ones(2, dtype=dtype if j == i else torch.float32) for j in range(5)]
+
+
+X = torch.ones(3, 4)
+
+
+@pytest.mark.parametrize(("new", "message"), [
+    (lambda: _sig(X, torch.ones(3, 4)),
+     "y: None -> a torch.float32 tensor on cpu of shape (*, 4), contiguous"),
+    (lambda: _sig(X.double()), "x: dtype torch.float32 -> torch.float64"),
+    (lambda: _sig(torch.ones(3, 4, 1)), "x: rank 2 -> 3"),
+    (lambda: _sig(torch.ones(4, 3).t()), "x: strides contiguous -> (1, 3)"),
+    (lambda: _sig(X.clone().requires_grad_()), "x: requires_grad False -> True"),
+    (lambda: _sig(X, X), "y: None -> a torch.float32 tensor on cpu of shape (*, 4), contiguous; "
+                         "storage sharing: none -> x is y"),
+    (lambda: _sig(X, scale=2.0), "scale: the float 1.0 -> the float 2.0"),
+])
+def test_the_difference_names_the_argument_and_the_property(new, message):
+    assert difference(_sig(X), new()) == message
+
+
+def test_the_difference_looks_inside_containers_and_at_the_autograd_mode():
+    xs = _list5()
+    old = _sig(X, xs=xs)
+    assert old.describe() == _sig(X, xs=_list5(3, dtype=torch.float16)).describe()  # alike
+    assert difference(old, _sig(X, xs=_list5(3, dtype=torch.float16))) == \
+        "xs[3]: dtype torch.float32 -> torch.float16"
+    assert difference(old, _sig(X, xs=xs[:4])) == "xs: a list of 5 items -> a list (" + \
+        "; ".join(["a torch.float32 tensor on cpu of shape (2), contiguous"] * 4) + ")"
+    with torch.no_grad():
+        assert difference(old, _sig(X, xs=xs)) == "autograd: grad enabled -> grad disabled"
+    assert difference(old, old) == "nothing (the same structure)"
+
+
+class ListSum(nn.Module):
+    def forward(self, x: torch.Tensor, xs: list) -> torch.Tensor:
+        return x * 2 + sum(t.sum() for t in xs)
+
+
+def test_the_retrace_warning_says_what_changed(caplog):
+    model = ff.compile(ListSum(), config(), inference_mode=False)
+    xs = _list5()
+    with caplog.at_level("WARNING", logger="freezeframe.compilation.model"):
+        model(torch.ones(3, 4), xs)
+        model(torch.ones(3, 4, requires_grad=True), xs)
+        model(torch.ones(3, 4), _list5(3, dtype=torch.float64))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{__name__}.ListSum: a call with a new structure is traced again (trace 2); it differs "
+        "from the first trace in x: requires_grad False -> True",
+        f"{__name__}.ListSum: a call with a new structure is traced again (trace 3); it differs "
+        "from the first trace in xs[3]: dtype torch.float32 -> torch.float64",
+    ]
+    assert model.stats.retraces == 2

@@ -403,3 +403,26 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     return subprocess.run([sys.executable, "-m", "freezeframe.cli", *args], capture_output=True,
                           text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize(("args", "unbuffered"), [
+    (["config", "{}"], False),
+    (["config", "{}"], True),  # each print meets the closed pipe inside the command
+    (["cache", "list", "--dir", "{tmp}"], False),
+    (["demo", "--sizes", "1,2"], False),
+])
+def test_a_closed_stdout_ends_the_command_quietly(args: list[str], unbuffered: bool,
+                                                  tmp_path: Path) -> None:
+    """``freezeframe demo | head -1``: the reader is gone, so the command stops without a
+    traceback and exits 141 (128 + SIGPIPE), as a command SIGPIPE ended does."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(REPO / "src")
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "freezeframe.cli", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything: every write meets EPIPE
+    err = proc.stderr.read().decode()
+    assert (proc.wait(timeout=120), err) == (141, "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,3 +143,84 @@ def test_the_results_doc_shows_what_the_command_prints(
                             capsys)
     assert code == 0
     assert out in (REPO / "docs" / "results" / "cpu-2026-11-25.md").read_text()
+
+
+@pytest.mark.parametrize(("flag", "where", "message"), [
+    ("--out", "under_a_file", "--out: cannot write '{path}': Not a directory ('{dir}/file' is a "
+                              "file); choose a path inside a directory"),
+    ("--out", "deep_under_a_file", "--out: cannot write '{path}': Not a directory ('{dir}/file' "
+                                   "is a file); choose a path inside a directory"),
+    ("--out", "a_directory", "--out: cannot write '{path}': Is a directory; give a file path "
+                             "such as '{dir}/config.json'"),
+    ("--out", "missing_directory", "--out: cannot write '{path}': No such file or directory "
+                                   "(directory '{dir}/no/such' does not exist); create it first "
+                                   "or choose another path"),
+    ("--plot", "under_a_file", "--plot: cannot write '{path}': Not a directory ('{dir}/file' is "
+                               "a file); choose a path inside a directory"),
+    ("--plot", "a_directory", "--plot: cannot write '{path}': Is a directory; give a file path "
+                              "such as '{dir}/plan.png'"),
+])
+def test_output_paths_are_checked_before_the_work(
+        flag: str, where: str, message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")  # without it, that is the error (checked first)
+    (tmp_path / "file").write_text("")
+    path = {"under_a_file": tmp_path / "file" / "p.json",
+            "deep_under_a_file": tmp_path / "file" / "a" / "b" / "p.json",
+            "a_directory": tmp_path,
+            "missing_directory": tmp_path / "no" / "such" / "p.json"}[where]
+    hist = write(tmp_path / "h.json", {"1": 10, "2": 10, "8": 1})
+    code, out, err = run_main(["plan", hist, flag, str(path)], capsys)
+    # nothing printed: the plan was not made (the table came first, then the error, before)
+    assert (code, out) == (2, "")
+    assert err == ("freezeframe plan: error: "
+                   + message.replace("{path}", str(path)).replace("{dir}", str(tmp_path)) + "\n")
+    # checked before the histogram is even read
+    code, out, err = run_main(["plan", str(tmp_path / "none.json"), flag, str(path)], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"freezeframe plan: error: {flag}: cannot write ")
+
+
+def test_an_unwritable_out_directory_is_refused_before_the_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli.tempfile, "mkstemp", refuse)  # a directory we may not write into
+    hist = write(tmp_path / "h.json", {"1": 10})
+    out_path = tmp_path / "c.json"
+    code, out, err = run_main(["plan", hist, "--out", str(out_path)], capsys)
+    assert (code, out) == (2, "")
+    assert err == (f"freezeframe plan: error: --out: cannot write {str(out_path)!r}: Permission "
+                   "denied; choose a writable location\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root writes into a read-only directory")
+def test_a_read_only_out_directory_is_refused(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        hist = write(tmp_path / "h.json", {"1": 10})
+        code, out, err = run_main(["plan", hist, "--out", str(locked / "c.json")], capsys)
+    finally:
+        locked.chmod(0o700)
+    assert (code, out) == (2, "")
+    assert err == (f"freezeframe plan: error: --out: cannot write {str(locked / 'c.json')!r}: "
+                   "Permission denied; choose a writable location\n")
+
+
+def test_an_existing_out_file_is_replaced(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    hist = write(tmp_path / "h.json", {"2": 10})
+    out_path = tmp_path / "c.json"
+    out_path.write_text("old")
+    code, _, err = run_main(["plan", hist, "--out", str(out_path)], capsys)
+    assert (code, err) == (0, "")
+    assert json.loads(out_path.read_text()) == {"cudagraph_capture_sizes": [2],
+                                                "max_cudagraph_capture_size": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "h.json"]  # no probe left

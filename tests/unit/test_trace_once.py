@@ -153,13 +153,34 @@ def test_given_dims_are_normalised():
         "x": (0,), "bias": (0, -1)}
 
 
-def test_no_tensor_argument_is_an_error():
+def test_unannotated_tensor_arguments_vary_in_dim_0_by_default():
+    """The README's contract: without dynamic_arg_dims, dim 0 of every tensor argument varies,
+    annotated or not; a non-tensor value passed for an unannotated argument has nothing to
+    mark."""
     class M(nn.Module):
-        def forward(self, x):
+        def forward(self, x, y, scale, n: int = 1):
+            return x * scale + y
+
+    assert resolve_dynamic_arg_dims(M().forward, None) == {"x": (0,), "y": (0,), "scale": (0,)}
+    model = ff.compile(M(), config("piecewise"))
+    for rows in (3, 5, 1, 8):
+        x, y = torch.arange(rows * 2.0).reshape(rows, 2), torch.ones(rows, 2)
+        assert torch.equal(model(x, y, 2.0), x * 2.0 + y)
+    assert (model.num_traces, model.stats.retraces, model.stats.graphs_traced) == (1, 0, 1)
+
+
+def test_only_non_tensor_annotations_is_an_error():
+    class M(nn.Module):
+        def forward(self, x: list, n: int):
             return x
 
-    with pytest.raises(ff.ConfigError, match="no argument annotated Tensor"):
+    with pytest.raises(ff.ConfigError) as info:
         ff.compile(M(), config("piecewise"))
+    assert str(info.value) == (
+        f"dynamic_arg_dims: every argument of {M.forward.__qualname__} is annotated as something "
+        "other than Tensor or Optional[Tensor] (arguments: ['x', 'n']), so no batch dimension "
+        "can be inferred; annotate the tensor arguments as Tensor or pass "
+        "dynamic_arg_dims={'x': 0}")
     ff.compile(M(), config("piecewise"), dynamic_arg_dims={"x": 0})  # explicit dims are fine
 
 

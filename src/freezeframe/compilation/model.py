@@ -40,6 +40,7 @@ from freezeframe.compilation.signature import (
     SameCall,
     Signer,
     SizeGuards,
+    difference,
     distinct_storages,
     exact_key,
     incompatibility,
@@ -213,6 +214,9 @@ class CompiledModel(nn.Module):
         # cheaply on every call, fully on route misses and, with config.debug, on every call.
         self._state: ModuleState | None = None
         self._check_state_every_call = config.debug
+        # moves on each drop of every graph (parameters replaced: _drop_graphs_reading); a
+        # runner compares it to capture its keys again
+        self.graph_generation = 0
         self._grad_matters = not inference_mode  # autograd mode is part of a call's key
         mode = config.mode
         if mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.PIECEWISE):
@@ -309,19 +313,19 @@ class CompiledModel(nn.Module):
                     f"{self.model_key}: this call would need trace number "
                     f"{len(self._variants) + 1}, above the limit of {MAX_TRACES}. Each new call "
                     f"structure is traced separately; this one is {signature.describe()}, and "
-                    f"the first trace had {self._first_structure()}. Keep the "
-                    "call structure fixed: pass values that change per call (step counters, "
-                    "flags) as tensors, keep tensors contiguous, pass the same function or "
-                    "object each call (a new one is compared by identity), and avoid Python "
+                    f"differs from the first trace in {self._first_difference(signature)}. "
+                    "Keep the call structure fixed: pass values that change per call (step "
+                    "counters, flags) as tensors, keep tensors contiguous, pass the same function "
+                    "or object each call (a new one is compared by identity), and avoid Python "
                     "branches on the batch size in forward")
             why = self._dynamo_off()
             if why is not None:
                 return self._run_eager(why, args, kwargs)
             return self._trace_new(key, signature, sizes, args, kwargs)
 
-    def _first_structure(self) -> str:
+    def _first_difference(self, signature: CallSignature) -> str:
         first = self._variants[0].signature if self._variants else None
-        return first.describe() if first is not None else "no structure yet"
+        return difference(first, signature) if first is not None else signature.describe()
 
     def _check_consistent_sizes(self, variant: _Variant,
                                 sizes: Mapping[tuple[str, int], int]) -> None:
@@ -380,10 +384,9 @@ class CompiledModel(nn.Module):
                                "branch on a size in forward); it is traced again (trace %d)",
                                self.model_key, dict(sizes), len(self._variants) + 1)
             else:
-                logger.warning("%s: a call with a new structure (%s) is traced again (trace "
-                               "%d); the first trace had %s", self.model_key,
-                               signature.describe(), len(self._variants) + 1,
-                               self._first_structure())
+                logger.warning("%s: a call with a new structure is traced again (trace %d); "
+                               "it differs from the first trace in %s", self.model_key,
+                               len(self._variants) + 1, self._first_difference(signature))
         # The tracing call runs uncaptured even inside a FULL forward context: Dynamo cannot
         # trace inside a capture. A later call of that descriptor captures.
         first = not self._variants
@@ -480,6 +483,9 @@ class CompiledModel(nn.Module):
     def _check_state(self, state: ModuleState) -> None:
         why = state.difference()
         if why is None:
+            moved = state.moved_tensors()
+            if moved:
+                self._drop_graphs_reading(moved)
             state.refresh()
             return
         raise CompileError(
@@ -489,6 +495,33 @@ class CompiledModel(nn.Module):
             "answered from a stale trace. Make such changes (model.eval(), hooks, attributes "
             "forward reads) before the first call, or compile again after them: "
             "ff.compile(module, config)")
+
+    def _drop_graphs_reading(self, moved: list[str]) -> None:
+        """Parameters or buffers were replaced, or their memory moved, since the graphs were
+        captured: every graph reads the old memory at its captured address, so every graph
+        is dropped (the next step of each size captures again; a runner captures its keys
+        again, see :attr:`graph_generation`). A step is never served from them, and no new
+        value is copied into the old tensors (a swapped-out weight stays as it was)."""
+        wrappers = [w for w in self.graph_wrappers() if w.captured_descriptors]
+        if not wrappers:
+            return  # no graph: the trace reads parameters and buffers anew on every call
+        for wrapper in wrappers:
+            wrapper.clear()
+        self._exact.clear()  # routes remembered with the old graphs
+        self._same.clear()
+        self.__dict__["_last"] = None
+        self.graph_generation += 1
+        self.stats.inc("graphs_dropped_weights")
+        shown = ", ".join(moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4
+                                         else "")
+        if "weights" not in self._warned:
+            self._warned.add("weights")
+            logger.warning("%s: %s replaced (or its memory moved) after graphs were captured: "
+                           "the graphs read the old memory, so all of them were dropped and "
+                           "are captured again (counted in stats.graphs_dropped_weights; "
+                           "logged once)", self.model_key, shown)
+        else:
+            logger.debug("%s: %s replaced: graphs dropped", self.model_key, shown)
 
     def _refuse_self_changing_forward(self, before: ModuleState) -> None:
         why = before.difference(tensor_stores=True)
@@ -807,12 +840,13 @@ class CompiledModel(nn.Module):
         inference = self.inference_mode
 
         def replay() -> Any:
+            # the state first: parameters replaced since the plan drop every graph there
+            if state is not None and (every_call or state.changed_cheaply()):
+                check(state)
             if not all(piece.live for piece in pieces):
                 for piece in pieces:
                     piece.retire()
                 raise StaleReplay(f"a PIECEWISE graph for {descriptor} was dropped")
-            if state is not None and (every_call or state.changed_cheaply()):
-                check(state)
             try:
                 if inference:  # (the guard torch.inference_mode() enters, for less)
                     with torch._C._InferenceMode(True):
@@ -893,6 +927,16 @@ class CompiledModel(nn.Module):
     def _backend(self) -> CompileBackend | None:
         return self._variants[0].backend if self._variants else None
 
+    def check_state(self) -> int:
+        """The every-call module-state check, run now (see :class:`Capturable`): a runner runs
+        it before a step that may capture or replay, so graphs that read replaced tensors are
+        dropped before it decides, not inside the step. Returns :attr:`graph_generation`."""
+        state = self._state
+        if state is not None and (self._check_state_every_call or state.changed_cheaply()):
+            with self._lock:
+                self._check_state(state)
+        return self.graph_generation
+
     def graph_wrappers(self) -> list[Any]:
         """Every graph wrapper this model owns (per trace: the piecewise ones, then the FULL
         one)."""
@@ -926,7 +970,8 @@ def compile(module: nn.Module, config: CompilationConfig,
     """Compile ``module`` per ``config``; returns an ``nn.Module`` to call instead of it.
 
     ``dynamic_arg_dims`` maps forward argument names to the dim(s) whose size varies between
-    calls (default: dim 0 of every Tensor / Optional[Tensor] argument). ``model_key`` names
+    calls (default: dim 0 of every tensor argument: each one annotated ``Tensor`` /
+    ``Optional[Tensor]``, or not annotated). ``model_key`` names
     this model in logs and in the compile cache (default: the module's class path).
     ``inference_mode`` (default True) runs every call under ``torch.inference_mode()``, as
     serving engines do; pass False to keep the caller's autograd mode (a call that records

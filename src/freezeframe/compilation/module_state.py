@@ -107,8 +107,23 @@ def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
 _training = operator.itemgetter("training")
 
 
+def _slot_meta(value: Any) -> tuple[Any, ...] | None:
+    """What a parameter or buffer slot holds, as far as the trace is concerned: None, or the
+    tensor's dtype, device and shape (another tensor of the same kind is read as an input)."""
+    if value is None:
+        return None
+    return (value.dtype, value.device, tuple(value.shape))
+
+
+def _describe_slot(meta: tuple[Any, ...] | None) -> str:
+    if meta is None:
+        return "None"
+    dtype, device, shape = meta
+    return f"a {dtype} tensor of shape {list(shape)} on {device}"
+
+
 class _SubmoduleState:
-    __slots__ = ("attrs", "hooks", "training")
+    __slots__ = ("attrs", "hooks", "slots", "training")
 
     def __init__(self, module: nn.Module) -> None:
         self.training = module.training
@@ -116,6 +131,10 @@ class _SubmoduleState:
                                              *module._forward_hooks.values()))
         self.attrs = {name: token(value, _tensor_token)
                       for name, value in _user_attrs(module).items()}
+        # parameters and buffers, by name: None or the tensor's kind (see _slot_meta)
+        self.slots = {name: _slot_meta(value)
+                      for name, value in (*module._parameters.items(),
+                                          *module._buffers.items())}
 
     def difference(self, now: _SubmoduleState, where: str,
                    tensor_stores: bool = False) -> str | None:
@@ -125,6 +144,15 @@ class _SubmoduleState:
         if now.hooks != self.hooks:
             return (f"{where} had {len(self.hooks)} forward hook(s) at the trace and has "
                     f"{len(now.hooks)} different one(s) now")
+        for name in sorted(self.slots.keys() | now.slots.keys()):
+            if name not in now.slots:
+                return f"{where}.{name} (a parameter or buffer) was deleted after the trace"
+            if name not in self.slots:
+                return (f"{where}.{name} was registered as a parameter or buffer after the "
+                        "trace")
+            if now.slots[name] != self.slots[name]:
+                return (f"{where}.{name} was {_describe_slot(self.slots[name])} at the trace "
+                        f"and is {_describe_slot(now.slots[name])} now")
         for name in sorted(self.attrs.keys() | now.attrs.keys()):
             if tensor_stores and _is_tensor_token(now.attrs.get(name)):
                 continue  # forward stored a tensor: replayed with the new value every call
@@ -168,6 +196,12 @@ class ModuleState:
         # and which submodules had no children (one added to such a leaf, as
         # torch.nn.utils.parametrize or an adapter does, is seen in its _modules dict)
         self._leaves = tuple(not d.get("_modules") for d in self._sub_dicts)
+        # every module's parameter and buffer dicts (the root's first), and what they held at
+        # the last refresh: (where, dict, name, tensor or None, its data address)
+        self._slot_dicts = tuple((where, dicts) for name, m in self._modules
+                                 for where in (_where(name),)
+                                 for dicts in (m._parameters, m._buffers))
+        self._held: tuple[tuple[str, dict[str, Any], str, Any, int], ...] = ()
         # the every-call check and its source
         self._made: tuple[Callable[[], bool], str] | None = None
         self.changed_cheaply: Callable[[], bool]
@@ -186,6 +220,10 @@ class ModuleState:
         # counter (which other hooks, a tensor's, also move: the full tier then finds
         # nothing). Read before the hooks are counted: registering moves it first.
         handle_mark = _hook_handles.next_id
+        self._held = tuple((where, slots, name, value,
+                            value.data_ptr() if value is not None else 0)
+                           for where, slots in self._slot_dicts
+                           for name, value in list(slots.items()))
         source, names = _every_call_source(self, _user_attrs(self.module),
                                            tuple(map(_user_attrs, self._sub_dicts)))
         names["handle_mark"] = handle_mark
@@ -199,6 +237,16 @@ class ModuleState:
         else:
             made[0].__globals__.update(names)
         self.changed_cheaply, self.source = made
+
+    def moved_tensors(self) -> list[str]:
+        """The parameters and buffers that, since the last refresh, were replaced by other
+        tensors (``m.lin.weight = nn.Parameter(w)``, ``load_state_dict(..., assign=True)``,
+        ``m.buf = t``) or whose memory moved (``p.data = t``): where each is, by name. Not a
+        difference for the trace, which reads them as inputs on every call; a captured graph
+        reads the old memory (see CompiledModel's graph drop)."""
+        return [f"{where}.{name}" for where, slots, name, value, ptr in self._held
+                if slots.get(name) is not value
+                or (value is not None and value.data_ptr() != ptr)]
 
     def difference(self, tensor_stores: bool = False) -> str | None:
         """The full tier: what differs from the snapshot, in words, or None.
@@ -287,6 +335,21 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     for k, attrs in enumerate(parents):
         names[f"parent{k}"], names[f"children{k}"] = attrs, dict(attrs["_modules"])
         terms.append(f"parent{k}['_modules'] != children{k}")
+    # parameters and buffers: each dict's size, and each slot's tensor (or None) and the
+    # address of its memory, as at the last refresh (a replaced or moved tensor is what a
+    # captured graph cannot see; the full tier decides what it means)
+    index = {}
+    for k, (_, slots) in enumerate(state._slot_dicts):
+        names[f"slots{k}"], index[id(slots)] = slots, k
+        terms.append(f"len(slots{k}) != {len(slots)}")
+    for j, (_, slots, name, value, ptr) in enumerate(state._held):
+        k = index[id(slots)]
+        names[f"slot_{j}"], names[f"tensor_{j}"], names[f"ptr_{j}"] = name, value, ptr
+        if value is None:
+            terms.append(f"slots{k}[slot_{j}] is not None")
+        else:
+            terms.append(f"slots{k}[slot_{j}] is not tensor_{j} "
+                         f"or tensor_{j}.data_ptr() != ptr_{j}")
     for holder, tag, attrs in (("root", "", user),
                                *((f"sub{k}", str(k), a) for k, a in enumerate(below))):
         for j, (name, value) in enumerate(attrs.items()):

@@ -36,8 +36,8 @@ import torch
 from freezeframe.compilation.values import MAX_DEPTH, Same, describe, parts, plain_token, token
 from freezeframe.errors import InputMismatchError
 
-__all__ = ["CallSignature", "SameCall", "Signer", "SizeGuards", "TensorSpec", "distinct_storages",
-           "exact_key", "incompatibility", "same_call"]
+__all__ = ["CallSignature", "SameCall", "Signer", "SizeGuards", "TensorSpec", "difference",
+           "distinct_storages", "exact_key", "incompatibility", "same_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -436,6 +436,65 @@ def incompatibility(traced: CallSignature, new: CallSignature,
             return (f"argument {name!r} is {spec.describe()}, but the model was traced with "
                     f"{old.describe()}; pass a tensor")
     return None
+
+
+def difference(traced: CallSignature, new: CallSignature) -> str:
+    """What sets ``new`` apart from ``traced``, for the retrace message: each differing part as
+    ``where: traced -> new``, where is an argument (a path into a container, ``xs[3]``) and its
+    property (None-ness, dtype, device, rank, shape, strides, requires_grad, value), storage
+    sharing, or the autograd mode. Two structures can describe alike (a list of 5 items) and
+    still differ; this names the part."""
+    found: list[str] = []
+    names = [n for n, _ in traced.args] + [n for n, _ in new.args if traced.arg(n) is None]
+    for name in names:
+        _spec_difference(name, traced.arg(name), new.arg(name), found)
+    if traced.aliases != new.aliases:
+        found.append(f"storage sharing: {_sharing(traced)} -> {_sharing(new)}")
+    if traced.grad_enabled != new.grad_enabled:
+        found.append(f"autograd: {_grad(traced.grad_enabled)} -> {_grad(new.grad_enabled)}")
+    return "; ".join(found) if found else "nothing (the same structure)"
+
+
+def _spec_difference(path: str, old: ArgSpec | None, new: ArgSpec | None,
+                     found: list[str]) -> None:
+    if old == new:
+        return
+    if isinstance(old, TensorSpec) and isinstance(new, TensorSpec):
+        rank = (len(old.sizes), len(new.sizes))
+        props = [("dtype", old.dtype, new.dtype), ("device", old.device, new.device),
+                 ("rank", *rank)]
+        if rank[0] == rank[1]:
+            props += [("shape", _shape(old), _shape(new)),
+                      ("strides", old.strides or "contiguous", new.strides or "contiguous")]
+        props.append(("requires_grad", old.requires_grad, new.requires_grad))
+        found.extend(f"{path}: {name} {a} -> {b}" for name, a, b in props if a != b)
+        return
+    if isinstance(old, ContainerSpec) and isinstance(new, ContainerSpec) and \
+            (old.kind, old.keys, len(old.items)) == (new.kind, new.keys, len(new.items)):
+        for i, (a, b) in enumerate(zip(old.items, new.items, strict=True)):
+            _spec_difference(_item_path(path, old.kind, old.keys, i), a, b, found)
+        return
+    found.append(f"{path}: {_words(old)} -> {_words(new)}")
+
+
+def _shape(spec: TensorSpec) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in spec.sizes) + ")"
+
+
+def _words(spec: ArgSpec | None) -> str:
+    if spec is None:
+        return "not passed"
+    if isinstance(spec, ValueSpec) and spec.value is None:
+        return "None"
+    return spec.describe()
+
+
+def _sharing(sig: CallSignature) -> str:
+    return "; ".join(" & ".join(group) for group in sig.aliases) or "none"
+
+
+def _grad(enabled: bool | None) -> str:
+    return "grad enabled" if enabled else "grad disabled"
 
 
 class SizeGuards:

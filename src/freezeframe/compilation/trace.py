@@ -60,8 +60,9 @@ def _is_tensor_annotation(ann: Any) -> bool:
 def resolve_dynamic_arg_dims(forward: Callable[..., Any],
                              given: Mapping[str, int | Sequence[int]] | None
                              ) -> dict[str, tuple[int, ...]]:
-    """``{arg name: dims}`` to mark dynamic. Default: dim 0 of every argument annotated
-    ``Tensor`` or ``Optional[Tensor]``."""
+    """``{arg name: dims}`` to mark dynamic. Default (the README's contract): dim 0 of every
+    tensor argument, i.e. of each argument annotated ``Tensor`` or ``Optional[Tensor]`` or not
+    annotated at all (what the call passes decides: a non-tensor value has no dims to mark)."""
     sig = inspect.signature(forward)
     params = [n for n, p in sig.parameters.items()
               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -71,7 +72,8 @@ def resolve_dynamic_arg_dims(forward: Callable[..., Any],
         except Exception:  # unresolvable string annotations: fall back to the raw text
             hints = {}
         dims: dict[str, tuple[int, ...]] = {n: (0,) for n in params
-                if _is_tensor_annotation(hints.get(n, sig.parameters[n].annotation))}
+                if sig.parameters[n].annotation is inspect.Parameter.empty
+                or _is_tensor_annotation(hints.get(n, sig.parameters[n].annotation))}
         if not dims:
             name = getattr(forward, '__qualname__', forward)
             if not params:
@@ -81,9 +83,9 @@ def resolve_dynamic_arg_dims(forward: Callable[..., Any],
                     "parameters (def forward(self, x: torch.Tensor, ...)), or wrap the module "
                     "in one whose forward has them")
             raise ConfigError(
-                f"dynamic_arg_dims: {name} has no argument annotated Tensor or "
-                f"Optional[Tensor] (arguments: {params}), so no batch dimension can be "
-                "inferred; annotate the tensor arguments or pass "
+                f"dynamic_arg_dims: every argument of {name} is annotated as something other "
+                f"than Tensor or Optional[Tensor] (arguments: {params}), so no batch "
+                "dimension can be inferred; annotate the tensor arguments as Tensor or pass "
                 f"dynamic_arg_dims={{{params[0]!r}: 0}}")
         return dims
     if not isinstance(given, Mapping) or not given:

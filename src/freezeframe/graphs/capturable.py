@@ -29,6 +29,9 @@ class Capturable(Protocol):
     config: CompilationConfig
     stats: Stats
     capture_window: CaptureWindow
+    # moves each time the model drops every graph (its parameters or buffers were replaced
+    # after the capture): a runner then captures its keys again
+    graph_generation: int
 
     @property
     def graph_backend(self) -> GraphBackend | None:
@@ -44,6 +47,11 @@ class Capturable(Protocol):
 
     def graph_wrappers(self) -> list[GraphWrapper]:
         """Every graph wrapper the model owns."""
+
+    def check_state(self) -> int:
+        """Run the check of the model's state every call makes, now (dropping the graphs if
+        parameters or buffers were replaced, raising if the module changed in a way its trace
+        cannot serve); returns :attr:`graph_generation`."""
 
     def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Callable[[], Any] | None:

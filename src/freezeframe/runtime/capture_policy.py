@@ -103,6 +103,12 @@ class DeferredCaptures:
         self.failed.add(key)
         self._pending = {k: 0 for k in self.order if k not in self.failed}
 
+    def restart(self) -> None:
+        """Every graph was dropped (parameters replaced): every key that had been captured
+        waits to be captured again; a key that failed stays failed."""
+        self._pending = {k: self._pending.get(k, 0) for k in self.order
+                         if k not in self.failed}
+
     def next(self) -> GraphKey | None:
         """The first key still to capture, in capture order."""
         return next(iter(self._pending), None)

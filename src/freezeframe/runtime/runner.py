@@ -54,6 +54,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
@@ -80,6 +81,7 @@ from freezeframe.runtime.graph_memory import (
     predict_graph_memory,
 )
 from freezeframe.runtime.inputs import InputSpec
+from freezeframe.runtime.progress import capture_progress
 from freezeframe.runtime.step_plan import Padding, Staging, StepPlan, plan_key
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_for_step
@@ -315,6 +317,9 @@ class GraphRunner:
         self._primed_keys: set[GraphKey] = set()
         self.device = _resolve_device(device, model)
         self.graphs_available = graphs_possible(config)
+        # the model's graph generation this runner's graphs and plans belong to (it moves when
+        # the model drops every graph: parameters replaced; see _capture_again)
+        self._generation = self._held.graph_generation if self._held is not None else 0
 
         specs = _input_specs(inputs)
         self.specs: Mapping[str, InputSpec] = specs
@@ -423,7 +428,8 @@ class GraphRunner:
         try:
             # A shape planned before (step_plan.py): only the options a plan covers.
             if self._plans and not (kwargs or extras or invalid_modes or has_lora
-                                    or num_scheduled_tokens is not None):
+                                    or num_scheduled_tokens is not None
+                                    or self._model_hooked()):
                 key = plan_key(args, num_reqs, uniform_decode)
                 plan = self._plans.get(key)
                 if plan is not None:
@@ -471,6 +477,10 @@ class GraphRunner:
               invalid_modes: Collection[CUDAGraphMode],
               extras: Mapping[str, Any] | None,
               num_scheduled_tokens: Sequence[int] | None) -> Any:
+        held = self._held
+        if held is not None and self.graphs_available \
+                and held.check_state() != self._generation:
+            self._capture_again()
         values = self._bind(args, kwargs)
         num_tokens, reqs = self._validate(values, num_reqs, uniform_decode)
         self._sizes[num_tokens] = self._sizes.get(num_tokens, 0) + 1
@@ -522,14 +532,15 @@ class GraphRunner:
         writes = self._graph_writes.get((mode, desc))
         if aliased and writes:
             self._refuse_written_alias(values, aliased, writes)
-        plannable = writes is not None and not writes and plan is None \
+        hooked = self._model_hooked()  # its hooks run in __call__: no direct replay then
+        plannable = writes is not None and not writes and plan is None and not hooked \
             and self._held is not None and not (kwargs or extras or invalid_modes or has_lora
                                                 or self.dp_sync
                                                 or num_scheduled_tokens is not None)
         replay = None
         try:
             replay = self._replayer(mode, desc, padded_tokens, padded_reqs) \
-                if plan is None else None
+                if plan is None and not hooked else None
             out = self._replay(replay, desc, padded_reqs) if replay is not None else _STALE
             if out is _STALE:
                 replay = None
@@ -609,7 +620,7 @@ class GraphRunner:
             return
         self._plans[key] = StepPlan(
             staging=self._stagings[(num_tokens, padded_tokens, reqs, padded_reqs)],
-            replay=replay, replay_key=replay_key, output=_map_tensors(out, _same),
+            replay=replay, replay_key=replay_key, output=_map_tensors(out, _alias),
             counts=tuple((self.stats.tally(name), by) for name, by in counters),
             num_tokens=num_tokens, num_reqs=reqs, context=context)
 
@@ -645,10 +656,9 @@ class GraphRunner:
             for tally, by in plan.counts:
                 tally.n += by
             out = plan.output
-            if out.__class__ is not torch.Tensor:
-                # new containers every step, as a step taking the whole way makes: the caller
-                # may change the last one (pop a key, append)
-                out = _map_tensors(out, _same)
+            # new tensor objects (views) and containers every step, as a step taking the
+            # whole way makes: the caller may change the last ones (y.t_(), pop a key)
+            out = out.detach() if out.__class__ is torch.Tensor else _map_tensors(out, _alias)
         else:
             out = self._run_piecewise_plan(key, plan, args, context)
             if out is _STALE:
@@ -685,11 +695,13 @@ class GraphRunner:
                 return self._finish(out, values, slots, aliased, padded_tokens,
                                     plan.num_tokens, padded_reqs, plan.num_reqs)
         if out is plan.last_out:  # the same static tensor as last step: the same cut of it
-            return plan.last_cut
+            cut = plan.last_cut  # (a new view of it per step: see _slice_rows)
+            return cut.detach() if cut.__class__ is torch.Tensor else _map_tensors(cut, _alias)
         cut = self._slice(out, self.outputs, padded_tokens, plan.num_tokens, padded_reqs,
                           plan.num_reqs, [0])
         if out.__class__ is torch.Tensor:
-            plan.last_out, plan.last_cut = out, cut
+            # kept as a view of its own (the answer returned now may be changed in place)
+            plan.last_out, plan.last_cut = out, _map_tensors(cut, _alias)
         return cut
 
     def _aliased(self, values: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
@@ -1199,7 +1211,7 @@ class GraphRunner:
         try:
             if window is not None:
                 window.open()
-            with _gc_frozen(), _progress(len(keys), self.progress) as bar:
+            with _gc_frozen(), capture_progress(len(keys), self.progress) as bar:
                 for mode, desc in probes:
                     records.append(self._capture_one(mode, desc))
                     bar.update(1)
@@ -1242,6 +1254,45 @@ class GraphRunner:
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
         return report
+
+    def _model_hooked(self) -> bool:
+        """Whether calling the model runs hooks of its own (forward or forward-pre hooks on the
+        model, or torch's global module hooks): a planned step or a direct replay skips
+        ``nn.Module.__call__``, so such steps go through it."""
+        model = self.model
+        return bool((isinstance(model, torch.nn.Module)
+                     and (model._forward_hooks or model._forward_pre_hooks))
+                    or _global_forward_hooks or _global_forward_pre_hooks)
+
+    def _capture_again(self) -> None:
+        """The model dropped every graph (its parameters or buffers were replaced after the
+        capture, so the graphs read old memory): forget what was planned on them and capture
+        the keys again as the capture policy does (eager: all of them now; lazy and
+        background: each pending again). Counted in ``stats.recaptures``; the model logs the
+        change once."""
+        assert self._held is not None
+        self._generation = self._held.graph_generation
+        for key in list(self._plans):
+            self._forget_plan(key)
+        self._replays.clear()
+        if self._ubatch is not None:
+            self._ubatch.clear()
+        self.stats.inc("recaptures")
+        if self.report is None:
+            return  # before capture(): steps capture (after a warm-up) as before
+        deferred = self._deferred
+        if deferred is not None:
+            deferred.restart()
+            if self.capture_policy is CapturePolicy.BACKGROUND and (
+                    self._background is None or not self._background.is_alive()):
+                self._background = threading.Thread(
+                    target=self._capture_behind, name="freezeframe-background-capture",
+                    daemon=True)
+                self._background.start()
+            return
+        self._graph_writes.clear()
+        self.report = None
+        self._capture_all()
 
     def _refuse_if_compiling_is_off(self) -> None:
         off = self._held.compile_off_reason if self._held is not None else None
@@ -1635,14 +1686,17 @@ def _input_specs(inputs: Any) -> dict[str, InputSpec]:
 
 def _slice_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
                 padded_reqs: int | None, reqs: int | None) -> torch.Tensor:
+    """``t`` cut to the real rows, always as a new tensor object (a view): an in-place
+    change of its metadata (``y.t_()``, ``y.unsqueeze_(0)``) must not reach the static output
+    the next step answers with."""
     if kind == "none" or t.dim() == 0:
-        return t
+        return t.detach()
     if kind == "tokens":
-        return t[:num_tokens] if t.shape[0] == padded_tokens else t
+        return t[:num_tokens] if t.shape[0] == padded_tokens else t.detach()
     if kind == "requests":
         if reqs is None or padded_reqs is None:
-            return t
-        return t[:reqs] if t.shape[0] == padded_reqs else t
+            return t.detach()
+        return t[:reqs] if t.shape[0] == padded_reqs else t.detach()
     raise ConfigError(f"outputs: unknown kind {kind!r}; use 'tokens', 'requests' or 'none'")
 
 
@@ -1757,8 +1811,8 @@ def _version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # a new tensor object on the same memory
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -1837,25 +1891,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Any]:
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            pass
-        else:
-            bar = tqdm(total=total, desc="Capturing graphs", unit="graph", leave=False)
-            try:
-                yield bar
-            finally:
-                bar.close()
-            return
-    yield _NoBar()
