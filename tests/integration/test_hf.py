@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,17 +51,18 @@ def _tiny(family: str) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def _hf_greedy(model: torch.nn.Module, prompts: torch.Tensor) -> tuple[torch.Tensor, list]:
+def _hf_greedy(model: Any, prompts: torch.Tensor) -> tuple[torch.Tensor, list]:
     with torch.no_grad():
         out = model.generate(prompts, max_new_tokens=NEW, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
     return out.sequences, [x.float() for x in out.logits]
 
 
-def _compile(model: torch.nn.Module, **kwargs: object) -> hf.CompiledCausalLM:
-    return ff.hf.compile(model, max_batch_size=8, max_cache_len=32, max_num_tokens=64,
-                         capture_sizes=CAPTURE_SIZES, backend="eager",
-                         graph_backend="emulated", **kwargs)
+def _compile(model: torch.nn.Module, **kwargs: Any) -> hf.CompiledCausalLM:
+    options: dict[str, Any] = {"max_batch_size": 8, "max_cache_len": 32, "max_num_tokens": 64,
+                               "capture_sizes": CAPTURE_SIZES, "backend": "eager",
+                               "graph_backend": "emulated", **kwargs}
+    return ff.hf.compile(model, **options)
 
 
 # batch size -> (piecewise steps, steps above the largest capture size, padded tokens) for a
@@ -126,7 +128,7 @@ def test_full_and_piecewise_decode_replays_full_graphs() -> None:
 def test_the_model_called_directly_after_compile_is_still_hf() -> None:
     # "freezeframe" attention without freezeframe's step metadata is HF's SDPA with HF's mask,
     # so a padded batch with a cache still gives what it gave before compile.
-    model = _tiny("qwen2")
+    model: Any = _tiny("qwen2")
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     with torch.no_grad():
@@ -157,7 +159,8 @@ def test_bad_arguments_are_named() -> None:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
         sliding_window=8, max_window_layers=1))
-    with pytest.raises(ff.ConfigError, match=r"\['sliding_attention'\] layers"):
+    with pytest.raises(ff.ConfigError, match=r"Qwen2ForCausalLM has sliding-window attention "
+                                             r"\(config.sliding_window=8\) and max_cache_len=256"):
         ff.hf.compile(sliding)
 
     lm = _compile(model)  # nothing is traced until the first step
@@ -170,6 +173,167 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ff.ConfigError, match="max_new_tokens=0 must be an int >= 1"):
         lm.generate(torch.zeros(1, 3, dtype=torch.long), 0)
     assert lm.compiled.stats.graphs_traced == 0
+
+
+# -- what ff.hf refuses, and what it serves at the edge of what it refuses -----------------------
+TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, **NO_SPECIAL}
+
+
+def _assert_generates_like_hf(model: torch.nn.Module, **kwargs: Any) -> hf.CompiledCausalLM:
+    # 3 prompts of PROMPT tokens: a 15-token prefill (no graph), then decode steps of 3 rows
+    prompts = torch.randint(0, VOCAB, (3, PROMPT), generator=torch.Generator().manual_seed(4))
+    sequences, logits = _hf_greedy(model, prompts)
+    lm = _compile(model, **kwargs)
+    out = lm.generate(prompts, NEW, output_logits=True)
+    assert torch.equal(out.sequences, sequences), (out.sequences, sequences)
+    for ours, theirs in zip(out.logits, logits, strict=True):
+        assert (ours - theirs).abs().max().item() <= REL_TOL * theirs.abs().max().item()
+    return lm
+
+
+def test_models_without_causal_self_attention_are_refused_at_compile() -> None:
+    # Before: BertForMaskedLM was served with causal attention (logits off by 1.4e-2).
+    bert = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 64,
+            **NO_SPECIAL}
+    torch.manual_seed(0)
+    encoder = transformers.BertForMaskedLM(transformers.BertConfig(**bert)).eval()
+    with pytest.raises(ff.ConfigError) as info:
+        _compile(encoder)
+    assert str(info.value) == (
+        "ff.hf.compile: BertForMaskedLM is not a causal language model: its attention is "
+        "bidirectional (BertSelfAttention.is_causal is False, config.is_decoder is False). "
+        "ff.hf serves decoder-only causal LMs, whose every token attends only to itself and "
+        "earlier tokens (LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...); serve an "
+        "encoder with ff.compile or ff.GraphRunner and an attention of your own")
+    assert encoder.config._attn_implementation != hf.ATTN_IMPLEMENTATION  # left untouched
+    classifier = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TINY))
+    with pytest.raises(ff.ConfigError, match=r"^ff.hf.compile: LlamaForSequenceClassification "
+                                             r"is not a causal language model: it has no causal "
+                                             r"LM head \(can_generate\(\) is False\)\. "):
+        _compile(classifier)
+    # the same architecture as a decoder (is_decoder=True: causal) is served, exactly
+    decoder = transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True))
+    _assert_generates_like_hf(decoder.eval())
+
+
+def test_step_checks_every_index_on_the_host_before_anything_is_written() -> None:
+    # Before: positions=-1 wrote NaN into the cache (every later generate on that row wrong),
+    # seq_ids=8 landed in the padding row, positions=32 was a raw IndexError.
+    model = _tiny("llama")
+    lm = _assert_generates_like_hf(model)
+    caches = (lm._flat.k_cache.clone(), lm._flat.v_cache.clone())
+    steps = lm.stats.steps
+    bad = [
+        (([3], [-1], [0]), "step: positions[0] = -1 is outside [0, max_cache_len=32); a "
+                           "position counts from 0 (the token's index in its sequence)"),
+        (([3, 4], [0, 32], [1, 1]), "step: positions[1] = 32 is outside [0, max_cache_len=32); "
+                                    "ff.hf.compile with max_cache_len >= 33 for sequences this "
+                                    "long"),
+        (([3], [0], [8]), "step: seq_ids[0] = 8 is outside [0, max_batch_size=8); ff.hf.compile "
+                          "with max_batch_size >= 9 for that many rows"),
+        (([3], [0], [-1]), "step: seq_ids[0] = -1 is outside [0, max_batch_size=8); seq_ids are "
+                           "the cache rows of real sequences, from 0 (padding is the runner's)"),
+        (([128], [0], [0]), "step: input_ids[0] = 128 is outside [0, the vocabulary size "
+                            "(config.vocab_size)=128); pass token ids of this model's tokenizer"),
+        (([3, 4], [0], [0, 0]), "step: input_ids, positions and seq_ids need one entry per "
+                                "token, at least one, but have 2, 1 and 2 entries"),
+        (([3], [0.0], [0]), "step: positions must be a 1-d integer tensor or a list of ints, "
+                            "one entry per token; got a 1-d torch.float32 tensor"),
+    ]
+    for (ids, positions, rows), message in bad:
+        for as_tensor in (True, False):
+            args: list[Any] = [torch.tensor(a) if as_tensor else a for a in (ids, positions, rows)]
+            with pytest.raises(ff.ConfigError) as info:
+                lm.step(*args)
+            assert str(info.value) == message
+    assert lm.stats.steps == steps  # nothing reached the runner ...
+    assert torch.equal(lm._flat.k_cache, caches[0]) and torch.equal(lm._flat.v_cache, caches[1])
+    # ... and a list and a tensor of the same step give the same logits
+    by_list = lm.step([5, 6], [0, 1], [7, 7]).clone()
+    by_tensor = lm.step(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([7, 7]))
+    assert torch.equal(by_list, by_tensor)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([[5, 6]])).logits[0]
+    assert (by_tensor - expected).abs().max().item() <= REL_TOL * expected.abs().max().item()
+
+
+def test_a_sliding_window_is_served_where_it_never_applies_and_refused_where_it_would() -> None:
+    # MistralConfig's default window (4096) is far above max_cache_len: full attention, exactly.
+    # Before: compile passed and the first generate failed with a Dynamo graph-break message.
+    torch.manual_seed(0)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY)).eval()
+    assert mistral.config.sliding_window == 4096
+    _assert_generates_like_hf(mistral)
+    # At the edge: a window of 9 and a 9-position cache (5 prompt + 4 new tokens): the window
+    # never masks a position, and the tokens are HF's (whose mask does apply the window).
+    torch.manual_seed(0)
+    edge = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=9))
+    lm = _assert_generates_like_hf(edge.eval(), max_cache_len=9)
+    assert lm.max_cache_len == 9
+    with pytest.raises(ff.ConfigError) as info:
+        _compile(edge, max_cache_len=10)
+    assert str(info.value) == (
+        "ff.hf.compile: MistralForCausalLM has sliding-window attention (config.sliding_window="
+        "9) and max_cache_len=10 is longer than the window, so it would apply; sliding-window "
+        "attention is not supported yet. Pass max_cache_len <= 9, where the window never "
+        "applies, or set config.sliding_window=None (use_sliding_window=False for Qwen2) if "
+        "the model tolerates full attention")
+    # Qwen2 with use_sliding_window=True: its second layer slides (max_window_layers=1)
+    torch.manual_seed(0)
+    qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **TINY, max_position_embeddings=64, use_sliding_window=True, max_window_layers=1))
+    assert qwen.config.layer_types == ["full_attention", "sliding_attention"]
+    _assert_generates_like_hf(qwen.eval())
+    with pytest.raises(ff.ConfigError, match=r"^ff.hf.compile: Qwen2ForCausalLM has "
+                                             r"sliding-window attention \(config.sliding_window"
+                                             r"=4096\) and max_cache_len=4097 is longer"):
+        ff.hf.compile(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **TINY, use_sliding_window=True, max_window_layers=1)), max_cache_len=4097)
+
+
+def test_soft_capping_and_attention_sinks_are_refused_at_compile() -> None:
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY, head_dim=16))
+    with pytest.raises(ff.ConfigError) as info:
+        _compile(gemma)
+    assert str(info.value) == (
+        "ff.hf.compile: Gemma2ForCausalLM uses attention logit soft-capping (config."
+        "attn_logit_softcapping=50.0); only plain causal attention is supported: serve it "
+        "without ff.hf")
+    sinks = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        layer_types=["full_attention"] * 2))
+    with pytest.raises(ff.ConfigError, match=r"^ff.hf.compile: GptOssForCausalLM uses attention "
+                                             r"sinks \(model.layers.0.self_attn.sinks\); "):
+        _compile(sinks, cudagraph_mode="none")
+
+
+def _tiny_mixtral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **TINY, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)).eval()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise", "full"])
+def test_mixture_of_experts_is_refused_with_graphs(mode: str) -> None:
+    # Before: piecewise graphs generated other tokens than HF (row 3 of 4, third new token):
+    # transformers' grouped-mm fallback reads the per-expert offsets with offs.tolist(), so the
+    # captured graph replays the expert split of the step it captured.
+    with pytest.raises(ff.ConfigError) as info:
+        _compile(_tiny_mixtral(), cudagraph_mode=mode)
+    assert str(info.value) == (
+        f"ff.hf.compile: MixtralForCausalLM is a mixture-of-experts model (config."
+        f"num_local_experts=4) and cudagraph_mode={mode.upper()} captures graphs; expert routing "
+        "is data-dependent (which tokens go to which expert is read back to the host or "
+        "becomes a shape), so a captured graph would freeze the routing of the step it "
+        "captured and every replay would send tokens to the wrong experts. Pass "
+        "cudagraph_mode='none' (compiled, no graphs), or serve it without ff.hf")
+
+
+def test_mixture_of_experts_without_graphs_generates_like_hf() -> None:
+    lm = _assert_generates_like_hf(_tiny_mixtral(), cudagraph_mode="none")
+    assert (lm.stats.steps_eager, lm.stats.steps_piecewise, lm.stats.steps_full) == (4, 0, 0)
 
 
 def test_import_freezeframe_does_not_import_transformers() -> None:

@@ -5,56 +5,48 @@ One entry: :func:`compile` (``ff.hf.compile(model, ...)``) takes a ``LlamaForCau
 ``transformers.AttentionInterface``, and returns a :class:`CompiledCausalLM` whose
 :meth:`~CompiledCausalLM.generate` decodes greedily on captured graphs::
 
-    import torch
-    import freezeframe as ff
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2)).eval()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                         intermediate_size=128, num_attention_heads=4)).eval()
     lm = ff.hf.compile(model, max_batch_size=8, max_cache_len=64, backend="eager",
                        graph_backend="emulated")
-    out = lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4)
-    out.sequences  # [3, 9]: the prompts and 4 greedy tokens each
+    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4).sequences  # [3, 9]
 
 How the model is served
 -----------------------
 * **Flat token batches.** Every step is one flat batch of tokens, as in vLLM: ``input_ids``,
   ``positions`` and ``seq_ids`` (the cache row of each token), each ``[num_tokens]``. The HF
-  model sees them as one sequence of ``num_tokens`` (``input_ids[None]``, ``position_ids``
-  from ``positions``), so its embeddings, MLPs, norms and rotary or learned position embeddings
-  are what they are eagerly; only attention needs to know which tokens belong together, and it
-  is ours. A prefill of 3 prompts of 5 tokens is a 15-token step, a decode step of 3 sequences a
-  3-token step; chunks of a long prefill are steps too. So the token count is the one dynamic
-  dim: one trace serves every batch, and graphs are captured per padded token count (for decode:
-  per padded batch size).
+  model sees them as one sequence (``input_ids[None]``, ``position_ids`` from ``positions``),
+  so its embeddings, MLPs, norms and position embeddings are what they are eagerly; only
+  attention needs to know which tokens belong together, and it is ours. A prefill of 3 prompts
+  of 5 tokens is a 15-token step, a decode step of 3 sequences a 3-token step. So the token
+  count is the one dynamic dim: one trace serves every batch, and graphs are captured per
+  padded token count (for decode: per padded batch size).
 * **The split point: HF's attention interface, calling our op.** Importing this module
-  registers the attention implementation ``"freezeframe"`` (``transformers.AttentionInterface``);
-  :func:`compile` switches the model to it (``model.set_attn_implementation("freezeframe")``, no
-  model code changes). Its function calls the custom op ``freezeframe_hf::attention`` (defined with
-  ``torch.library``'s low-level API, :func:`freezeframe.models.ops.define_op`, so a call costs
-  microseconds), which is the splitting op: the graph is cut there and the op runs eagerly
-  between the captured pieces. Why not ``aten::scaled_dot_product_attention`` as the splitting
-  op: SDPA gets keys and values after HF's own cache update, so the cache write, the cache's
-  Python bookkeeping and HF's mask construction (host-side sizes that change every step) would
-  land inside the traced, captured pieces; a static HF cache is sized for one batch size, not a
-  dynamic one; SDPA cannot be told which tokens share a sequence in a flat batch; and it is a
-  general op that other code may call (splitting there would cut graphs where no attention is).
-  Our op owns the cache write and the attention, takes all its metadata as tensors and needs no
-  mask: HF builds none (a 4-d placeholder mask makes HF's mask utilities return early).
+  registers the attention implementation ``"freezeframe"``; :func:`compile` switches the model
+  to it (``set_attn_implementation``, no model code changes). It calls the custom op
+  ``freezeframe_hf::attention`` (:func:`freezeframe.models.ops.define_op`: microseconds a
+  call), the splitting op, which runs eagerly between the captured pieces. Not SDPA: SDPA sees
+  keys and values after HF's cache update and mask building (host-side bookkeeping that would
+  land in captured pieces), cannot tell which tokens of a flat batch share a sequence, and other
+  code calls it too. Our op owns the cache write and the attention, takes its metadata as
+  tensors and needs no mask (a 4-d placeholder makes HF's mask utilities return early).
 * **The static KV cache.** Two buffers, ``[layers, max_batch_size + 1, max_cache_len,
   kv_heads, head_dim]``, allocated once. The op writes each token's key and value at
   ``(seq_ids[t], positions[t])`` in place, then lets token ``t`` attend to cache positions
   ``<= positions[t]`` of its row: no host sync, no data-dependent shapes, so it is safe inside a
   captured graph (FULL modes) as well as between pieces. Padded tokens carry ``seq_ids == -1``
   and write only the extra sink row. A prefill rewrites its rows from position 0, so nothing
-  needs clearing between generations.
+  needs clearing between generations. :meth:`CompiledCausalLM.step` checks every index on the
+  host first: one outside the cache would be a device-side assert inside a graph.
 
 Calling the HF model directly after :func:`compile` still works: without freezeframe's step
 metadata the ``"freezeframe"`` attention runs HF's SDPA implementation with HF's SDPA mask.
 
-Not supported (a clear error): encoder-decoder models, cross-attention, sliding-window or other
-non-full attention layers, attention logit soft-capping and attention sinks.
+Refused by :func:`compile`, with the reason: attention that is not causal self-attention
+(encoders such as ``BertForMaskedLM``, encoder-decoders, heads that cannot generate); a sliding
+window shorter than ``max_cache_len`` (one at least that long never applies, and is served);
+other layer types, logit soft-capping, attention sinks; and mixture-of-experts models while
+graphs are on (their routing is data-dependent: a captured graph would freeze it).
 """
 
 from __future__ import annotations
@@ -68,7 +60,7 @@ from torch import nn
 
 from freezeframe.compilation import CompiledModel
 from freezeframe.compilation import compile as ff_compile
-from freezeframe.config import CompilationConfig, CompilationMode
+from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.models.ops import define_op
 from freezeframe.runtime import GraphRunner, Tokens
@@ -104,7 +96,7 @@ _GATHER_BUDGET = 1 << 22
 # Attention features the op does not implement: the keyword HF passes, and what it means.
 _UNSUPPORTED_KWARGS = {"sliding_window": "sliding-window attention",
                        "softcap": "attention logit soft-capping",
-                       "s_aux": "attention sinks"}
+                       "s_aux": "attention sinks", "is_causal": "bidirectional attention"}
 
 
 # -- the splitting op ------------------------------------------------------------------------
@@ -183,13 +175,20 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         return sdpa_attention_forward(  # type: ignore[no-any-return]
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
             **kwargs)
-    for name, feature in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
+    # ff.hf.compile refuses such models up front; this is the safety net at trace time.
+    problems: dict[str, Any] = {kwarg: kwargs.get(kwarg) for kwarg in _UNSUPPORTED_KWARGS}
+    window = problems["sliding_window"]
+    if isinstance(window, int) and window >= step.k_cache.shape[2]:
+        problems["sliding_window"] = None  # a window as long as the cache never masks anything
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    problems["is_causal"] = False if causal is False else None
+    for kwarg, got in problems.items():
+        if got is not None:
             raise CompileError(
                 f"ff.hf: layer {getattr(module, 'layer_idx', '?')} of "
-                f"{type(module).__name__} asks for {feature} ({name}={kwargs[name]!r}); "
-                "freezeframe's HF attention implements full causal attention only: serve this "
-                "model without freezeframe")
+                f"{type(module).__name__} asks for {_UNSUPPORTED_KWARGS[kwarg]} "
+                f"({kwarg}={got!r}); freezeframe's HF attention implements full causal "
+                "attention only: serve this model without freezeframe")
     num_tokens, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     out = query.new_empty((num_tokens, heads, head_dim))
     scale = float(scaling) if scaling is not None else head_dim ** -0.5
@@ -254,6 +253,35 @@ class Generation:
     logits: tuple[torch.Tensor, ...] = ()
 
 
+_STEP_ARGS = ("input_ids", "positions", "seq_ids")
+
+
+def _indices(name: str, value: object) -> torch.Tensor:
+    """``value`` (a 1-d integer tensor, or a list or tuple of ints) as a 1-d integer tensor."""
+    tensor = value if isinstance(value, torch.Tensor) else None
+    if isinstance(value, (list, tuple)):
+        try:
+            tensor = torch.as_tensor(value, dtype=None if value else torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            tensor = None
+    if tensor is None or tensor.dim() != 1 or tensor.dtype == torch.bool \
+            or tensor.is_floating_point() or tensor.is_complex():
+        got = (f"a {tensor.dim()}-d {tensor.dtype} tensor" if tensor is not None
+               else repr(value) if isinstance(value, (list, tuple)) else type(value).__name__)
+        raise ConfigError(f"step: {name} must be a 1-d integer tensor or a list of ints, one "
+                          f"entry per token; got {got}")
+    return tensor
+
+
+# What to do about an index below 0 or above the limit, per step argument.
+_STEP_FIXES = {
+    "input_ids": ("pass token ids of this model's tokenizer",) * 2,
+    "positions": ("a position counts from 0 (the token's index in its sequence)",
+                  "ff.hf.compile with max_cache_len >= {} for sequences this long"),
+    "seq_ids": ("seq_ids are the cache rows of real sequences, from 0 (padding is the runner's)",
+                "ff.hf.compile with max_batch_size >= {} for that many rows")}
+
+
 class CompiledCausalLM:
     """An HF causal LM compiled by :func:`compile`: greedy :meth:`generate`, the flat-token
     :meth:`step` it is built on, and the parts (``compiled``, ``runner``, ``config``).
@@ -277,6 +305,8 @@ class CompiledCausalLM:
         self._num_layers = num_layers
         self._device: torch.device = flat.k_cache.device
         self._split_checked = False
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        self._vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
 
     @property
     def stats(self) -> Stats:
@@ -316,13 +346,24 @@ class CompiledCausalLM:
                 f"5.24 does; this is {transformers.__version__}), so its tokens would attend "
                 "across sequences; upgrade transformers, or serve this model without ff.hf")
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+    def step(self, input_ids: torch.Tensor | Sequence[int],
+             positions: torch.Tensor | Sequence[int], seq_ids: torch.Tensor | Sequence[int],
              *, uniform_decode: bool = False) -> torch.Tensor:
         """One flat step: token ``t`` (``input_ids[t]``) sits at ``positions[t]`` of cache row
-        ``seq_ids[t]`` (``0 <= seq_ids < max_batch_size``); every earlier position of that row
-        must have been written by an earlier token. Returns ``[num_tokens, vocab]`` logits, a
-        view of the graph's output that the next step overwrites (clone to keep it).
-        ``uniform_decode=True`` says every row has one token (FULL graphs key on it)."""
+        ``seq_ids[t]``; every earlier position of that row must have been written by an earlier
+        token. Returns ``[num_tokens, vocab]`` logits, a view of the graph's output that the
+        next step overwrites (clone to keep it). ``uniform_decode=True`` says every row has one
+        token (FULL graphs key on it). Each argument is a 1-d integer tensor or a list of ints.
+
+        Before any device work, ``0 <= positions < max_cache_len``, ``0 <= seq_ids <
+        max_batch_size`` and (on the host) the token ids are checked: an index outside the cache
+        is a device-side assert inside a graph. Lists and CPU tensors are checked on the host
+        and copied without a sync; metadata already on a GPU cost one read back each."""
+        ids, where, rows = self._check_step(input_ids, positions, seq_ids)
+        return self._run(ids, where, rows, uniform_decode)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+             uniform_decode: bool) -> torch.Tensor:
         self.capture()
         num_tokens = int(input_ids.shape[0])
         logits = self.runner(input_ids=input_ids, positions=positions, seq_ids=seq_ids,
@@ -330,6 +371,32 @@ class CompiledCausalLM:
                              num_reqs=num_tokens if uniform_decode else None)
         self._check_split()  # the first traced step, when capture() traced nothing
         return logits  # type: ignore[no-any-return]
+
+    def _check_step(self, *given: object) -> list[torch.Tensor]:
+        """``step``'s arguments as ``torch.long`` tensors on the device, every index checked."""
+        tensors = [_indices(name, value) for name, value in zip(_STEP_ARGS, given, strict=True)]
+        counts = [int(t.shape[0]) for t in tensors]
+        if len(set(counts)) != 1 or counts[0] == 0:
+            raise ConfigError(
+                f"step: input_ids, positions and seq_ids need one entry per token, at least "
+                f"one, but have {counts[0]}, {counts[1]} and {counts[2]} entries")
+        limits = {"input_ids": (self._vocab_size, "the vocabulary size (config.vocab_size)"),
+                  "positions": (self.max_cache_len, "max_cache_len"),
+                  "seq_ids": (self.max_batch_size, "max_batch_size")}
+        for name, tensor in zip(_STEP_ARGS, tensors, strict=True):
+            limit, what = limits[name]
+            if limit is None or (name == "input_ids" and tensor.device.type != "cpu"):
+                continue  # token ids on a GPU come from argmax; reading them back would sync
+            # on the host a list is cheaper than tensor ops; on a device, one read back
+            values = tensor.tolist() if tensor.device.type == "cpu" else \
+                torch.stack(torch.aminmax(tensor)).tolist()
+            low, high = min(values), max(values)
+            if low < 0 or high >= limit:
+                bad = low if low < 0 else high
+                at = int((tensor == bad).nonzero()[0, 0])
+                raise ConfigError(f"step: {name}[{at}] = {bad} is outside [0, {what}={limit}); "
+                                  f"{_STEP_FIXES[name][bad >= 0].format(bad + 1)}")
+        return [t.to(self._device, torch.long, non_blocking=True) for t in tensors]
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                  output_logits: bool = False) -> Generation:
@@ -351,7 +418,8 @@ class CompiledCausalLM:
         budget = self.max_num_tokens
         for start in range(0, batch * prompt, budget):
             end = min(start + budget, batch * prompt)
-            logits = self.step(flat_ids[start:end], positions[start:end], seq_ids[start:end])
+            logits = self._run(flat_ids[start:end], positions[start:end], seq_ids[start:end],
+                               False)
             wanted = [i - start for i in last if start <= i < end]
             if wanted:
                 picked.append(logits[torch.tensor(wanted, device=logits.device)])
@@ -366,7 +434,7 @@ class CompiledCausalLM:
             if i + 1 == max_new_tokens:
                 break
             position = torch.full((batch,), prompt + i, dtype=torch.long, device=device)
-            next_logits = self.step(next_tokens, position, rows, uniform_decode=True)
+            next_logits = self._run(next_tokens, position, rows, True)
         return Generation(sequences=torch.cat(tokens, dim=1), logits=tuple(kept))
 
     def _check_generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[int, int]:
@@ -410,30 +478,97 @@ def _cache_shape(model: nn.Module) -> _CacheShape:
             f"ff.hf.compile: model is a {type(model).__name__} without a transformers config "
             "(model.config.num_hidden_layers); pass a transformers causal LM such as "
             "LlamaForCausalLM")
-    name = type(model).__name__
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return _CacheShape(layers=int(config.num_hidden_layers), kv_heads=kv_heads,
+                       head_dim=int(head_dim))
+
+
+_SERVED = ("ff.hf serves decoder-only causal LMs, whose every token attends only to itself and "
+           "earlier tokens (LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...)")
+
+
+def _check_causal_lm(model: nn.Module) -> None:
+    """Refuse, before anything is traced, a model whose attention is not causal self-attention
+    (ff.hf would serve it with causal attention: wrong logits, nothing raised)."""
+    name, config = type(model).__name__, model.config
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
                                                                  False):
         raise ConfigError(f"ff.hf.compile: {name} has cross-attention (is_encoder_decoder or "
-                          "add_cross_attention); only decoder-only causal LMs are supported")
+                          f"add_cross_attention); only decoder-only causal LMs are supported: "
+                          f"{_SERVED}")
+    bidirectional = sorted({type(m).__name__ for m in model.modules()
+                            if getattr(m, "is_causal", True) is False})
+    can_generate = getattr(type(model), "can_generate", None)
+    if bidirectional or (callable(can_generate) and not can_generate()):
+        why = (f"its attention is bidirectional ({', '.join(bidirectional)}.is_causal is False"
+               f"{', config.is_decoder is False' if hasattr(config, 'is_decoder') else ''})"
+               if bidirectional else "it has no causal LM head (can_generate() is False)")
+        raise ConfigError(
+            f"ff.hf.compile: {name} is not a causal language model: {why}. {_SERVED}; serve "
+            "an encoder with ff.compile or ff.GraphRunner and an attention of your own")
     if not getattr(type(model), "_supports_attention_backend", False):
         raise ConfigError(
             f"ff.hf.compile: {name} does not route its attention through "
             "transformers.AttentionInterface (_supports_attention_backend is False), so "
             "freezeframe cannot split it at attention; use a model class that does "
             "(LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...)")
-    layer_types = getattr(config, "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or (getattr(config, "use_sliding_window", False)
-                 and getattr(config, "sliding_window", None)):
+
+
+def _check_attention(model: nn.Module, max_cache_len: int) -> None:
+    """Refuse attention the op does not implement, decided from the config: sliding windows
+    that would apply within ``max_cache_len``, other layer types, soft-capping, sinks."""
+    name, config = type(model).__name__, model.config
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise ConfigError(f"ff.hf.compile: {name} has {other} layers (config.layer_types); only "
+                          "full causal attention is supported: serve it without ff.hf")
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False or (
+            layer_types and "sliding_attention" not in layer_types):
+        window = None  # configured but used by no layer
+    # A token at position p sees positions > p - window: all of them while p < window.
+    if window is not None and not (isinstance(window, int) and max_cache_len <= window):
         raise ConfigError(
-            f"ff.hf.compile: {name} has {other or ['sliding_attention']} layers; only full "
-            "causal attention is supported (set use_sliding_window=False in its config if the "
-            "model allows it)")
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    return _CacheShape(layers=int(config.num_hidden_layers), kv_heads=kv_heads,
-                       head_dim=int(head_dim))
+            f"ff.hf.compile: {name} has sliding-window attention (config.sliding_window="
+            f"{window!r}) and max_cache_len={max_cache_len} is longer than the window, so it "
+            "would apply; sliding-window attention is not supported yet. Pass max_cache_len <= "
+            f"{window}, where the window never applies, or set config.sliding_window=None "
+            "(use_sliding_window=False for Qwen2) if the model tolerates full attention")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    sinks = next((f"attention sinks ({n}.sinks)" for n, m in model.named_modules()
+                  if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
+    if softcap is not None or sinks:
+        raise ConfigError(
+            f"ff.hf.compile: {name} uses " + (sinks or "attention logit soft-capping (config."
+                                              f"attn_logit_softcapping={softcap})")
+            + "; only plain causal attention is supported: serve it without ff.hf")
+
+
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_experts(model: nn.Module, config: CompilationConfig) -> None:
+    """Refuse a mixture-of-experts model when graphs are on: how many tokens each expert gets
+    is data, read back to the host (transformers' grouped-mm fallback calls ``offs.tolist()``)
+    or turned into shapes; a captured graph replays the routing of the step it captured."""
+    mode = config.cudagraph_mode
+    if not isinstance(mode, CUDAGraphMode) or mode is CUDAGraphMode.NONE:
+        return
+    counts = {f: getattr(model.config, f, None) for f in _EXPERT_FIELDS}
+    found = [f"config.{f}={n}" for f, n in counts.items() if isinstance(n, int) and n > 1] + [
+        f"{n} is a {type(m).__name__}" for n, m in model.named_modules()
+        if type(m).__name__.endswith("Experts")]
+    if found:
+        raise ConfigError(
+            f"ff.hf.compile: {type(model).__name__} is a mixture-of-experts model ({found[0]}) "
+            f"and cudagraph_mode={mode.name} captures graphs; expert routing is data-dependent "
+            "(which tokens go to which expert is read back to the host or becomes a shape), so "
+            "a captured graph would freeze the routing of the step it captured and every "
+            "replay would send tokens to the wrong experts. Pass cudagraph_mode='none' "
+            "(compiled, no graphs), or serve it without ff.hf")
 
 
 def _default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -471,8 +606,10 @@ def compile(
     :data:`HF_ATTENTION_OP`.
     """
     shape = _cache_shape(model)
+    _check_causal_lm(model)
     max_batch_size = _positive_int("max_batch_size", max_batch_size)
     max_cache_len = _positive_int("max_cache_len", max_cache_len)
+    _check_attention(model, max_cache_len)
     positions_limit = getattr(model.config, "max_position_embeddings", None)
     if positions_limit is not None and max_cache_len > positions_limit:
         raise ConfigError(
@@ -511,6 +648,7 @@ def compile(
                 f"ff.hf.compile: config.max_num_seqs={config.max_num_seqs} is below "
                 f"max_batch_size={max_batch_size}; a decode step of max_batch_size rows needs "
                 f"max_num_seqs >= {max_batch_size}")
+    _check_experts(model, config)
     parameter = next(model.parameters())
     flat = _FlatCausalLM(model, shape, max_batch_size, max_cache_len, parameter.dtype,
                          parameter.device).eval()
