@@ -41,6 +41,41 @@ def test_inductor_trace_made_at_batch_size_one_serves_only_size_one() -> None:
     assert (model.num_traces, model.stats.retraces) == (2, 1)
 
 
+class _BatchMixing(torch.nn.Module):
+    """Reshapes and reductions over the batch around the splitting op: what Inductor wrote
+    size-1 code for when a trace was made at one row (NaN at every size, 1 included), and what
+    a later trace then reused as the 'same' piece (issue 30, item 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.q, self.o, self.m = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        h = self.q(self.norm(x)).view(n, 4, 4).transpose(0, 1).contiguous()
+        h = h.softmax(dim=1).transpose(0, 1).reshape(n, 16)
+        h = silly.attention(h, h, h)
+        x = x + self.o(h) + x.mean(dim=0, keepdim=True)
+        return x + torch.relu(self.m(self.norm(x))).cumsum(0)
+
+
+@pytest.mark.parametrize("splitting_ops", [["silly::attention"], []], ids=["split", "whole"])
+def test_a_first_call_of_one_row_compiles_that_trace_for_one_row_only(
+        splitting_ops: list[str]) -> None:
+    torch.manual_seed(0)
+    eager = _BatchMixing()
+    cfg = ff.CompilationConfig(mode="piecewise", backend="inductor", splitting_ops=splitting_ops,
+                               cudagraph_mode="none", max_num_tokens=64, use_cache=False)
+    model = ff.compile(eager, cfg)
+    for n in (1, 3, 4, 9, 1):
+        x = torch.randn(n, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), eager(x))
+    # the one-row trace's pieces are static size-1 code, never taken for the symbolic ones
+    assert (model.num_traces, model.stats.get("pieces_reused")) == (2, 0)
+
+
 def test_inductor_simple_model_allclose_to_eager() -> None:
     model = ff.compile(SillyModel(), piecewise_config(backend="inductor", max_num_tokens=64))
     silly.reset_counter()

@@ -255,3 +255,21 @@ def test_copy_inputs_uses_static_buffers():
 # -- real Inductor ---------------------------------------------------------------------------
 
 
+
+
+class _AsksForARestart(_FailsOnce):
+    """Raises Dynamo's restart signal, as Inductor's scalar tensorification does."""
+
+    def compile(self, graph, example_inputs, compile_range, piece_index):
+        self.calls += 1
+        raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+
+
+def test_dynamos_restart_signal_passes_through_unwrapped():
+    """Wrapped in a CompileError, Dynamo cannot catch it to trace again (torch.compile(...,
+    backend="freezeframe", dynamic=True) of an HF Llama failed that way)."""
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    compiler, cache = _AsksForARestart(), _Recovers(can=True)
+    with pytest.raises(torch._dynamo.exc.TensorifyScalarRestartAnalysis):
+        CompilerManager(compiler, Stats(), cache=cache).compile(gm, [], Range(1, 8), 0)
+    assert compiler.calls == 1 and cache.errors == []  # not a damaged cache either

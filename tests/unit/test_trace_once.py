@@ -226,3 +226,25 @@ def test_first_call_of_size_zero_is_an_error():
         model(torch.ones(0))
     assert model.stats.graphs_traced == 0
     assert model(X4).tolist() == [2, 4, 6, 8]          # a proper first call still works
+
+
+class _Validates(torch.nn.Module):
+    """Raises its own error for a bad input, as user code validating its arguments does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 4:
+            raise ValueError(f"x must have 4 columns, got {x.shape[1]}")
+        return x * 2
+
+
+def test_an_exception_forward_raises_itself_reaches_the_caller_as_it_is() -> None:
+    """Dynamo stops tracing at the raise; the caller gets forward's own ValueError (as from
+    eager and from torch.compile), not a CompileError about tracing."""
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager", splitting_ops=[],
+                               cudagraph_mode="none")
+    model = ff.compile(_Validates(), cfg)
+    with pytest.raises(ValueError, match=r"^x must have 4 columns, got 3$"):
+        model(torch.ones(2, 3))
+    assert model.num_traces == 0
+    assert torch.equal(model(torch.ones(2, 4)), torch.full((2, 4), 2.0))  # traces then
+    assert model.num_traces == 1

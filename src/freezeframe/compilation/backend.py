@@ -22,7 +22,7 @@ from torch import fx
 
 from freezeframe.cache.key import graph_hash
 from freezeframe.compilation.compilers import CompilerManager
-from freezeframe.compilation.piecewise import PiecewiseBackend, _concrete
+from freezeframe.compilation.piecewise import PiecewiseBackend, _concrete, concrete_inputs
 from freezeframe.compilation.split import (
     Piece,
     SplitGraph,
@@ -52,6 +52,21 @@ def _placeholder_values(gm: fx.GraphModule) -> list[Any] | None:
             return None
         values.append(value)
     return values
+
+
+def _symbolic_sizes(values: Sequence[Any]) -> list[torch.SymInt]:
+    """Every symbolic size among ``values``: SymInt arguments and tensor dims."""
+    out = [v for v in values if isinstance(v, torch.SymInt)]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.extend(s for s in v.shape if isinstance(s, torch.SymInt))
+    return out
+
+
+def _hint(size: torch.SymInt) -> int | None:
+    """The value a symbolic size had in the traced call, where it is known."""
+    hint = size.node.hint
+    return int(hint) if hint is not None else None
 
 
 def _piece_fake_args(split: SplitGraph, example_inputs: Sequence[Any]) -> dict[str, list[Any]]:
@@ -196,6 +211,19 @@ class CompileBackend:
                     self.manager.compiler.name, self.compile_seconds)
         return fn
 
+    def _static_size(self, example_inputs: Sequence[Any]) -> int | None:
+        """The size to compile at statically instead of over ranges, or None.
+
+        Inductor writes size-1 code for a symbolic size whose hint is 1 (this trace's first
+        call had a batch of 1), code that is wrong at other sizes and, for some graphs (a
+        reduction over the batch), at 1 as well (NaN on the development CPU). The model serves
+        such a trace at size 1 only (``SizeGuards``), so its pieces are compiled at size 1 with
+        static shapes: the code Inductor makes for exactly that size."""
+        if self.manager.compiler.name != "inductor":
+            return None
+        hints = {_hint(s) for s in _symbolic_sizes(example_inputs)}
+        return 1 if 1 in hints else None
+
     def _compile_whole(self, gm: fx.GraphModule,
                        example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.pieces = [Piece(index=0, name="graph", graph=gm, is_splitting_op=False)]
@@ -203,6 +231,10 @@ class CompileBackend:
         self.stats.inc("capturable_pieces")
         self.stats.inc("distinct_pieces")
         self.distinct_pieces = 1
+        size = self._static_size(example_inputs)
+        if size is not None:
+            return self.manager.compile(gm, concrete_inputs(example_inputs, size),
+                                        Range(size, size), 0)
         return self.manager.compile(gm, list(example_inputs),
                                     Range(1, self.config.max_num_tokens), 0)
 
@@ -224,12 +256,14 @@ class CompileBackend:
 
         graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
         wrap = self.graph_backend is not None and graph_mode.has_piecewise_cudagraphs()
+        static = self._static_size(example_inputs)
         for k, piece in enumerate(capturable):
             backend = PiecewiseBackend(
                 piece.graph, fake_args[piece.name], piece_index=piece.index,
                 manager=self.manager, compile_ranges=self.config.compile_ranges(),
                 compile_sizes=cast(tuple[int, ...], self.config.compile_sizes or ()),
-                max_num_tokens=self.config.max_num_tokens, graph_key=keys[piece.name])
+                max_num_tokens=self.config.max_num_tokens, graph_key=keys[piece.name],
+                static_size=static)
             backend.compile_all()
             self.piece_backends.append(backend)
             runnable: Any = backend

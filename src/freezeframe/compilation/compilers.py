@@ -57,6 +57,15 @@ _COMPILE_RANGE: contextvars.ContextVar[Range | None] = contextvars.ContextVar(
     "freezeframe_compile_range", default=None)
 
 
+def _restart_signal() -> type[BaseException]:
+    """Dynamo's signal to trace the frame again (Inductor raises TensorifyScalarRestartAnalysis
+    from inside a compile): never wrapped, or Dynamo cannot catch it. Looked up when an
+    exception is being handled, so importing this module does not import Dynamo."""
+    import torch._dynamo.exc
+
+    return torch._dynamo.exc.RestartAnalysis
+
+
 def current_compile_range() -> Range | None:
     """The compile range (or single size) of the compilation in progress, else ``None``."""
     return _COMPILE_RANGE.get()
@@ -333,7 +342,7 @@ class CompilerManager:
         cache directory), compile once more. A second failure is the compiler's own."""
         try:
             return self.compiler.compile(graph, example_inputs, compile_range, piece_index)
-        except (ConfigError, CompileError):
+        except (ConfigError, CompileError, _restart_signal()):
             raise
         except Exception as exc:
             if self.cache is None or not self.cache.recover(exc):
@@ -377,8 +386,8 @@ class CompilerManager:
             try:
                 runnable = self._compile_once_more_after_recovery(graph, example_inputs,
                                                                   compile_range, piece_index)
-            except (ConfigError, CompileError):
-                raise
+            except (ConfigError, CompileError, _restart_signal()):
+                raise  # (a restart signal is Dynamo's to catch: it traces again)
             except Exception as exc:
                 raise CompileError(
                     f"{self.compiler.name} failed to compile piece {piece_index} for sizes "

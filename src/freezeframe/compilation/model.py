@@ -403,6 +403,11 @@ class CompiledModel(nn.Module):
                 # Nothing of the failed trace is kept: a fresh spare takes its place, so the
                 # model looks as it did before the call and the next call traces again.
                 self._spare = self._new_variant(None)
+            if isinstance(exc, torch._dynamo.exc.Unsupported) \
+                    and "Observed exception" in str(exc):
+                # forward raised an exception of its own (input validation): what the user
+                # gets from eager, and from torch.compile, which runs the frame eagerly then
+                self._raise_users_exception(args, kwargs, exc)
             if isinstance(exc, torch._dynamo.exc.Unsupported):
                 # Dynamo's message names the line and what it could not trace; ours says why
                 # that is fatal here and what to do.
@@ -434,6 +439,18 @@ class CompiledModel(nn.Module):
         self._variants.append(variant)
         self._routes.setdefault(key, []).append(variant)
         return out
+
+    def _raise_users_exception(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                               exc: BaseException) -> None:
+        """Dynamo stopped at an exception forward raises itself: run forward eagerly, as
+        torch.compile would, so the caller gets that exception (``except ValueError`` works);
+        return when eager does not raise (the trace's failure is reported then)."""
+        try:
+            self.module(*args, **kwargs)
+        except Exception as users:
+            raise users.with_traceback(users.__traceback__) from None
+        logger.debug("%s: Dynamo observed an exception that eager did not raise: %s",
+                     self.model_key, exc)
 
     def _refuse_root_hooks(self) -> None:
         """Dynamo traces the compiled module's ``forward``, not its ``__call__``: hooks

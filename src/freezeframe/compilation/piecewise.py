@@ -89,7 +89,7 @@ class PiecewiseBackend:
     def __init__(self, graph: fx.GraphModule, fake_args: Sequence[Any], *, piece_index: int,
                  manager: CompilerManager, compile_ranges: Sequence[Range],
                  compile_sizes: Sequence[int], max_num_tokens: int,
-                 graph_key: str | None = None) -> None:
+                 graph_key: str | None = None, static_size: int | None = None) -> None:
         self.graph = graph
         # the piece's structural hash (graph_hash of graph and fake_args): pieces that share it
         # share compiled code; None lets the manager compute it
@@ -105,6 +105,9 @@ class PiecewiseBackend:
         self._by_size: dict[int, Callable[..., Any]] = {}
         self._by_range: list[tuple[Range, Callable[..., Any]]] = []
         self._static: Callable[..., Any] | None = None
+        # compile this one size with static shapes and nothing else (a trace the model serves
+        # at that size only; see CompileBackend._static_size)
+        self.static_size = static_size
         self.compile_seconds = 0.0
 
     @property
@@ -115,7 +118,12 @@ class PiecewiseBackend:
     def compile_all(self) -> None:
         """Compile every entry up front, so no step ever pays for a compile."""
         start = time.perf_counter()
-        if self.size_source is None:
+        if self.static_size is not None and self.size_source is not None:
+            size = self.static_size
+            self._by_size[size] = self._manager.compile(
+                self.graph, concrete_inputs(self.fake_args, size), Range(size, size),
+                self.piece_index)
+        elif self.size_source is None:
             # No bare size symbol reaches this piece (static shapes, or only expressions such
             # as 2*s0): one compile over the whole range serves every batch.
             full = Range(1, self.max_num_tokens)
