@@ -59,7 +59,7 @@ def _symbolic_sizes(values: Sequence[Any]) -> list[torch.SymInt]:
     out = [v for v in values if isinstance(v, torch.SymInt)]
     for v in values:
         if isinstance(v, torch.Tensor):
-            out.extend(s for s in v.shape if isinstance(s, torch.SymInt))
+            out.extend(cast(torch.SymInt, s) for s in v.shape if isinstance(s, torch.SymInt))
     return out
 
 
