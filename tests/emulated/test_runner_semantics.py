@@ -252,6 +252,27 @@ def test_capture_under_force_eager_is_refused_and_the_runner_still_works() -> No
     assert model.stats.replays == 1
 
 
+def test_with_compiling_disabled_for_the_process_capture_captures_nothing_and_steps_serve(
+        ff_logs: pytest.LogCaptureFixture) -> None:
+    """TORCH_COMPILE_DISABLE=1 means 'run my program without compiling': capture() used to
+    raise; it captures nothing, says so once, and every step runs eagerly."""
+    cfg = config("full_and_piecewise")
+    model = ff.compile(Plain(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(2)}, progress=False)
+    with torch._dynamo.config.patch(disable=True):
+        report = runner.capture()
+        assert report.num_graphs == 0
+        for n in (3, 1, 3):
+            x = torch.arange(2.0 * n).reshape(n, 2)
+            assert torch.equal(runner(x), Plain()(x))
+    assert runner.stats.get("fallback_compile_disabled") == 3
+    assert model.stats.get("graphs_captured") == 0
+    assert model.stats.get("compile_disabled") == 3
+    messages = [r.getMessage() for r in ff_logs.records]
+    assert sum("compiling is disabled for the process" in m for m in messages) == 2  # capture,
+    # and the first step's fallback, each once
+
+
 def test_capture_keeps_the_callers_frozen_objects_frozen() -> None:
     """``gc.unfreeze()`` after capture used to unfreeze what a server froze at start-up."""
     cfg = config("piecewise")
@@ -265,3 +286,36 @@ def test_capture_keeps_the_callers_frozen_objects_frozen() -> None:
         assert gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+class _Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def test_a_stock_torch_compile_capture_leaves_later_compiles_of_the_class_working() -> None:
+    """The emulated recorder used to make Dynamo skip the frame it saw under the capture and
+    mark forward's code object (every instance's) as never to compile again: every later
+    ff.compile and torch.compile(fullgraph=True) of the class failed."""
+    cfg = ff.CompilationConfig(mode="stock_torch_compile", backend="eager",
+                               cudagraph_mode="full", graph_backend="emulated",
+                               cudagraph_capture_sizes=[1, 2, 4], max_num_tokens=8)
+    module = _Lin()
+    runner = GraphRunner(ff.compile(module, cfg), cfg, inputs={"x": Tokens(2)},
+                         progress=False)
+    assert runner.capture().num_graphs == 3
+    for n in (3, 1, 4):
+        x = torch.randn(n, 2)
+        with torch.no_grad():
+            torch.testing.assert_close(runner(x), module(x))
+    x = torch.randn(3, 2)
+    again = ff.compile(_Lin(), config("none"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), _Lin()(x))
+        compiled = torch.compile(_Lin(), fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(x), _Lin()(x))

@@ -229,6 +229,15 @@ class _Recorder(TorchDispatchMode):
         # a temporary the graph does not keep is not kept alive by this set.
         self.born: set[int] = self._root.born if joining is not None else set()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code run during a capture (a ``stock_torch_compile`` model) is
+        recorded as the ops it runs, and Dynamo compiles with the recorder switched off. A mode
+        that did not say so made Dynamo skip the frame, and mark its code object (shared by
+        every instance of the class) as never to be compiled again: every later compile of
+        the class failed ("found no compiled frames")."""
+        return True
+
     def _append(self, step: _Step) -> None:
         self.steps.append(step)
         self._recorded += 1

@@ -119,6 +119,10 @@ FALLBACK_REASONS: Mapping[str, tuple[int, str]] = {
                        "capturing the graph for this step ({desc}) failed earlier (the error "
                        "was raised then); such steps run without a graph until a capture of "
                        "it succeeds"),
+    "compile_disabled": (logging.INFO,
+                         "compiling is disabled for the process (TORCH_COMPILE_DISABLE=1 or "
+                         "torch._dynamo.config.disable), so capture() captured nothing and "
+                         "every step runs eagerly"),
     "no_key": (logging.WARNING,
                "no captured graph matches the step ({desc}); check the LoRA settings "
                "(max_loras, cudagraph_specialize_lora)"),
@@ -311,6 +315,8 @@ class GraphRunner:
         # capture() failed (and freed its graphs): until one succeeds, steps run without
         # graphs (counted fallback_capture_failed) instead of reaching a closed capture window
         self._capture_failed = False
+        # capture() found compiling disabled for the process: nothing captured, steps eager
+        self._compile_disabled = False
         self._logged_reasons: set[str] = set()
         # sizes and graph keys that ran eagerly before their first capture (see _num_warmups)
         self._primed_sizes: set[int] = set()
@@ -836,7 +842,7 @@ class GraphRunner:
     def _dispatch(self, num_tokens: int, uniform: bool, has_lora: bool, num_active_loras: int,
                   invalid: frozenset[CUDAGraphMode]) -> tuple[CUDAGraphMode, BatchDescriptor]:
         d = self.dispatcher
-        if not self.graphs_available:
+        if not self.graphs_available or self._compile_disabled:
             mode, desc = d.dispatch(num_tokens, uniform, has_lora, num_active_loras,
                                     invalid_modes=_GRAPH_MODES)
         else:
@@ -856,6 +862,8 @@ class GraphRunner:
             return "graphs_off"
         if not self.graphs_available:
             return "graphs_unavailable"
+        if self._compile_disabled:
+            return "compile_disabled"
         if num_tokens > d.max_capture_size:
             return "too_large"
         if invalid and d.dispatch(num_tokens, uniform, has_lora, num_active_loras)[0] is not _NONE:
@@ -1182,6 +1190,14 @@ class GraphRunner:
             reason = ("cudagraph_mode is NONE" if self.config.cudagraph_mode is _NONE
                       else "no graph backend is available")
             logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
+            self.report = CaptureReport(device=device_name)
+            return self.report
+        if self._held is not None and torch._dynamo.config.disable:
+            # the process runs without compiling (TORCH_COMPILE_DISABLE=1): so does this runner
+            logger.warning("GraphRunner.capture: compiling is disabled for the process "
+                           "(TORCH_COMPILE_DISABLE=1 or torch._dynamo.config.disable), so no "
+                           "graph is captured and every step runs eagerly")
+            self._compile_disabled = True
             self.report = CaptureReport(device=device_name)
             return self.report
         self._refuse_if_compiling_is_off()

@@ -220,6 +220,10 @@ class _CommStreamUses(TorchDispatchMode):
         self.comm = comm
         self.compute = compute
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # torch.compile'd code in a comm section: compiled as usual, then seen
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
