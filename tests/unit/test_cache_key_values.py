@@ -288,3 +288,37 @@ def test_a_tensor_global_of_an_inlined_helper_binds_on_a_warm_start(tmp_path: Pa
     assert first["out"] == expected and first["stats"]["artifacts_saved"] == 1
     second = _run_child(code)
     assert second["out"] == expected and second["stats"]["traces_loaded"] == 1
+
+
+class StoresHidden(nn.Module):
+    """Keeps its last hidden state on the module: a Python side effect of forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.last_hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = attention(self.lin(x), x, x)
+        self.last_hidden = h
+        return h * 2
+
+
+def test_a_forward_with_side_effects_behaves_alike_after_cold_and_warm_starts(
+        tmp_path: Path) -> None:
+    """Dynamo's code repeats ``self.last_hidden = h`` on every call; a saved trace calls the
+    graph alone. Such a trace is not saved, so a warm start traces as the cold one did and the
+    store happens after both."""
+    cfg = _config(tmp_path)
+    for start in ("cold", "warm"):
+        module = StoresHidden()
+        model = ff.compile(module, cfg, dynamic_arg_dims={"x": 0})
+        with model.stats.expect(traces_not_saved=1, traces_loaded=0):
+            model(torch.ones(3, 4))
+        for n in (2, 5):
+            x = torch.full((n, 4), float(n))
+            out = model(x)
+            assert module.last_hidden is not None, start
+            torch.testing.assert_close(module.last_hidden * 2, out)
+            assert module.last_hidden.shape == (n, 4), start

@@ -628,3 +628,40 @@ def test_a_parametrization_registered_after_the_trace_is_refused() -> None:
     parametrizations.orthogonal(mine.lin)
     with pytest.raises(CompileError, match="a submodule was added, removed or replaced"):
         model(x)
+
+
+class _MakesOnes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.ones(x.shape[0], 1)  # dtype from the default dtype
+
+
+@pytest.mark.parametrize("setting", ["autocast", "default dtype"])
+def test_a_process_wide_setting_the_trace_was_made_for_is_refused_when_it_changed(
+        setting: str) -> None:
+    """autocast and the default dtype change what forward computes; the trace baked in the
+    first call's settings, so a call under others is refused by name, not answered."""
+    model = ff.compile(_MakesOnes(), _config())
+    x = torch.randn(3, 8)
+    model(x)
+    expected = {"autocast": r"autocast on cpu was off at the trace and is on "
+                            r"\(torch\.bfloat16\) for this call",
+                "default dtype": r"the default dtype was torch\.float32 at the trace and is "
+                                 r"torch\.float64 for this call"}[setting]
+    before = torch.get_default_dtype()
+    try:
+        with pytest.raises(CompileError, match=expected):
+            if setting == "autocast":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x)
+            else:
+                torch.set_default_dtype(torch.float64)
+                model(x.double())
+    finally:
+        torch.set_default_dtype(before)
+    with torch.no_grad():  # and back under the first call's settings, served again
+        torch.testing.assert_close(model(x), _MakesOnes()(x))

@@ -49,6 +49,7 @@ from freezeframe.cache.key import (
 )
 from freezeframe.cache.store import CompileCache, CorruptArtifactError, SavedTrace, cache_enabled
 from freezeframe.compilation.compilers import config_passes, pass_sources
+from freezeframe.compilation.direct_call import free_of_side_effects
 from freezeframe.compilation.saved_trace import (
     _KEEP_META,
     ValueCheck,
@@ -286,6 +287,13 @@ class ModelCache:
             return
         if self._frame_kind is None:
             self._not_saving("Dynamo traced a frame other than the forward")
+            return
+        if self.trace is not None and not free_of_side_effects(self.trace):
+            # Dynamo's code repeats forward's Python side effects on every call (a store such
+            # as self.last_hidden = h); a saved trace calls the graph alone, so a warm start
+            # would skip them where a cold one makes them
+            self._not_saving("forward has Python side effects (it stores into the module or "
+                             "elsewhere) that only Dynamo's code repeats")
             return
         entries = getattr(self.trace, "guard_entries", None)
         if entries is None:

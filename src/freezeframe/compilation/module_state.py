@@ -97,6 +97,20 @@ def _user_attrs(module: nn.Module | dict[str, Any]) -> dict[str, Any]:
 
 
 
+def _global_state() -> dict[str, Any]:
+    """The process-wide torch settings a trace bakes into its code: autocast (on or off, and
+    its dtype, per device type) and the default dtype and device (the dtype and device of a
+    tensor ``forward`` makes without naming them). Grad mode is part of a call's key instead,
+    and calls run in inference mode."""
+    state: dict[str, Any] = {"the default dtype": torch.get_default_dtype(),
+                             "the default device": str(torch.get_default_device())}
+    for device in ("cpu", "cuda"):
+        on = torch.is_autocast_enabled(device)
+        state[f"autocast on {device}"] = (
+            f"on ({torch.get_autocast_dtype(device)})" if on else "off")
+    return state
+
+
 def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The handle ids of the global module hooks. Ids are never reused, so one hook removed
     and another added differs."""
@@ -176,6 +190,7 @@ class ModuleState:
         self._every_call = every_call
         self.training = module.training
         self._global_ids = _global_hook_ids()
+        self._global_state = _global_state()
         self._modules = tuple(module.named_modules(remove_duplicate=False))
         self._subs = tuple(_SubmoduleState(m) for _, m in self._modules)
         # Below the root, every call: each submodule's train/eval flag, read from its __dict__
@@ -255,6 +270,12 @@ class ModuleState:
         if _global_hook_ids() != self._global_ids:
             return ("the global module hooks (torch.nn.modules.module."
                     "register_module_forward_hook / _pre_hook) changed after the trace")
+        now = _global_state()
+        for name, then in self._global_state.items():
+            if now[name] != then:
+                return (f"{name} was {then} at the trace and is {now[name]} for this call (a "
+                        "setting the trace's code was made for: call under the settings of "
+                        "the first call)")
         modules = tuple(self.module.named_modules(remove_duplicate=False))
         if [n for n, _ in modules] != [n for n, _ in self._modules] or any(
                 a is not b for (_, a), (_, b) in zip(modules, self._modules, strict=True)):
@@ -308,8 +329,17 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
                              "isinstance": isinstance, "Tensor": torch.Tensor,
                              "module": module, "torch_module": _torch_module,
                              "root_flag": state.training,
-                             "root_children": dict(module._modules)}
+                             "root_children": dict(module._modules),
+                             "any_autocast": torch._C._is_any_autocast_enabled,
+                             "autocast_at_trace": any(
+                                 v != "off" for k, v in state._global_state.items()
+                                 if k.startswith("autocast")),
+                             "default_dtype": torch.get_default_dtype,
+                             "dtype_at_trace": state._global_state["the default dtype"]}
     terms = ["root['training'] is not root_flag",
+             # process-wide settings the trace's code was made for (see _global_state)
+             "any_autocast() is not autocast_at_trace",
+             "default_dtype() is not dtype_at_trace",
              "hook_handles.next_id != handle_mark",
              f"len(root) != {len(vars(module))}",
              "len(torch_module._global_forward_hooks) != "
