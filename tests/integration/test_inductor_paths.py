@@ -189,3 +189,28 @@ def test_inductor_pieces_replay_as_opaque_units(cudagraph_mode: str) -> None:
     graphs = [w.graph_for(BatchDescriptor(2)) for w in model.graph_wrappers()]
     ops = [op for g in graphs if g is not None for op in g.ops]  # type: ignore[attr-defined]
     assert sum(op.startswith("opaque:") for op in ops) == 3  # one per capturable piece
+
+
+class _SumsOverSequence(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [batch, seq, 8]
+        return torch.relu(self.lin(x)).sum(1)
+
+
+def test_compile_sizes_with_a_second_dynamic_dim_serve_every_sequence_length() -> None:
+    """A static entry for compile size 2 fixed the sequence length too: a valid (2, 4, 8)
+    call raised Inductor's 'expected size 2==4'. Such pieces keep their range entries."""
+    eager = _SumsOverSequence()
+    cfg = ff.CompilationConfig(mode="piecewise", backend="inductor", splitting_ops=[],
+                               cudagraph_mode="none", compile_sizes=[2], max_num_tokens=16,
+                               use_cache=False)
+    model = ff.compile(eager, cfg, dynamic_arg_dims={"x": [0, 1]})
+    for shape in ((3, 5, 8), (2, 4, 8), (2, 7, 8), (2, 2, 8)):
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), eager(x))
+    assert (model.num_traces, model.stats.get("inductor_compiles")) == (1, 1)

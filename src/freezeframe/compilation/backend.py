@@ -222,7 +222,9 @@ class CompileBackend:
         if self.manager.compiler.name != "inductor":
             return None
         hints = {_hint(s) for s in _symbolic_sizes(example_inputs)}
-        return 1 if 1 in hints else None
+        # (with another dynamic dim at another size, static code for this call's sizes would
+        # not serve that dim's other sizes: the symbolic compile stays)
+        return 1 if hints == {1} else None
 
     def _compile_whole(self, gm: fx.GraphModule,
                        example_inputs: Sequence[Any]) -> Callable[..., Any]:

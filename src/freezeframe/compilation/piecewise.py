@@ -110,6 +110,21 @@ class PiecewiseBackend:
         self.static_size = static_size
         self.compile_seconds = 0.0
 
+    def _other_dynamic_dims(self) -> bool:
+        """Whether a symbol other than the batch size's shapes the piece's arguments."""
+        assert self.size_source is not None
+        index, dim = self.size_source.index, self.size_source.dim
+        arg = self.fake_args[index]
+        batch = arg if dim is None else arg.shape[dim]
+        own = batch.node.expr.free_symbols
+        for value in self.fake_args:
+            sizes = [value] if isinstance(value, torch.SymInt) else (
+                [*value.shape, *value.stride()] if isinstance(value, torch.Tensor) else [])
+            for size in sizes:
+                if isinstance(size, torch.SymInt) and size.node.expr.free_symbols - own:
+                    return True
+        return False
+
     @property
     def entries(self) -> list[Range]:
         """Every compiled entry: ranges first, then the extra single sizes."""
@@ -134,7 +149,16 @@ class PiecewiseBackend:
                 self._by_range.append(
                     (r, self._manager.compile(self.graph, self.fake_args, r, self.piece_index,
                                               graph_key=self.graph_key)))
-            for size in self.compile_sizes:
+            sizes = self.compile_sizes
+            if sizes and self._other_dynamic_dims():
+                # a static entry fixes every size; with another dynamic dim (a sequence
+                # length) the batch size alone does not say which: the ranges serve them
+                logger.info("piece %d: compile_sizes %s are not compiled statically: the "
+                            "piece has dynamic dims besides the batch size, which static code "
+                            "would fix; its compile ranges serve those sizes",
+                            self.piece_index, list(sizes))
+                sizes = ()
+            for size in sizes:
                 if any(r.start == r.end == size for r in self.compile_ranges):
                     continue
                 single = Range(size, size)
