@@ -19,6 +19,7 @@ __all__ = [
     "InputMismatchError",
     "MicroBatchError",
     "ShapeOutOfRangeError",
+    "VerifyError",
 ]
 
 
@@ -63,3 +64,8 @@ class CacheError(FreezeframeError, RuntimeError):
 
 class MicroBatchError(FreezeframeError, RuntimeError):
     """A micro-batched step could not complete: a thread timed out or the schedule broke."""
+
+
+class VerifyError(FreezeframeError, RuntimeError):
+    """A graph step checked with ``GraphRunner(..., verify=N)`` gave another answer than the
+    module run eagerly on the same inputs."""

@@ -29,6 +29,7 @@ class Capturable(Protocol):
     config: CompilationConfig
     stats: Stats
     capture_window: CaptureWindow
+    module: Any  # the uncompiled nn.Module (a runner's verify mode runs it eagerly)
     # moves each time the model drops every graph (its parameters or buffers were replaced
     # after the capture): a runner then captures its keys again
     graph_generation: int

@@ -83,6 +83,7 @@ from freezeframe.runtime.graph_memory import (
 from freezeframe.runtime.inputs import InputSpec
 from freezeframe.runtime.progress import capture_progress
 from freezeframe.runtime.step_plan import Padding, Staging, StepPlan, plan_key
+from freezeframe.runtime.verify import Verifier
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_for_step
 from freezeframe.stats import Stats
@@ -277,6 +278,8 @@ class GraphRunner:
         capture_policy: CapturePolicy | str = CapturePolicy.EAGER,
         lazy_warmups: int = 1,
         graph_memory_budget: int | None = None,
+        verify: int = 0,
+        verify_tolerance: float | None = None,
     ) -> None:
         # A model holding its own graphs (ff.compile's); None for a plain callable.
         self._held: Capturable | None = model if isinstance(model, Capturable) else None
@@ -303,6 +306,9 @@ class GraphRunner:
             raise ConfigError(f"lazy_warmups must be an int >= 0, got {lazy_warmups!r}")
         self.lazy_warmups = lazy_warmups
         self.graph_memory_budget = _check_budget(graph_memory_budget, self.capture_policy)
+        # verify=N: the first N graph steps of each key also run eagerly and are compared
+        verifier = Verifier(verify, verify_tolerance, self.stats)
+        self._verifier: Verifier | None = verifier if verify else None
         if self.capture_policy is CapturePolicy.BACKGROUND and dp_sync:
             raise ConfigError(
                 "capture_policy='background' with dp_sync=True: data-parallel ranks must "
@@ -438,7 +444,8 @@ class GraphRunner:
                                     or self._model_hooked()):
                 key = plan_key(args, num_reqs, uniform_decode)
                 plan = self._plans.get(key)
-                if plan is not None:
+                if plan is not None and (self._verifier is None
+                                         or not self._verifier.due(_graph_key_of(plan))):
                     out = self._run_plan(key, plan, args)
                     if out is not _STALE:
                         return out
@@ -543,6 +550,10 @@ class GraphRunner:
             and self._held is not None and not (kwargs or extras or invalid_modes or has_lora
                                                 or self.dp_sync
                                                 or num_scheduled_tokens is not None)
+        verifier = self._verifier
+        checked = verifier is not None and mode is not _NONE and self._held is not None \
+            and verifier.due((mode, desc))
+        before = verifier.begin(self._held.module) if checked else None  # type: ignore[union-attr]
         replay = None
         try:
             replay = self._replayer(mode, desc, padded_tokens, padded_reqs) \
@@ -562,6 +573,10 @@ class GraphRunner:
         slots = self._written(versions, writes)
         out = self._finish(out, values, slots, aliased, padded_tokens, num_tokens, padded_reqs,
                            reqs)
+        if before is not None:
+            assert verifier is not None and self._held is not None
+            verifier.finish((mode, desc), before, out, self._held.module,
+                            lambda: self._eagerly(values, num_tokens, step_extras))
         if replay is not None and not slots and plannable:
             context = ForwardContext(mode=mode, batch_descriptor=desc,
                                      num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs) \
@@ -1271,6 +1286,17 @@ class GraphRunner:
         logger.info("GraphRunner: %s", report.summary())
         return report
 
+    def _eagerly(self, values: Mapping[str, torch.Tensor], num_tokens: int,
+                 extras: Mapping[str, Any]) -> Any:
+        """The uncompiled module on copies of the step's inputs, outside any graph (verify)."""
+        assert self._held is not None and self._verifier is not None
+        copies = {name: t.clone() if isinstance(t, torch.Tensor) else t
+                  for name, t in values.items()}
+        with self._verifier.forward_context(num_tokens, extras):
+            if self.call_positional:
+                return self._held.module(*copies.values())
+            return self._held.module(**copies)
+
     def _model_hooked(self) -> bool:
         """Whether calling the model runs hooks of its own (forward or forward-pre hooks on the
         model, or torch's global module hooks): a planned step or a direct replay skips
@@ -1825,6 +1851,11 @@ class _SavedBuffers:
 def _version_of(t: torch.Tensor) -> int | None:
     """The version counter, or None for an inference tensor (it has none)."""
     return None if t.is_inference() else t._version
+
+
+def _graph_key_of(plan: StepPlan) -> GraphKey:
+    """The graph key a planned step replays (FULL without a context, else PIECEWISE)."""
+    return (_FULL if plan.context is None else _PIECEWISE, plan.replay_key[0])
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

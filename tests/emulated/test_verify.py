@@ -1,0 +1,102 @@
+"""``GraphRunner(..., verify=N)``: the first N graph steps of each key are checked against the
+uncompiled module run eagerly; a difference is a VerifyError naming the key and the output, and
+the runner keeps serving with its state as the graph step left it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import freezeframe as ff
+from freezeframe.errors import ConfigError, VerifyError
+from freezeframe.runtime import GraphRunner, Tokens
+from tests.helpers.silly import attention
+
+OFFSET = [1.0]  # a Python value an op reads: a captured graph keeps the value it saw
+
+
+@torch.library.custom_op("verifytest::shift", mutates_args=())
+def shift(x: torch.Tensor) -> torch.Tensor:
+    return x + OFFSET[0]
+
+
+@shift.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)  # a buffer the step writes: checked and kept as the graph left it
+        h = attention(self.lin(x), x, x)
+        return torch.ops.verifytest.shift(h)
+
+
+def _runner(mode: str, **options: Any) -> tuple[Shifted, GraphRunner]:
+    module = Shifted()
+    cfg = ff.CompilationConfig(
+        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
+        cudagraph_mode=mode, graph_backend="emulated", cudagraph_capture_sizes=[1, 2, 4],
+        max_num_tokens=8, use_cache=False)
+    runner = GraphRunner(ff.compile(module, cfg), cfg, inputs={"x": Tokens(4)},
+                         progress=False, **options)
+    runner.capture()
+    return module, runner
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "full_and_piecewise"])
+def test_the_first_steps_of_each_key_are_checked_then_planned_steps_take_over(
+        mode: str) -> None:
+    module, runner = _runner(mode, verify=2)
+    steps = float(module.steps)
+    for n in (3, 3, 3, 1, 4, 3):
+        x = torch.randn(n, 4)
+        with torch.no_grad():
+            want = Shifted()(x)
+        torch.testing.assert_close(runner(x), want)
+    # keys: 4 (sizes 3, 3, 3, 4, 3: checked twice) and 1 (once)
+    assert runner.stats.get("verified_steps") == 3
+    assert runner.stats.get("verify_mismatches") == 0
+    # each step counted once: the eager run's write was undone, the graph step's kept
+    assert float(module.steps) == steps + 6
+
+
+def test_a_graph_that_no_longer_answers_like_eager_is_named() -> None:
+    module, runner = _runner("full", verify=1)
+    x = torch.randn(3, 4)
+    runner(torch.randn(1, 4))  # key 1 checked and found equal
+    OFFSET[0] = 5.0  # the FULL graphs replay the 1.0 they captured; eager adds 5.0
+    try:
+        steps = float(module.steps)
+        with pytest.raises(VerifyError, match=r"verify: the FULL graph step for "
+                           r"BatchDescriptor\(num_tokens=4.*\) gave another answer than the "
+                           r"module run eagerly on the same inputs: output differs from "
+                           r"eager's by up to 4"):
+            runner(x)
+        assert float(module.steps) == steps + 1  # the graph step's state is kept
+        assert runner.stats.get("verify_mismatches") == 1
+        runner(x)  # the runner keeps serving (key 4 was checked once: verify=1)
+    finally:
+        OFFSET[0] = 1.0
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"verify": -1}, r"verify: expected the number of graph steps to check per key, an int "
+                     r">= 0, got -1"),
+    ({"verify": True}, r"verify: expected .* got True"),
+    ({"verify": 1, "verify_tolerance": 2.0}, r"verify_tolerance: expected a relative tolerance "
+                                             r"in \[0, 1\) or None"),
+])
+def test_bad_verify_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none")
+    with pytest.raises(ConfigError, match=message):
+        GraphRunner(ff.compile(Shifted(), cfg), cfg, inputs={"x": Tokens(4)}, **options)
