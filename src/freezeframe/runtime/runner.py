@@ -83,9 +83,9 @@ from freezeframe.runtime.graph_memory import (
 from freezeframe.runtime.inputs import InputSpec
 from freezeframe.runtime.progress import capture_progress
 from freezeframe.runtime.step_plan import Padding, Staging, StepPlan, plan_key
-from freezeframe.runtime.verify import Verifier
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_for_step
+from freezeframe.runtime.verify import Verifier
 from freezeframe.stats import Stats
 
 __all__ = ["CaptureReport", "GraphCapture", "GraphRunner"]
