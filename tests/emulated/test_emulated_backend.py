@@ -94,6 +94,20 @@ def test_stale_input_when_caller_passes_a_new_tensor(backend: EmulatedBackend) -
     assert torch.equal(out, torch.tensor([21.0, 21.0]))
 
 
+def test_a_replay_reads_the_memory_captured_not_a_swapped_in_one(
+        backend: EmulatedBackend) -> None:
+    """A CUDA graph reads the addresses it captured: after ``w.data = other`` (or a module's
+    ``.half()``, which does that to every parameter) its replay still reads the old memory, so
+    a CPU test must see the stale answer too, not the new data."""
+    w = torch.ones(2)
+    x = torch.full((2,), 2.0)
+    graph, out = backend.capture(lambda: w * x)
+    w.data = torch.full((2,), 5.0)  # the object stays, its memory is another
+    x.data = torch.full((2,), 7.0)
+    graph.replay()
+    assert torch.equal(out, torch.full((2,), 2.0))  # 1 * 2: the captured memory
+
+
 def test_custom_op_body_is_recorded_as_aten_ops(backend: EmulatedBackend) -> None:
     q = torch.tensor([1.0, 2.0])
 

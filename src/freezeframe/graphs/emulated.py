@@ -154,6 +154,14 @@ def _clone_containers(tree: Any) -> Any:
     return pytree.tree_map(lambda leaf: leaf, tree)
 
 
+def _pinned(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a new tensor object on the same memory (as it is
+    now: storage, offset, shape, strides; sharing the tensor's version counter). A CUDA graph
+    reads the addresses it captured; a step that held the tensor objects themselves would
+    follow ``t.data = other`` to the new memory on replay, which a CUDA replay never does."""
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, tree)
+
+
 class _OpStep:
     """One recorded ATen (or invisible custom) operation."""
 
@@ -169,6 +177,9 @@ class _OpStep:
     @property
     def name(self) -> str:
         return str(self.func)
+
+    def pin(self) -> None:
+        self.args, self.kwargs = _pinned(self.args), _pinned(self.kwargs)
 
     def run(self) -> None:
         result = self.func(*self.args, **self.kwargs)
@@ -193,6 +204,9 @@ class _OpaqueStep:
     @property
     def name(self) -> str:
         return f"opaque:{getattr(self.fn, '__qualname__', type(self.fn).__name__)}"
+
+    def pin(self) -> None:
+        self.args, self.kwargs = _pinned(self.args), _pinned(self.kwargs)
 
     def run(self) -> None:
         result = self.fn(*_clone_containers(self.args), **_clone_containers(self.kwargs))
@@ -391,6 +405,11 @@ class EmulatedGraph:
 
     def __init__(self, steps: list[_Step], *, inference: bool, output: Any = None,
                  born: set[int] | None = None) -> None:
+        # Each step reads the memory its tensors had at the capture, as a CUDA graph reads
+        # the captured addresses (pinned here, after the capture: made in the recorder, below
+        # autograd, an alias would not share its tensor's version counter)
+        for step in steps:
+            step.pin()
         self._steps = steps
         # Replay under the grad mode of the capture: tensors made under inference_mode can
         # only be written to under inference_mode; otherwise no_grad keeps autograd out of it.
