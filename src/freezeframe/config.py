@@ -166,11 +166,6 @@ _VLLM_UNSUPPORTED = frozenset({
 })
 
 
-# vLLM's default ceiling of the token ladder, and the most requests its widest uniform-decode
-# batch is sized for (see _resolve_capture_sizes).
-_DEFAULT_CEILING = 512
-
-
 def _check_custom_ops(value: Any) -> tuple[str, ...]:
     """vLLM's ``custom_ops`` syntax: ``"all"`` or ``"none"`` (at most one of them), ``"+op"`` to
     enable and ``"-op"`` to disable one op, never both for the same op."""
@@ -439,13 +434,12 @@ class CompilationConfig:
         else:
             # The token ladder up to the ceiling, the ceiling itself included (so the token
             # budget, or the user's maximum, always has a graph), plus the widest uniform-decode
-            # batch: max_num_seqs requests of 1 + num_speculative_tokens tokens each (at most
-            # 512 requests), when the budget and the user's maximum allow it.
+            # batch: max_num_seqs requests of 1 + num_speculative_tokens tokens each, when it is
+            # not above that ceiling. The default ceiling (at most 512 tokens) holds with spec
+            # decode too, as in vLLM: a wider decode batch runs without a graph.
             sizes = default_capture_sizes(max_size)
-            widest_decode = (min(self.max_num_seqs, _DEFAULT_CEILING)
-                             * (1 + self.num_speculative_tokens))
-            bound = max_size if user_max is not None else self.max_num_tokens
-            if widest_decode <= bound and widest_decode not in sizes:
+            widest_decode = self.max_num_seqs * (1 + self.num_speculative_tokens)
+            if widest_decode <= max_size and widest_decode not in sizes:
                 sizes = sorted({*sizes, widest_decode})
         valid_max = sizes[-1]
         if user_max is not None and user_max != valid_max:

@@ -8,21 +8,32 @@ that minimise the expected padded work::
 
     work(ladder) = sum over observed sizes s of count(s) * step_cost(padded(s))
 
-It solves this exactly. Rungs sit at observed sizes and at the top (``max_size``, by default the
-largest observed size, so that every observed step has a rung): moving a rung down to the
-largest observed size it serves never makes a step longer, so for a step cost that does not fall
-as the size grows no other placement can do better. Over the sorted distinct sizes this is a
-one-dimensional dynamic program: the cost of a rung is the padded work of the block of sizes it
-serves, and a plan is a chain of blocks ending at the top.
+Rungs sit at observed sizes and at the top (``max_size``, by default the largest observed size,
+so that every observed step has a rung): moving a rung down to the largest observed size it
+serves never makes a step longer, so for a step cost that does not fall as the size grows no
+other placement can do better. Over the sorted distinct sizes this is a one-dimensional dynamic
+program: the cost of a rung is the padded work of the block of sizes it serves, and a plan is a
+chain of blocks ending at the top. The searches live in :mod:`freezeframe.planning_search`;
+what is exact and what is approximated:
 
-* With a limit on the number of sizes only, the program runs layer by layer (the best chain of
-  ``k`` rungs ending at each size), ``O(max_sizes * n**2)`` for ``n`` distinct sizes.
-* With a memory budget it keeps, at each size, every chain that no other chain beats on work,
-  rung count and memory at once (a Pareto set), dropping chains that can no longer fit the top
-  rung or beat a plan already found. This is exact for any per-size memory.
+* With no budget, or a limit on the number of sizes only, or a memory budget that the best plan
+  under the size limit fits: **exact**, for any number of sizes (``O(n**2)`` up to
+  ``EXACT_SEARCH_MAX`` = 128 distinct sizes, ``O(n log n)`` per rung layer above).
+* With a memory budget that binds, up to 128 distinct sizes: **exact**. The search keeps, at each
+  size, every chain that no other chain beats on work, rung count and memory at once (a Pareto
+  set), dropping chains that can no longer fit the top rung or beat a plan already found; exact
+  for any per-size memory, but its time grows quickly with the sizes.
+* With a memory budget that binds, above 128 distinct sizes: **approximate**. The budget is
+  priced into the program (Lagrangian relaxation); the plans that finds, and the exact plan over
+  a coarse choice of sizes, are improved by local search and by the exact search over the sizes
+  near their rungs. The plan fits both limits and covers every observed size; its work is not
+  proven minimal: on 40 seeded histograms of 130-260 sizes it was the exact plan's in 24 and at
+  most 0.07% above it (``scripts/bench_planner.py`` prints these figures and the times; 10,000
+  distinct sizes take well under a second).
 
 Among plans of equal work the planner returns the one with the fewest sizes, then the least
-memory.
+memory: exactly up to 128 distinct sizes; above, up to float rounding, and no captured size is
+one whose removal costs no work.
 
 :func:`evaluate_ladder` scores any ladder (vLLM's default, :func:`default_ladder`, or your own)
 on the same histogram, so a plan can be compared with what would be captured otherwise.
@@ -39,6 +50,7 @@ from typing import Any
 
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import ConfigError
+from freezeframe.planning_search import RungProblem
 from freezeframe.sizes import default_capture_sizes
 
 __all__ = [
@@ -106,6 +118,11 @@ class MeasuredCurve:
 
     points: tuple[tuple[int, float], ...]
     argument: str
+    _sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the measured sizes, for the bisection of every call (a planner calls once per size)
+        object.__setattr__(self, "_sizes", tuple(s for s, _ in self.points))
 
     @classmethod
     def from_mapping(cls, values: Mapping[Any, Any], argument: str) -> MeasuredCurve:
@@ -119,7 +136,7 @@ class MeasuredCurve:
         return cls(tuple(sorted(points)), argument)
 
     def __call__(self, size: int) -> float:
-        sizes = [s for s, _ in self.points]
+        sizes = self._sizes
         i = bisect.bisect_left(sizes, size)
         if i < len(sizes) and sizes[i] == size:
             return self.points[i][1]
@@ -297,6 +314,10 @@ def plan_capture_sizes(histogram: Mapping[int, int], *, max_sizes: int | None = 
     sizes, interpolated (:class:`MeasuredCurve`). ``max_size`` (default: the largest observed
     size) is always captured, so every observed step has a graph.
 
+    The result is exact except with a ``budget_mib`` that binds on more than
+    ``EXACT_SEARCH_MAX`` (128) distinct sizes, where it is the approximate search's plan (see
+    the module docstring: within both limits, work not proven minimal).
+
     Raises :class:`~freezeframe.errors.ConfigError` for a bad histogram or argument, and when no
     plan fits: the top size alone above ``budget_mib``.
     """
@@ -316,8 +337,8 @@ def plan_capture_sizes(histogram: Mapping[int, int], *, max_sizes: int | None = 
 
     candidates = observed if top == observed[-1] else (*observed, top)
     weights = counts if top == observed[-1] else (*counts, 0)
-    problem = _Problem(candidates, weights, [step_cost(s) for s in candidates],
-                       [graph_mib(s) for s in candidates])
+    problem = RungProblem(candidates, weights, [step_cost(s) for s in candidates],
+                          [graph_mib(s) for s in candidates])
     if budget_mib is not None and problem.mib[-1] > budget_mib:
         raise ConfigError(
             f"budget_mib: {budget_mib} MiB is below the estimated graph memory of the largest "
@@ -329,236 +350,6 @@ def plan_capture_sizes(histogram: Mapping[int, int], *, max_sizes: int | None = 
     else:
         chosen = problem.best_within(limit, budget_mib)
     return _score([candidates[i] for i in chosen], observed, counts, step_cost, graph_mib)
-
-
-class _Problem:
-    """Rung placement over the candidate sizes ``sizes[0] < ... < sizes[-1]`` (the top).
-
-    A rung at candidate ``r`` whose rung below is ``j`` serves candidates ``j+1..r``; its block
-    costs ``cost[r] * (steps of candidates j+1..r)``. Methods return the chosen candidate
-    indices, ascending, always ending with the top.
-    """
-
-    def __init__(self, sizes: Sequence[int], counts: Sequence[int], cost: list[float],
-                 mib: list[float]) -> None:
-        self.n = len(sizes)
-        self.cost = cost
-        self.mib = mib
-        self.prefix = [0]  # prefix[i] = steps of candidates 0..i-1
-        for c in counts:
-            self.prefix.append(self.prefix[-1] + c)
-
-    def block(self, j: int, r: int) -> float:
-        """The work of a rung at ``r`` whose rung below is ``j`` (``-1``: none)."""
-        return self.cost[r] * (self.prefix[r + 1] - self.prefix[j + 1])
-
-    def best_with_at_most(self, limit: int) -> list[int]:
-        """Fewest-work plan with at most ``limit`` rungs (ties: fewest rungs)."""
-        n, inf = self.n, math.inf
-        if limit >= n:
-            return self._best_unlimited()
-        # layer[r]: least work of k rungs with the highest at r; parents[k][r]: the rung below it.
-        layer = [self.block(-1, r) for r in range(n)]
-        parents: list[list[int]] = [[-1] * n]
-        best_k, best_work = 1, layer[-1]
-        for k in range(2, limit + 1):
-            nxt, back = [inf] * n, [-1] * n
-            for r in range(k - 1, n):
-                cost_r, steps_r = self.cost[r], self.prefix[r + 1]
-                for j in range(k - 2, r):
-                    work = layer[j] + cost_r * (steps_r - self.prefix[j + 1])
-                    if work < nxt[r]:
-                        nxt[r], back[r] = work, j
-            layer = nxt
-            parents.append(back)
-            if layer[-1] < best_work:
-                best_k, best_work = k, layer[-1]
-        chosen, r = [], n - 1
-        for k in range(best_k - 1, -1, -1):
-            chosen.append(r)
-            r = parents[k][r]
-        return chosen[::-1]
-
-    def _best_unlimited(self) -> list[int]:
-        """Fewest-work plan with any number of rungs (ties: fewest rungs), in ``O(n**2)``."""
-        best: list[tuple[float, int]] = []  # best[r]: (work, rungs) with the highest rung at r
-        below: list[int] = []
-        for r in range(self.n):
-            options = [(self.block(-1, r), 1, -1)]
-            options += [(best[j][0] + self.block(j, r), best[j][1] + 1, j) for j in range(r)]
-            work, k, j = min(options)
-            best.append((work, k))
-            below.append(j)
-        chosen, r = [], self.n - 1
-        while r >= 0:
-            chosen.append(r)
-            r = below[r]
-        return chosen[::-1]
-
-    def memory(self, chosen: Sequence[int]) -> float:
-        return sum(self.mib[i] for i in chosen)  # ascending, as CapturePlan sums it
-
-    def best_within(self, limit: int, budget: float) -> list[int]:
-        """Fewest-work plan with at most ``limit`` rungs and memory <= ``budget`` (ties: fewest
-        rungs, then least memory).
-
-        When the best plan under the rung limit alone fits the budget, that is the answer.
-        Otherwise a search over partial plans (ascending rungs) keeps, per highest rung, those
-        that no other partial plan matches or beats on work, rungs and memory at once, and drops
-        any whose lower bound on the final work exceeds the best complete plan found so far. The
-        bound is the Lagrangian relaxation of the memory budget (memory priced at ``lam`` work
-        per MiB, ``lam`` chosen to make the bound tightest); it only cuts plans that cannot win,
-        so the result stays exact.
-        """
-        fast = self.best_with_at_most(limit)
-        if self.memory(fast) <= budget:
-            return fast
-        n, top = self.n, self.n - 1
-        lam, incumbent = self._relax(limit, budget)
-        ahead = self._ahead(lam, self._most_rungs(limit, budget), limit)
-        labels: list[list[tuple[float, int, float, int, int]]] = []  # per highest rung:
-        # (work, rungs, memory, rung below, index of its label there)
-        for r in range(n):
-            reserve_k, reserve_mib = (0, 0.0) if r == top else (1, self.mib[top])
-            # a little slack, on the scale of the priced sums, so rounding never cuts a plan
-            # as good as the incumbent
-            bound = incumbent + 1e-9 * (abs(incumbent) + lam * budget + 1.0)
-            mib_r = self.mib[r]
-            # floor[k]: least priced work above r for a plan with k rungs up to r, less the
-            # budget's price; a partial plan is cut when its work + lam * memory + floor > bound
-            floor = [row[r] - lam * (budget - mib_r) for row in ahead]
-            found = []
-            if 1 + reserve_k <= limit and mib_r + reserve_mib <= budget:
-                work = self.block(-1, r)
-                if work + floor[1] <= bound:
-                    found.append((work, 1, mib_r, -1, -1))
-            k_cap = limit - 1 - reserve_k
-            for j in range(r):
-                block = self.block(j, r)
-                cut = bound - block
-                least_cut = cut - floor[2]  # labels[j] is sorted by work + lam * mib
-                for index, (work, k, mib, _, _) in enumerate(labels[j]):
-                    priced = work + lam * mib
-                    if priced > least_cut:
-                        break
-                    # memory summed as the plan sums it (ascending), so that fits means fits
-                    if (k <= k_cap and (mib + mib_r) + reserve_mib <= budget
-                            and priced + floor[k + 1] <= cut):
-                        found.append((work + block, k + 1, mib + mib_r, j, index))
-            kept = _pareto(found, limit if limit < n else None)
-            kept.sort(key=lambda label: label[0] + lam * label[2])
-            labels.append(kept)
-            if r != top:  # each partial plan closed by the top rung is a plan
-                close, close_mib = self.block(r, top), self.mib[top]
-                incumbent = min([incumbent, *(w + close for w, k, m, *_ in kept
-                                              if k < limit and m + close_mib <= budget)])
-        _, _, _, j, index = min(labels[top], key=lambda label: label[:3])
-        chosen = [top]
-        while j >= 0:
-            chosen.append(j)
-            _, _, _, j, index = labels[j][index]
-        return chosen[::-1]
-
-    def _most_rungs(self, limit: int, budget: float) -> int:
-        """At least the most rungs a plan within ``budget`` can have: the top and the smallest
-        others, with some slack for rounding (too many only weakens the bound)."""
-        total, most = self.mib[-1], 1
-        slack = 1e-9 * (abs(budget) + 1.0)
-        for mib in sorted(self.mib[:-1]):
-            total += mib
-            if total > budget + slack or most == limit:
-                break
-            most += 1
-        return most
-
-    def _ahead(self, lam: float, most: int, limit: int) -> list[list[float]]:
-        """``ahead[k][r]``: the least ``work + lam * memory`` of the rungs above ``r`` for a
-        plan of at most ``most`` rungs with ``k`` of them up to ``r`` (inf where none fits)."""
-        n, top, cost, prefix = self.n, self.n - 1, self.cost, self.prefix
-        inf = math.inf
-        # at_most[q][r]: least priced work above r with at most q more rungs
-        at_most = [[inf] * top + [0.0]]
-        for _ in range(most):
-            prev = at_most[-1]
-            base = [lam * self.mib[t] + prev[t] + cost[t] * prefix[t + 1] for t in range(n)]
-            row = [inf] * n
-            row[top] = 0.0
-            for r in range(top):
-                steps_r = prefix[r + 1]
-                row[r] = min(base[t] - cost[t] * steps_r for t in range(r + 1, n))
-            at_most.append(row)
-        return [at_most[most - k] if k <= most else [inf] * n
-                for k in range(max(most, limit) + 2)]
-
-    def _relax(self, limit: int, budget: float) -> tuple[float, float]:
-        """The memory price ``lam`` that makes the Lagrangian bound tightest (by bisection on
-        its subgradient), and the least work of a plan within the limits met on the way (the
-        top rung alone to start with)."""
-        incumbent = self.block(-1, self.n - 1)
-        # Any price gives a valid bound; the search only looks for a tight one. At hi no rung
-        # whose memory is above a millionth of the budget is worth its memory.
-        positive = [m for m in self.mib if m > 0]
-        lo, hi = 0.0, (incumbent + 1.0) / max(min(positive), 1e-6 * budget, 1e-12)
-        best_value, best_lam = -math.inf, 0.0
-        for _ in range(30):
-            lam = (lo + hi) / 2
-            value, chain = self._priced(lam)
-            if self.memory(chain) <= budget:
-                hi = lam
-                if len(chain) <= limit:
-                    incumbent = min(incumbent, self.work(chain))
-            else:
-                lo = lam
-            if value - lam * budget > best_value:
-                best_value, best_lam = value - lam * budget, lam
-        return best_lam, incumbent
-
-    def work(self, chosen: Sequence[int]) -> float:
-        return sum(self.block(j, r) for j, r in zip([-1, *chosen], chosen, strict=False))
-
-    def _priced(self, lam: float) -> tuple[float, list[int]]:
-        """The least ``work + lam * memory`` of a whole plan, and that plan."""
-        n, top, cost, prefix = self.n, self.n - 1, self.cost, self.prefix
-        priced = [lam * mib for mib in self.mib]
-        after, nxt = [0.0] * n, [top] * n
-        base = [0.0] * n  # base[t] - cost[t] * steps up to r: the priced work from t on
-        base[top] = priced[top] + cost[top] * prefix[n]
-        for r in range(n - 2, -1, -1):
-            steps_r = prefix[r + 1]
-            after[r], nxt[r] = min((base[t] - cost[t] * steps_r, t) for t in range(r + 1, n))
-            base[r] = priced[r] + after[r] + cost[r] * prefix[r + 1]
-        value, first = min((cost[r] * prefix[r + 1] + priced[r] + after[r], r) for r in range(n))
-        chain = [first]
-        while chain[-1] != top:
-            chain.append(nxt[chain[-1]])
-        return value, chain
-
-
-def _pareto(found: list[tuple[float, int, float, int, int]],
-            limit: int | None) -> list[tuple[float, int, float, int, int]]:
-    """The labels that no other label matches or beats on work, rungs and memory at once; with
-    no rung limit (``None``), on work and memory, the rung count only breaking ties of work."""
-    found.sort(key=lambda label: (label[2], label[0], label[1]))
-    kept = []
-    if limit is None:
-        least = (math.inf, 0)  # the least (work, rungs) of a kept label
-        for label in found:
-            if least <= label[:2]:
-                continue
-            kept.append(label)
-            least = label[:2]
-        return kept
-    lowest = [math.inf] * (limit + 1)  # lowest[k]: least work of a kept label with <= k rungs
-    for label in found:
-        work, k = label[0], label[1]
-        if lowest[k] <= work:
-            continue
-        kept.append(label)
-        for r in range(k, limit + 1):
-            if lowest[r] <= work:
-                break
-            lowest[r] = work
-    return kept
 
 
 # -- histogram files ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ per-model lock across processes, permission refusal and the CLI. Every test uses
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -458,6 +459,115 @@ def test_a_file_in_place_of_a_cache_dir_is_a_clear_error(tmp_path: Path) -> None
     (cache.root / "locks").write_text("not a directory")
     with pytest.raises(CacheError, match="is not a directory"):
         cache.lock()
+
+
+_FIX = ("point config.cache_dir or FREEZEFRAME_CACHE_DIR at a directory you can write to, or "
+        "turn the cache off (use_cache=False or FREEZEFRAME_DISABLE_CACHE=1)")
+
+
+def test_a_cache_dir_under_a_file_is_a_clear_error_at_the_first_call(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("a file, not a directory")
+    cfg = CompilationConfig(mode="piecewise", backend="eager",
+                            cache_dir=str(tmp_path / "f" / "c"))
+    model = ff.compile(Tiny(), cfg, dynamic_arg_dims={"x": 0})
+    with pytest.raises(CacheError) as info:
+        model(torch.ones(3, 4))
+    assert str(info.value) == (
+        f"cannot create the cache directory {tmp_path / 'f' / 'c'}: {tmp_path / 'f'} is a "
+        f"file, not a directory; {_FIX}")
+    # two levels down: the file is named, not the directory above it
+    with pytest.raises(CacheError, match=f"{tmp_path / 'f'} is a file, not a directory"):
+        ff_cache.ensure_cache_root(tmp_path / "f" / "a" / "b")
+
+
+def test_a_cache_dir_on_a_read_only_file_system_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_mkdir = Path.mkdir
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        if self.exists():  # as mkdir on a read-only file system: EEXIST first
+            return real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(CacheError) as info:
+        _open(tmp_path)
+    assert str(info.value) == (
+        f"cannot create the cache directory {tmp_path / 'c'}: {tmp_path / 'c'} is on a "
+        f"read-only file system; {_FIX}")
+    assert not (tmp_path / "c").exists()
+
+
+_ZERO_USAGE = {"starts": 0, "trace_loads": 0, "hits": 0, "misses": 0, "last_used": None}
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("[]", "it holds an array, not a JSON object"),
+    ("null", "it holds null, not a JSON object"),
+    ("7", "it holds a number, not a JSON object"),
+    ("{not json", "not valid JSON: Expecting property name enclosed in double quotes: line 1 "
+                  "column 2 (char 1)"),
+])
+@pytest.mark.parametrize("name", ["usage.json", "key_factors.json"])
+def test_a_damaged_usage_or_factors_file_is_listed_logged_and_rewritten(
+        tmp_path: Path, name: str, content: str, why: str, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """JSON of the wrong kind in an entry's informational files is damage, as unreadable JSON
+    is: listed without it (never an AttributeError), logged, and written again by the next
+    start, which counts it in ``cache_files_damaged``."""
+    from freezeframe.cache import cli as cache_cli
+
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x")
+    cache.record_start(trace_loaded=False)
+    path = cache.entry_dir / name
+    path.write_text(content)
+    root = str(tmp_path / "c")
+    with caplog.at_level("WARNING", logger="freezeframe.cache.store"):
+        (entry,) = ff_cache.list_entries(tmp_path / "c")
+    assert entry.damaged == (name,)
+    assert f"cache file {path} is damaged ({why}); shown without it" in caplog.text
+    if name == "usage.json":
+        assert (entry.usage, entry.factors["key"]) == (_ZERO_USAGE, cache.key)
+    else:
+        assert (entry.factors, entry.usage["starts"]) == ({}, 1)
+    assert cache_cli.main(["cache", "list", "--dir", root]) == 0
+    out = capsys.readouterr().out
+    assert f"(damaged: {name})" in out and "1 of them with damaged files" in out
+    assert cache_cli.main(["cache", "info", "--dir", root, cache.key]) == 0
+    assert f"  damaged: {name} (shown empty" in capsys.readouterr().out
+
+    stats = Stats()
+    again = _open(tmp_path, stats=stats)
+    assert again.key == cache.key
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="freezeframe.cache.store"):
+        again.record_start(trace_loaded=True)
+    assert stats.cache_files_damaged == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cache file {path} is damaged ({why}); "
+        + ("counting its starts again from this one" if name == "usage.json"
+           else "writing it again")]
+    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    assert entry.damaged == ()
+    assert entry.factors["key"] == cache.key
+    assert (entry.usage["starts"], entry.usage["trace_loads"]) == (
+        (1, 1) if name == "usage.json" else (2, 1))
+
+
+@pytest.mark.parametrize("content", ["[]", '{"artifacts": []}', '{"artifacts": {"a": 7}}'])
+def test_info_shows_an_entry_whose_index_is_damaged(tmp_path: Path, content: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from freezeframe.cache import cli as cache_cli
+
+    cache = _open(tmp_path)
+    cache.save_artifact(0, Range(1, 8), b"x")
+    (cache.entry_dir / "index.json").write_text(content)
+    assert cache_cli.main(["cache", "info", "--dir", str(tmp_path / "c"), cache.key]) == 0
+    assert "  artifacts (0):" in capsys.readouterr().out
+    assert ff_cache.read_index(cache.entry_dir) == {}
+    cache.save_artifact(1, Range(1, 8), b"y")  # the next save writes it again
+    assert sorted(ff_cache.read_index(cache.entry_dir)) == ["piece_1_range_1_8.bin"]
 
 
 def test_freezeframe_cli_has_the_cache_command(tmp_path: Path,

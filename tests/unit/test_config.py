@@ -621,12 +621,16 @@ def test_the_maximum_is_always_on_the_ladder(kwargs: dict[str, Any],
         # 13 requests of 1 + 2 tokens = 39 tokens; every size a multiple of 3 (ceiling 78)
         ({"max_num_seqs": 13, "num_speculative_tokens": 2},
          (3, 6, 9, 18, 24, 33, 39, 42, 48, 57, 66, 72, 78)),
-        # 300 requests of 1 + 1 tokens = 600 tokens, above the 512 token ceiling: added
+        # 300 requests of 1 + 1 tokens = 600 tokens, above the 512 token ceiling: not added
+        # (vLLM's ceiling holds with spec decode too; the widest decode step runs eagerly)
         ({"max_num_seqs": 300, "num_speculative_tokens": 1},
-         (2, 4, *range(8, 257, 8), *range(272, 513, 16), 600)),
-        # ... but never above the token budget
+         (2, 4, *range(8, 257, 8), *range(272, 513, 16))),
+        # ... whatever the token budget
         ({"max_num_seqs": 300, "num_speculative_tokens": 1, "max_num_tokens": 590},
          (2, 4, *range(8, 257, 8), *range(272, 513, 16))),
+        # ... but a maximum the user wrote down is the ceiling, and 600 is under it
+        ({"max_num_seqs": 300, "num_speculative_tokens": 1, "max_cudagraph_capture_size": 1024},
+         (2, 4, *range(8, 257, 8), *range(272, 593, 16), 600, *range(608, 1025, 16))),
         # ... nor above the user's maximum (which is on the ladder itself)
         ({"max_num_seqs": 20, "max_cudagraph_capture_size": 12}, (1, 2, 4, 8, 12)),
     ],
@@ -636,6 +640,18 @@ def test_the_widest_decode_batch_is_captured(kwargs: dict[str, Any],
     cfg = CompilationConfig(backend="eager", **kwargs)
     assert cfg.cudagraph_capture_sizes == want_sizes
     assert cfg.max_cudagraph_capture_size == want_sizes[-1]
+
+
+@pytest.mark.parametrize(("max_num_tokens", "want_max"), [(8192, 510), (16384, 510), (300, 289)])
+def test_the_default_ceiling_holds_with_spec_decode(max_num_tokens: int, want_max: int) -> None:
+    # 1024 requests of 1 + 16 tokens: min(1024 * 17 * 2, 512, budget) is the ceiling, and the
+    # widest decode batch (8704 tokens) is far above it. Every size is rounded up to a multiple
+    # of 17 and 512 (-> 527) is dropped, so the largest graph is 30 * 17 = 510 tokens.
+    cfg = CompilationConfig(max_num_seqs=1024, num_speculative_tokens=16,
+                            max_num_tokens=max_num_tokens)
+    assert cfg.cudagraph_capture_sizes == tuple(range(17, want_max + 1, 17))
+    assert cfg.max_cudagraph_capture_size == want_max
+    assert cfg.padded_size(want_max + 1) is None
 
 
 def test_a_users_list_is_kept_as_given_without_the_decode_batch() -> None:

@@ -1,16 +1,22 @@
-"""The capture-size planner: hand-worked plans, vLLM's ladder scored, bad input, and properties
-checked against brute force over every subset of sizes."""
+"""The capture-size planner: hand-worked plans, vLLM's ladder scored, bad input, properties
+checked against brute force over every subset of sizes, and the searches for large histograms
+(above ``EXACT_SEARCH_MAX`` distinct sizes) checked against exact answers."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import freezeframe as ff
+from freezeframe import planning_search
 from freezeframe.errors import ConfigError
 from freezeframe.planning import (
     CapturePlan,
@@ -287,3 +293,151 @@ def test_plans_of_equal_work_prefer_fewer_sizes(case: dict[str, object]) -> None
             budget_mib=case["budget_mib"], cost=case["cost"],  # type: ignore[arg-type]
             memory=case["memory"], max_size=case["max_size"])  # type: ignore[arg-type]
         assert fewer.work > plan.work
+
+
+# -- large histograms ---------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "histogram_decode.json"
+
+
+def least_work(histogram: dict[int, int], cost: Callable[[int], float],
+               max_sizes: int | None) -> float:
+    """The least work of any ladder of observed sizes ending at the largest, with at most
+    ``max_sizes`` sizes: the plain quadratic dynamic program, written out independently."""
+    sizes = sorted(s for s, c in histogram.items() if c)
+    price = [cost(s) for s in sizes]
+    steps = [0]
+    for s in sizes:
+        steps.append(steps[-1] + histogram[s])
+    n = len(sizes)
+    if max_sizes is None:
+        best: list[float] = []
+        for r in range(n):
+            best.append(min([price[r] * steps[r + 1]]
+                            + [best[j] + price[r] * (steps[r + 1] - steps[j + 1])
+                               for j in range(r)]))
+        return best[-1]
+    layer = [price[r] * steps[r + 1] for r in range(n)]
+    answer = layer[-1]
+    for _ in range(max_sizes - 1):
+        layer = [min((layer[j] + price[r] * (steps[r + 1] - steps[j + 1]) for j in range(r)),
+                     default=math.inf) for r in range(n)]
+        answer = min(answer, layer[-1])
+    return answer
+
+
+def large_histogram(n: int, seed: int, spread: int = 4) -> dict[int, int]:
+    rng = random.Random(seed)
+    return {s: rng.randint(0, 50) for s in rng.sample(range(1, spread * n), n)}
+
+
+@pytest.mark.parametrize("max_sizes", [None, 12])
+@pytest.mark.parametrize("measured", [False, True])
+def test_large_histograms_are_planned_exactly_without_a_budget(max_sizes: int | None,
+                                                              measured: bool) -> None:
+    # 300 sizes, above EXACT_SEARCH_MAX: the lower-envelope program, checked against the plain
+    # one; measured step times that fall and rise again as the size grows, or the default
+    histogram = large_histogram(300, seed=1)
+    observed = sorted(s for s, c in histogram.items() if c)
+    assert len(observed) > planning_search.EXACT_SEARCH_MAX
+    rng = random.Random(2)
+    cost = ({s: rng.uniform(1.0, 400.0) for s in (1, *observed[::7], observed[-1])} if measured
+            else None)
+    curve = MeasuredCurve.from_mapping(cost, "cost") if cost else LinearStepCost()
+    plan = plan_capture_sizes(histogram, max_sizes=max_sizes, cost=cost)
+    assert plan.work == pytest.approx(least_work(histogram, curve, max_sizes), rel=1e-12)
+    assert plan == evaluate_ladder(histogram, plan.sizes, cost=cost)
+    assert plan.sizes[-1] == observed[-1] and plan.uncovered_steps == 0
+    if max_sizes is None and not measured:
+        assert plan.sizes == tuple(observed)  # rising step cost: every size, no padding
+    if max_sizes is not None:
+        assert len(plan.sizes) == max_sizes
+
+
+def test_large_histograms_drop_rungs_that_save_no_work() -> None:
+    # a step time flat up to 32 tokens: padding 1..31 up to 32 is free, so no size below 32
+    # is captured, and every size above it is (the step time rises there)
+    histogram = {s: 1 for s in range(1, 301)}
+    plan = plan_capture_sizes(histogram, cost={1: 10.0, 32: 10.0, 300: 278.0})
+    assert plan.sizes == tuple(range(32, 301))
+    assert plan_capture_sizes(histogram, cost={1: 5.0, 300: 5.0}).sizes == (300,)
+
+
+def test_the_example_histogram_gets_the_exact_plan() -> None:
+    # 236 distinct sizes: a budget that binds takes the approximate search, which finds the
+    # exact search's plan here (the plan docs/results/cpu-2026-11-25.md shows)
+    histogram = read_histogram(EXAMPLE.read_text())
+    assert len(histogram) > planning_search.EXACT_SEARCH_MAX
+    plan = plan_capture_sizes(histogram, budget_mib=128)
+    with mock.patch.object(planning_search, "EXACT_SEARCH_MAX", 10**9):
+        exact = plan_capture_sizes(histogram, budget_mib=128)
+    assert plan == exact
+    assert plan.sizes == (9, 12, 19, 60, 69, 75, 80, 85, 90, 94, 102, 122, 177, 194, 202, 209,
+                          218, 240)
+    assert plan_capture_sizes(histogram, max_sizes=16).sizes == (
+        9, 12, 19, 60, 70, 76, 82, 88, 93, 102, 122, 177, 195, 205, 217, 240)
+
+
+@pytest.mark.parametrize(("seed", "budget", "extra"), [
+    (3, 128.0, 550.0),  # 1117446 against the exact 1116896: 0.049% more
+    (4, 64.0, 0.0),
+    (5, 300.0, 49.0),  # 1034500 against 1034451: 0.0047% more
+])
+def test_the_approximate_search_against_the_exact_one(seed: int, budget: float,
+                                                      extra: float) -> None:
+    """160 sizes: above EXACT_SEARCH_MAX, and few enough for the exact search to answer too.
+    The approximate plan fits and covers, and its work is the exact plan's, or a little more
+    (pinned, so that a change to the search shows)."""
+    histogram = large_histogram(160, seed, spread=3)
+    plan = plan_capture_sizes(histogram, budget_mib=budget)
+    with mock.patch.object(planning_search, "EXACT_SEARCH_MAX", 10**9):
+        exact = plan_capture_sizes(histogram, budget_mib=budget)
+    assert plan.total_memory_mib <= budget and plan.uncovered_steps == 0
+    assert plan == evaluate_ladder(histogram, plan.sizes)
+    assert plan.work - exact.work == extra
+    assert plan.work <= exact.work * 1.001
+
+
+def test_thousands_of_sizes_under_a_budget() -> None:
+    # 4,096 distinct sizes: the exact search did not finish on these; the plan fits, covers
+    # every size, and costs no less than the best plan without a budget
+    histogram = large_histogram(4096, seed=6, spread=2)
+    plan = plan_capture_sizes(histogram, budget_mib=512.0, max_size=8192)
+    assert plan.sizes[-1] == 8192 and plan.uncovered_steps == 0
+    assert plan.total_memory_mib <= 512.0
+    assert plan == evaluate_ladder(histogram, plan.sizes)
+    free = plan_capture_sizes(histogram, max_size=8192)
+    assert plan.work >= free.work and len(plan.sizes) < len(free.sizes)
+    with_limit = plan_capture_sizes(histogram, budget_mib=512.0, max_sizes=8, max_size=8192)
+    assert len(with_limit.sizes) <= 8 and with_limit.total_memory_mib <= 512.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.sampled_from([0, 5]))
+def test_the_large_histogram_searches_on_small_cases(case: dict[str, object],
+                                                     threshold: int) -> None:
+    """The searches for large histograms, made to run on every case: exact without a budget
+    that binds; with one, a plan within both limits that no plan beats by brute force."""
+    kwargs = {"max_sizes": case["max_sizes"], "cost": case["cost"], "memory": case["memory"],
+              "max_size": case["max_size"]}
+    with mock.patch.object(planning_search, "EXACT_SEARCH_MAX", threshold):
+        plan = plan_capture_sizes(case["histogram"], budget_mib=case["budget_mib"],  # type: ignore
+                                  **kwargs)  # type: ignore[arg-type]
+        free = plan_capture_sizes(case["histogram"], **kwargs)  # type: ignore[arg-type]
+    histogram, top, budget = case["histogram"], case["top"], case["budget_mib"]
+    assert plan.sizes[-1] == top and plan.uncovered_steps == 0
+    assert plan == evaluate_ladder(histogram, plan.sizes, cost=case["cost"],  # type: ignore
+                                   memory=case["memory"])  # type: ignore[arg-type]
+    if case["max_sizes"] is not None:
+        assert len(plan.sizes) <= case["max_sizes"]  # type: ignore[operator]
+    best_free = brute_force(histogram, top, case["max_sizes"], None,  # type: ignore[arg-type]
+                            case["cost"], case["memory"])
+    assert free.work == pytest.approx(best_free, rel=1e-12, abs=1e-9)
+    best = brute_force(histogram, top, case["max_sizes"], budget,  # type: ignore[arg-type]
+                       case["cost"], case["memory"])
+    assert best is not None
+    if budget is None or free.total_memory_mib <= budget:  # type: ignore[operator]
+        assert plan.work == pytest.approx(best, rel=1e-12, abs=1e-9)
+    else:
+        assert plan.total_memory_mib <= budget  # type: ignore[operator]
+        assert plan.work >= best - 1e-9 * abs(best)

@@ -4,13 +4,13 @@ cache.
 Registered by :mod:`freezeframe.cli` through :func:`add_parser`; it imports nothing heavy, so
 ``freezeframe cache list`` starts fast (``prewarm`` imports torch and the models when it runs).
 ``list`` and ``info`` show each entry's size and what its starts found (piece hits and misses,
-from the entry's ``usage.json``).
+from the entry's ``usage.json``). An entry whose ``usage.json`` or ``key_factors.json`` is damaged
+is listed without it, marked, and logged (the next start of its model writes it again).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
@@ -53,13 +53,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
         model = e.factors.get("factors", {}).get("model", "?")
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.modified))
         u = e.usage
+        damaged = f"  (damaged: {', '.join(e.damaged)})" if e.damaged else ""
         print(f"{e.key:<18}{e.num_artifacts:>7}{'yes' if e.has_trace else 'no':>7}"
               f"{_human(e.size_bytes):>12}{u.get('starts', 0):>8}{u.get('hits', 0):>7}"
-              f"{u.get('misses', 0):>8}  {stamp:<20} {model}")
+              f"{u.get('misses', 0):>8}  {stamp:<20} {model}{damaged}")
     total = sum(e.size_bytes for e in entries)
     inductor = _cache.inductor_cache_path(root)
     kernels = _cache._dir_size(inductor) if inductor.is_dir() else 0
     print(f"{len(entries)} entries, {_human(total)}; Inductor kernel cache {_human(kernels)}")
+    damaged_entries = sum(1 for e in entries if e.damaged)
+    if damaged_entries:
+        print(f"{damaged_entries} of them with damaged files, shown empty; the next start of "
+              "each model writes them again")
     return 0
 
 
@@ -74,10 +79,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     status = 0
     for key in wanted:
         entry = entries[key]
-        index: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            index = json.loads((entry.path / "index.json").read_text()).get("artifacts", {})
+        index = _cache.read_index(entry.path)
         print(f"entry {entry.key}  ({entry.path})")
+        if entry.damaged:
+            print(f"  damaged: {', '.join(entry.damaged)} (shown empty; the next start of the "
+                  "model writes them again)")
         print(f"  size: {_human(entry.size_bytes)}; saved trace: "
               f"{'yes' if entry.has_trace else 'no'}")
         u = entry.usage

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -89,9 +90,11 @@ __all__ = [
     "atomic_write",
     "cache_enabled",
     "check_private_dir",
+    "ensure_cache_root",
     "ensure_private_dir",
     "list_entries",
     "pack_artifact",
+    "read_index",
     "read_usage",
     "resolve_cache_root",
     "unpack_artifact",
@@ -253,6 +256,37 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
+def ensure_cache_root(root: Path) -> Path:
+    """:func:`ensure_private_dir` for the cache root. A root that cannot be created (a file
+    where one of its directories should be, a read-only file system, no permission) is a
+    :class:`CacheError` naming the directory, the cause and the fix, as a root that is not
+    private is, rather than a bare ``OSError`` out of the model's first call."""
+    try:
+        return ensure_private_dir(root)
+    except OSError as exc:
+        raise CacheError(
+            f"cannot create the cache directory {root}: {_why_not_created(root, exc)}; point "
+            f"config.cache_dir or {ENV_CACHE_DIR} at a directory you can write to, or turn the "
+            f"cache off (use_cache=False or {ENV_DISABLE_CACHE}=1)"
+        ) from None
+
+
+def _why_not_created(path: Path, exc: OSError) -> str:
+    """Why ``path`` could not be created: the first of its ancestors that is not a directory,
+    else what the operating system said (read-only file system, permission denied)."""
+    for ancestor in (path, *path.parents):
+        if ancestor.is_dir():
+            break
+        if ancestor.is_symlink() and not ancestor.exists():
+            return f"{ancestor} is a broken symbolic link, not a directory"
+        if ancestor.exists():
+            return f"{ancestor} is a file, not a directory"
+    if exc.errno == errno.EROFS:
+        return f"{exc.filename or path} is on a read-only file system"
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
 # ---------------------------------------------------------------------------------------------
 # atomic, self-checking files
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +441,8 @@ class CompileCache:
         self._inductor_active: Path | None = None  # inside inductor_dir(): the directory
         self._hits = 0  # piece lookups of this process (record_start adds them to usage.json)
         self._misses = 0
-        ensure_private_dir(self.root)
+        self._factors_checked = False  # key_factors.json read (and written if need be) once
+        ensure_cache_root(self.root)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -431,7 +466,8 @@ class CompileCache:
         :func:`~freezeframe.compilation.compilers.config_passes`): resolving a pass is the
         compile path's business, so the compile path passes it in.
 
-        Raises :class:`CacheError` when the cache directory is not private.
+        Raises :class:`CacheError` when the cache directory is not private or cannot be
+        created.
         """
         if not cache_enabled(config):
             return None
@@ -515,8 +551,19 @@ class CompileCache:
     def _entry(self) -> Path:
         entry = ensure_private_dir(self.entry_dir)
         _remove_stale_temps(entry)
-        factors = entry / _FACTORS_NAME
-        if not factors.exists():
+        self._check_factors(entry)
+        return entry
+
+    def _check_factors(self, entry: Path) -> None:
+        """Write the entry's ``key_factors.json`` when it is missing, and again when it is
+        damaged (logged, counted in ``cache_files_damaged``); read once per instance."""
+        if self._factors_checked:
+            return
+        path = entry / _FACTORS_NAME
+        found, why = _read_factors(entry)
+        if found is None:
+            if why is not None:
+                self._damaged(path, why, "writing it again")
             body = {
                 "key": self.key,
                 "base_key": self.base_key,
@@ -526,9 +573,15 @@ class CompileCache:
                 "config": self._config_dict,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            atomic_write(factors, json.dumps(body, indent=2, sort_keys=True, default=repr)
-                         .encode())
-        return entry
+            atomic_write(path, json.dumps(body, indent=2, sort_keys=True, default=repr).encode())
+        self._factors_checked = True
+
+    def _damaged(self, path: Path, why: str, action: str) -> None:
+        """Log and count a damaged informational file of this entry (``usage.json``,
+        ``key_factors.json``): nothing is loaded from them, so they are rewritten, never
+        trusted."""
+        logger.warning("cache file %s is damaged (%s); %s", path, why, action)
+        self._inc("cache_files_damaged")
 
     # -- locking ---------------------------------------------------------------------------
     def lock(self) -> contextlib.AbstractContextManager[None]:
@@ -624,16 +677,21 @@ class CompileCache:
     def record_start(self, *, trace_loaded: bool) -> None:
         """Add this start's piece hits and misses to the entry's ``usage.json`` (for
         ``freezeframe cache list``): starts, starts that loaded the saved trace, hits, misses,
-        last use. Only an entry that exists is updated; a failure is logged, never raised."""
+        last use. Only an entry that exists is updated; a failure is logged, never raised.
+        A damaged ``usage.json`` or ``key_factors.json`` (not JSON, or JSON of another kind) is
+        logged, counted in ``cache_files_damaged`` and written again."""
         path = self.entry_dir / _USAGE_NAME
         if not self.entry_dir.is_dir():
             return
-        usage = read_usage(self.entry_dir)
+        usage, why = _read_usage(self.entry_dir)
+        if why is not None:
+            self._damaged(path, why, "counting its starts again from this one")
         usage.update(starts=usage["starts"] + 1,
                      trace_loads=usage["trace_loads"] + int(trace_loaded),
                      hits=usage["hits"] + self._hits, misses=usage["misses"] + self._misses,
                      last_used=time.time())
         try:
+            self._check_factors(self.entry_dir)
             atomic_write(path, json.dumps(usage, sort_keys=True).encode())
         except OSError as exc:
             logger.debug("could not record the cache usage in %s: %s", path, exc)
@@ -714,11 +772,10 @@ class CompileCache:
         # Informational only (``freezeframe cache info``): loads trust the self-checking files.
         # Callers hold lock() during compilation, so read-modify-write does not lose entries.
         index_path = self.entry_dir / _INDEX_NAME
+        loaded, _ = _read_json_object(index_path)
         index: dict[str, Any] = {"format": CACHE_FORMAT, "artifacts": {}}
-        with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads(index_path.read_text())
-            if isinstance(loaded, dict) and isinstance(loaded.get("artifacts"), dict):
-                index = loaded
+        if loaded is not None and _index_artifacts(loaded) is not None:  # a damaged one is
+            index = loaded                                                 # written afresh
         index["artifacts"][name] = dict(record)
         atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
 
@@ -857,21 +914,81 @@ class CacheEntryInfo:
     modified: float
     factors: dict[str, Any]
     usage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    damaged: tuple[str, ...] = ()
+    """The entry's informational files that are damaged (``key_factors.json``,
+    ``usage.json``): shown as empty; the next start of the model writes them again."""
+
+
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _read_json_object(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(object, None)`` for a file holding a JSON object; ``(None, None)`` when there is no
+    file; ``(None, why)`` when it is damaged: unreadable, not JSON, or JSON of another kind
+    (``[]``, ``null``, ``7``), which no file the store writes holds."""
+    try:
+        loaded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"unreadable: {exc}"
+    except ValueError as exc:  # not JSON, or not UTF-8
+        return None, f"not valid JSON: {exc}"
+    if not isinstance(loaded, dict):
+        kind = _JSON_KINDS.get(type(loaded), type(loaded).__name__)
+        return None, f"it holds {kind}, not a JSON object"
+    return loaded, None
+
+
+def _read_factors(entry: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """An entry's ``key_factors.json`` as :func:`_read_json_object` reads it, damaged too
+    when its ``factors`` is not an object."""
+    found, why = _read_json_object(entry / _FACTORS_NAME)
+    if found is not None and not isinstance(found.get("factors"), dict):
+        return None, "its 'factors' is not a JSON object"
+    return found, why
+
+
+def _read_usage(entry: Path) -> tuple[dict[str, Any], str | None]:
+    """An entry's usage counts (zeros when ``usage.json`` is missing or damaged) and why it is
+    damaged, or None."""
+    usage: dict[str, Any] = {"starts": 0, "trace_loads": 0, "hits": 0, "misses": 0,
+                             "last_used": None}
+    loaded, why = _read_json_object(entry / _USAGE_NAME)
+    for name in ("starts", "trace_loads", "hits", "misses"):
+        if loaded is not None and isinstance(loaded.get(name), int):
+            usage[name] = loaded[name]
+    if loaded is not None and isinstance(loaded.get("last_used"), (int, float)):
+        usage["last_used"] = loaded["last_used"]
+    return usage, why
 
 
 def read_usage(entry: Path) -> dict[str, Any]:
     """An entry's ``usage.json`` (starts, trace loads, piece hits and misses, last use); zeros
-    when it is missing or unreadable."""
-    usage: dict[str, Any] = {"starts": 0, "trace_loads": 0, "hits": 0, "misses": 0,
-                             "last_used": None}
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        loaded = json.loads((entry / _USAGE_NAME).read_text())
-        for name in ("starts", "trace_loads", "hits", "misses"):
-            if isinstance(loaded.get(name), int):
-                usage[name] = loaded[name]
-        if isinstance(loaded.get("last_used"), (int, float)):
-            usage["last_used"] = loaded["last_used"]
-    return usage
+    when it is missing or damaged."""
+    return _read_usage(entry)[0]
+
+
+def read_index(entry: Path) -> dict[str, dict[str, Any]]:
+    """The artifacts an entry's ``index.json`` lists (name -> record); empty, with a warning,
+    when it is damaged (it is informational: loads trust the self-checking files)."""
+    found, why = _read_json_object(entry / _INDEX_NAME)
+    artifacts = None if found is None else _index_artifacts(found)
+    if found is not None and artifacts is None:
+        why = "its 'artifacts' is not an object of records"
+    if why is not None:
+        logger.warning("cache file %s is damaged (%s); shown without it, and the next compile "
+                       "into this entry writes it again", entry / _INDEX_NAME, why)
+    return dict(artifacts or {})
+
+
+def _index_artifacts(index: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The records an ``index.json`` object lists, or None when they are not records."""
+    artifacts = index.get("artifacts")
+    if isinstance(artifacts, dict) and all(isinstance(r, dict) for r in artifacts.values()):
+        return artifacts
+    return None
 
 
 def _dir_size(path: Path) -> int:
@@ -891,14 +1008,21 @@ def list_entries(root: Path) -> list[CacheEntryInfo]:
     for child in root.iterdir():
         if not (child.is_dir() and _KEY_RE.match(child.name)):
             continue
-        factors: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            factors = json.loads((child / _FACTORS_NAME).read_text())
+        factors, factors_damage = _read_factors(child)
+        usage, usage_damage = _read_usage(child)
+        damaged = []
+        for name, why in ((_FACTORS_NAME, factors_damage), (_USAGE_NAME, usage_damage)):
+            if why is not None:
+                damaged.append(name)
+                logger.warning("cache file %s is damaged (%s); shown without it, and the next "
+                               "start of its model writes it again (or `freezeframe cache clear "
+                               "%s` removes the entry)", child / name, why, child.name)
         artifacts = [p for p in child.glob("piece_*.bin")]
         out.append(CacheEntryInfo(
             key=child.name, path=child, size_bytes=_dir_size(child),
             num_artifacts=len(artifacts), has_trace=(child / _TRACE_NAME).exists(),
-            modified=child.stat().st_mtime, factors=factors, usage=read_usage(child),
+            modified=child.stat().st_mtime, factors=factors or {}, usage=usage,
+            damaged=tuple(damaged),
         ))
     return sorted(out, key=lambda e: e.modified, reverse=True)
 
