@@ -560,7 +560,7 @@ def test_a_planned_full_step_whose_graph_was_dropped_goes_back_through_the_model
 
 
 def test_planned_steps_count_and_answer_as_the_first_step_of_their_shape_did() -> None:
-    """Steps of a planned shape (step_plan.py) stage new data every time and are counted
+    """Steps of a planned shape (plan.py) stage new data every time and are counted
     exactly as steps that take the whole way."""
     model, runner = _full_runner()
     for step, n in enumerate([3, 3, 4, 3, 1, 3, 8, 3]):
@@ -689,7 +689,7 @@ def test_a_forward_with_a_python_side_effect_is_not_planned() -> None:
         out = runner(x)
         assert torch.equal(out, 3 * x + 1)
         assert module.last is not None and torch.equal(module.last[:n], 3 * x + 1)
-    assert not runner._plans
+    assert runner.planned_shapes == 0
 
 
 class WritesInput(nn.Module):
@@ -735,7 +735,7 @@ def test_a_planned_step_returns_new_containers_the_caller_may_change(mode: str) 
         assert torch.equal(out["a"], 2 * x) and torch.equal(out["b"][1], x - 1), step
         out.pop("a")
         out["b"].append(out["b"][0])
-    assert len(runner._plans) == 1  # the later steps were planned
+    assert runner.planned_shapes == 1  # the later steps were planned
 
 
 def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way() -> None:
@@ -745,7 +745,8 @@ def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way() -> N
     _, runner = _piecewise_runner()
     runner(torch.ones(3, 3))
     runner(torch.ones(3, 3))
-    (key, plan), = runner._plans.items()
+    plans = runner._stepper.plans  # (a fault injected into the one plan)
+    (key, plan), = plans.items()
     replay = plan.replay
 
     def writes() -> Any:
@@ -753,12 +754,12 @@ def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way() -> N
         runner.buffers["x"][:3].add_(1)
         return out
 
-    runner._plans[key] = dataclasses.replace(plan, replay=writes)
+    plans[key] = dataclasses.replace(plan, replay=writes)
     x = torch.ones(3, 3)
     with runner.stats.expect(inputs_copied_back=1, steps_piecewise=1):
         assert torch.equal(runner(x), torch.full((3, 3), 28.0))
     assert torch.equal(x, torch.full((3, 3), 2.0))
-    assert key not in runner._plans
+    assert key not in plans
     x = torch.ones(3, 3)
     assert torch.equal(runner(x), torch.full((3, 3), 28.0))  # planned again, from scratch
     assert torch.equal(x, torch.ones(3, 3))
@@ -771,7 +772,7 @@ def test_planned_steps_reset_the_padding_an_earlier_shape_wrote() -> None:
     _, runner = _full_runner()
     runner(torch.ones(3, 3))
     runner(torch.ones(3, 3))  # planned: 3 rows padded to 4
-    assert len(runner._plans) == 1
+    assert runner.planned_shapes == 1
     for step, n in enumerate([3, 4, 3, 3, 2, 3, 8, 3]):
         x = torch.randn(n, 3, generator=torch.Generator().manual_seed(step))
         out = runner(x)

@@ -140,8 +140,8 @@ def _ubatch_config(**kw: Any) -> CompilationConfig:
 
 def _ubatch_runner(model: nn.Module, cfg: CompilationConfig) -> GraphRunner:
     runner = _runner(model, cfg)
-    assert runner._ubatch is not None
-    runner._ubatch.timeout_s = 60
+    assert runner.micro_batches is not None
+    runner.micro_batches.timeout_s = 60
     return runner
 
 
@@ -169,15 +169,15 @@ def test_a_failed_micro_batched_capture_leaves_no_trace(phase: str) -> None:
         runner.capture()
     assert FAULTS.fired == [phase]
     _assert_clean(frozen_before)
-    assert runner.report is None and runner._ubatch is not None
-    assert runner._ubatch.captured_descriptors == []
+    assert runner.report is None and runner.micro_batches is not None
+    assert runner.micro_batches.captured_descriptors == []
     assert not model.capture_window.is_open
 
     # the priming warm-up runs split once the model has traced (the failed attempt's did)
     split_warmups = 0 if phase == "trace" else 1
     with model.stats.expect(graphs_captured=1, micro_batched_steps=1 + split_warmups):
         assert runner.capture().num_graphs == 1
-    assert [d.num_tokens for d in runner._ubatch.captured_descriptors] == [8]
+    assert [d.num_tokens for d in runner.micro_batches.captured_descriptors] == [8]
     _check_ubatch_steps(runner, model, seed=500)
     fresh = _ubatch_runner(ff.compile(FaultyModel(), cfg), cfg)
     fresh.capture()

@@ -86,7 +86,8 @@ def _wait_until_blocked_in_acquire(thread: threading.Thread) -> None:
     for _ in range(30_000):
         frame = sys._current_frames().get(thread.ident or -1)
         while frame is not None:
-            if frame.f_code.co_name == "_wait_for_lock":
+            code = frame.f_code
+            if code.co_name == "_wait" and code.co_filename.endswith("lock.py"):
                 return
             frame = frame.f_back
         time.sleep(0.001)

@@ -433,8 +433,8 @@ def _e2e_runner(module: nn.Module) -> tuple[Any, Any]:
     cfg = _e2e_config()
     model = ff.compile(module, cfg)
     runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
-    assert runner._ubatch is not None
-    runner._ubatch.timeout_s = 60
+    assert runner.micro_batches is not None
+    runner.micro_batches.timeout_s = 60
     runner.capture()
     return model, runner
 
@@ -446,14 +446,14 @@ def test_runner_captures_split_full_graph_and_replays_it() -> None:
     eager = CompiledCommModel()
     model = ff.compile(eager, cfg)
     runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False)
-    assert runner._ubatch is not None
-    runner._ubatch.timeout_s = 60
+    assert runner.micro_batches is not None
+    runner.micro_batches.timeout_s = 60
     with model.stats.expect(graphs_captured=1):
         runner.capture()
-    assert runner._ubatch is not None
-    assert [d.num_tokens for d in runner._ubatch.captured_descriptors] == [8]
+    assert runner.micro_batches is not None
+    assert [d.num_tokens for d in runner.micro_batches.captured_descriptors] == [8]
     # split and unsplit graphs share the model's backend, so its one memory pool
-    assert runner._ubatch.backend is model.graph_backend
+    assert runner.micro_batches.backend is model.graph_backend
     # the first (tracing) call ran unsplit, outside any micro-batch thread
     assert model.stats.micro_batch_unsplit_first_calls == 1
 

@@ -248,3 +248,30 @@ def test_an_exception_forward_raises_itself_reaches_the_caller_as_it_is() -> Non
     assert model.num_traces == 0
     assert torch.equal(model(torch.ones(2, 4)), torch.full((2, 4), 2.0))  # traces then
     assert model.num_traces == 1
+
+
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def test_many_compiled_models_of_a_class_leave_its_code_to_torch_compile() -> None:
+    """Each trace used to leave a compiled entry on forward's code object, which every
+    instance shares: after eight compiled models of a class, a plain torch.compile of the
+    class hit Dynamo's recompile limit. Traces run over a private copy of the code."""
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager", splitting_ops=[],
+                               cudagraph_mode="none", use_cache=False)
+    x = torch.randn(3, 4)
+    for _ in range(10):
+        model = ff.compile(_Small(), cfg)
+        model(x)
+    code = _Small.forward.__code__
+    assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) == []
+    module = _Small()
+    compiled = torch.compile(module, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x))

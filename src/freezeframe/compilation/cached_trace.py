@@ -158,7 +158,7 @@ class ModelCache:
         func = getattr(getattr(self._model.module, "forward", None), "__func__", None)
         if not codes or func is None:
             return None
-        if codes[0] is func.__code__:
+        if codes[0] == func.__code__:  # (a private copy of it: see TraceOnce)
             return "forward"
         if codes[0] is _wrapped_frame_code():
             return "wrapped"

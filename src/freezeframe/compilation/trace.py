@@ -268,12 +268,29 @@ class TraceOnce:
                         "typical)")
                 torch._dynamo.mark_dynamic(value, d % value.dim())
 
+    def _private_forward(self) -> tuple[Callable[..., Any], types.CodeType | None]:
+        """``module.forward`` bound over a copy of its code object, and that copy.
+
+        Dynamo keeps what it compiles on the code object it ran, which every instance of the
+        class shares: each trace would leave an entry there, and after eight of them (eight
+        compiled models of one class in a process) a plain ``torch.compile`` of the class
+        hits Dynamo's recompile limit. Traced over a private copy of the code, nothing is left
+        on the class's own."""
+        func = self._forward_func
+        if func is None or not isinstance(getattr(func, "__code__", None), types.CodeType):
+            return self._module.forward, getattr(func, "__code__", None)
+        private = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__,
+                                     func.__defaults__, func.__closure__)
+        private.__kwdefaults__ = func.__kwdefaults__
+        private.__qualname__ = func.__qualname__
+        return types.MethodType(private, self._module), private.__code__
+
     def first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Trace (through ``backend``), run once, and capture the bytecode for later calls."""
         from torch._dynamo import convert_frame
 
         self._mark_dynamic(args, kwargs)
-        code = getattr(self._forward_func, "__code__", None)
+        forward, code = self._private_forward()
         captured: list[types.CodeType] = []
 
         def hook(old: types.CodeType, new: types.CodeType) -> types.CodeType | None:
@@ -293,7 +310,7 @@ class TraceOnce:
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
         handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
-        self._compiled = torch.compile(self._module.forward, fullgraph=True, dynamic=False,
+        self._compiled = torch.compile(forward, fullgraph=True, dynamic=False,
                                        backend=observing_backend,
                                        options={"guard_filter_fn": drop_and_record})
         try:

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
-from freezeframe.errors import ConfigError
+from freezeframe.errors import ConfigError, InputMismatchError, ShapeOutOfRangeError
 
-__all__ = ["InputKind", "InputSpec", "Requests", "Static", "Tokens"]
+__all__ = ["STEP_OPTIONS", "InputChecker", "InputKind", "InputSpec", "Requests", "Static", "Tokens",
+           "input_specs"]
 
 InputKind = Literal["tokens", "requests", "static"]
 _KINDS = ("tokens", "requests", "static")
@@ -112,3 +114,138 @@ def Static(*shape: int, dtype: torch.dtype = torch.float32,
            fill: bool | int | float = 0) -> InputSpec:
     """A fixed-shape input copied whole each step (its shape never changes)."""
     return InputSpec("static", tuple(shape), dtype, fill)
+
+# Keyword arguments of GraphRunner.__call__; an input may not take one of these names.
+STEP_OPTIONS = frozenset({"uniform_decode", "has_lora", "num_active_loras", "num_reqs",
+                          "invalid_modes", "extras"})
+
+
+def input_specs(inputs: Any) -> dict[str, InputSpec]:
+    """``inputs`` checked (identifiers, not step options, at least one ``Tokens``) and named."""
+    if not isinstance(inputs, Mapping) or not inputs:
+        raise ConfigError("inputs: give a mapping of input name -> ff.runtime.Tokens(...) / "
+                          "Requests(...) / Static(...), with at least one Tokens input")
+    specs: dict[str, InputSpec] = {}
+    for name, spec in inputs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"inputs: name {name!r} is not a Python identifier")
+        if name in STEP_OPTIONS:
+            raise ConfigError(f"inputs: name {name!r} is reserved for a step option "
+                              f"({sorted(STEP_OPTIONS)}); rename the input")
+        if not isinstance(spec, InputSpec):
+            raise ConfigError(f"inputs[{name!r}]: expected ff.runtime.Tokens(...), "
+                              f"Requests(...) or Static(...), got {spec!r}")
+        specs[name] = spec.named(name)
+    if not any(s.kind == "tokens" for s in specs.values()):
+        raise ConfigError("inputs: at least one input must be Tokens(...): the runner reads "
+                          "the step size from the token dimension")
+    return specs
+
+
+
+
+class InputChecker:
+    """A runner's step inputs bound to their names and checked against their specs: the one
+    place a step's token and request counts come from."""
+
+    def __init__(self, specs: Mapping[str, InputSpec], device: torch.device, *,
+                 max_num_tokens: int, max_num_seqs: int, query_len: int) -> None:
+        self.specs = specs
+        self.device = device
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.query_len = query_len  # tokens per request of a uniform decode step
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        names = list(self.specs)
+        if len(args) > len(names):
+            raise InputMismatchError(
+                f"step got {len(args)} positional inputs but the runner has {len(names)} "
+                f"({names})")
+        values = dict(zip(names, args, strict=False))
+        for name, value in kwargs.items():
+            if name not in self.specs:
+                raise InputMismatchError(f"step got an unknown input {name!r}; the runner's "
+                                         f"inputs are {names}")
+            if name in values:
+                raise InputMismatchError(f"input {name!r} given both by position and by name")
+            values[name] = value
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise InputMismatchError(f"step is missing input(s) {missing}; the runner's inputs "
+                                     f"are {names}")
+        return values
+
+    def validate(self, values: Mapping[str, Any], num_reqs: int | None,
+                  uniform_decode: bool) -> tuple[int, int | None]:
+        """Check every input against its spec; the step's token and request counts."""
+        tokens: tuple[str, int] | None = None
+        reqs: tuple[str, int] | None = None
+        for name, spec in self.specs.items():
+            n = self._check(name, spec, values[name])
+            if n is None:
+                continue
+            seen, what = (tokens, "tokens") if spec.kind == "tokens" else (reqs, "requests")
+            if seen is not None and seen[1] != n:
+                raise InputMismatchError(
+                    f"inputs {seen[0]!r} and {name!r} disagree on the number of {what}: "
+                    f"{seen[1]} vs {n}")
+            if spec.kind == "tokens":
+                tokens = tokens or (name, n)
+            else:
+                reqs = reqs or (name, n)
+        assert tokens is not None  # construction requires a Tokens input
+        num_tokens = tokens[1]
+        max_tokens = self.max_num_tokens
+        if not 1 <= num_tokens <= max_tokens:
+            raise ShapeOutOfRangeError(
+                f"input {tokens[0]!r} has {num_tokens} tokens; a step needs 1..max_num_tokens="
+                f"{max_tokens} tokens (split larger batches or raise max_num_tokens)")
+        if reqs is not None and num_reqs is not None and num_reqs != reqs[1]:
+            raise InputMismatchError(
+                f"num_reqs={num_reqs} disagrees with input {reqs[0]!r}, which has {reqs[1]} rows")
+        count = reqs[1] if reqs is not None else num_reqs
+        if count is not None:
+            self._check_requests(count, num_tokens, uniform_decode)
+        return num_tokens, count
+
+    def _check(self, name: str, spec: InputSpec, t: Any) -> int | None:
+        """Refuse a value that does not fit its spec; its row count (None for a static one)."""
+        if not isinstance(t, torch.Tensor):
+            raise InputMismatchError(
+                f"input {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != spec.dtype:
+            raise InputMismatchError(
+                f"input {name!r}: expected dtype {spec.dtype}, got {t.dtype}; convert it "
+                f"(tensor.to({spec.dtype})) or declare the input with dtype={t.dtype}")
+        if t.device != self.device:
+            raise InputMismatchError(
+                f"input {name!r}: expected device {self.device}, got {t.device}; move it "
+                f"first (tensor.to({str(self.device)!r}))")
+        if spec.kind == "static":
+            if tuple(t.shape) != spec.shape:
+                raise InputMismatchError(
+                    f"input {name!r}: static input expected shape {list(spec.shape)}, got "
+                    f"{list(t.shape)}")
+            return None
+        if t.dim() != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape:
+            raise InputMismatchError(
+                f"input {name!r}: expected shape [{spec.kind}, "
+                f"{', '.join(map(str, spec.shape))}]".replace(", ]", "]")
+                + f", got {list(t.shape)}; the trailing shape must be {list(spec.shape)}")
+        return int(t.shape[0])
+
+    def _check_requests(self, count: int, num_tokens: int, uniform_decode: bool) -> None:
+        if not 0 <= count <= self.max_num_seqs:
+            raise ShapeOutOfRangeError(
+                f"step has {count} requests; at most max_num_seqs="
+                f"{self.max_num_seqs} fit the request buffers")
+        if count > num_tokens:
+            raise InputMismatchError(
+                f"step has {count} requests but only {num_tokens} tokens; every request "
+                "needs at least one token")
+        q = self.query_len
+        if uniform_decode and count * q != num_tokens:
+            raise InputMismatchError(
+                f"uniform_decode=True needs num_tokens == num_reqs * {q}, got {num_tokens} "
+                f"tokens for {count} requests")

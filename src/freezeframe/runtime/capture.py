@@ -1,0 +1,569 @@
+"""A runner's capture transaction: eager, lazy and background, one way each key is captured.
+
+Capturing a key is one transaction (:meth:`Capturer.capture_key`)::
+
+    fill the buffers with a dummy step of the key's size (every row holds the fill value)
+    warm up: the configured passes without a graph; at least one before the first capture,
+        before each concrete compile size, and, where the backend only records (cuda),
+        before every key's first capture (lazy set-up never happens inside a capture)
+    capture: the same pass in the key's mode, the model's capture window open
+    note which inputs the capture wrote (a CUDA replay writes without moving version counters)
+    and the output leaves' dim 0 at this size (the output cut learns what follows the size)
+
+around which every policy keeps the same rules: the model's buffers the dummy steps wrote are
+restored afterwards, the input buffers refilled, and a capture that raises frees every graph
+it made and leaves the runner serving without graphs until a capture succeeds.
+
+* eager (:meth:`Capturer.capture_all`): every key the dispatcher owns, PIECEWISE then FULL,
+  largest first, under a frozen garbage collector; with a graph-memory budget the sizes the
+  prediction is made from go first and the rest only within the budget;
+* lazy: a key's ``lazy_warmups + 1``-th step captures it (:meth:`Capturer.deferred_step`);
+* background: a thread captures the pending keys, one per hold of the runner's lock.
+
+Before ``capture()``, a step of a key nothing ran yet runs without a graph where the backend
+only records (:meth:`Capturer.warms_up_first`): the next step of the key captures it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from freezeframe.batch import BatchDescriptor
+from freezeframe.config import CompilationConfig, CUDAGraphMode
+from freezeframe.errors import CaptureError, FreezeframeError, GraphMemoryBudgetError
+from freezeframe.graphs.capturable import Capturable
+from freezeframe.graphs.wrapper import GraphWrapper
+from freezeframe.runtime.buffers import SavedBuffers
+from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures, GraphKey
+from freezeframe.runtime.dispatcher import Dispatcher
+from freezeframe.runtime.forward import ModelForward
+from freezeframe.runtime.graph_memory import (
+    GraphMemoryPrediction,
+    format_bytes,
+    measurement_plan,
+    predict_graph_memory,
+)
+from freezeframe.runtime.lock import StepLock
+from freezeframe.runtime.outputs import OutputCut
+from freezeframe.runtime.progress import capture_progress
+from freezeframe.runtime.report import CaptureReport, GraphCapture
+from freezeframe.stats import Stats
+
+__all__ = ["CaptureOptions", "Capturer"]
+
+# the runner's logger: its messages are GraphRunner's, filtered by that name
+logger = logging.getLogger("freezeframe.runtime.runner")
+
+_NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """The runner's options about capture (see :class:`~freezeframe.runtime.GraphRunner`)."""
+
+    policy: CapturePolicy
+    lazy_warmups: int
+    budget: int | None
+    progress: bool
+
+
+class Capturer:
+    """Owns what a runner captured and how: the report, the keys still deferred, the inputs
+    each graph writes, the warm-up bookkeeping (see the module docstring)."""
+
+    def __init__(self, model: Any, held: Capturable | None, config: CompilationConfig,
+                 dispatcher: Dispatcher, device: torch.device, stats: Stats,
+                 forward: ModelForward, cut: OutputCut, lock: StepLock,
+                 options: CaptureOptions, graphs_available: bool) -> None:
+        self.model, self._held, self._config = model, held, config
+        self._dispatcher, self._device, self._stats = dispatcher, device, stats
+        self._forward, self._cut, self._lock, self._options = forward, cut, lock, options
+        self._graphs_available = graphs_available
+        self.report: CaptureReport | None = None
+        # (mode, descriptor) -> the inputs its graph writes into, seen at capture
+        self.graph_writes: dict[GraphKey, frozenset[str]] = {}
+        # a capture failed (and freed its graphs): steps run without graphs until one succeeds
+        self.capture_failed = False
+        # capture() found compiling disabled for the process: nothing captured, steps eager
+        self.compile_disabled = False
+        self.deferred: DeferredCaptures | None = None
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
+        # sizes and graph keys that ran eagerly before their first capture (see _num_warmups)
+        self._primed_sizes: set[int] = set()
+        self._primed_keys: set[GraphKey] = set()
+        # graph wrappers that held graphs before this runner existed (low-level calls on other
+        # tensors): capture() frees them; graphs this runner's steps captured are kept
+        self._foreign: list[GraphWrapper] = [
+            w for w in held.graph_wrappers() if w.captured_descriptors] \
+            if held is not None else []
+
+    # -- the eager policy -------------------------------------------------------------------
+    def capture_all(self) -> CaptureReport:
+        """capture(): see :meth:`~freezeframe.runtime.GraphRunner.capture`."""
+        if self.report is not None:
+            logger.info("GraphRunner.capture: graphs already captured; returning the report")
+            return self.report
+        groups = self._dispatcher.capture_descriptors() if self._graphs_available else []
+        device_name = str(self._device)
+        if not groups:
+            reason = ("cudagraph_mode is NONE" if self._config.cudagraph_mode is _NONE
+                      else "no graph backend is available")
+            logger.info("GraphRunner.capture: nothing to capture (%s)", reason)
+            self.report = CaptureReport(device=device_name)
+            return self.report
+        if self._held is not None and torch._dynamo.config.disable:
+            # the process runs without compiling (TORCH_COMPILE_DISABLE=1): so does this runner
+            logger.warning("GraphRunner.capture: compiling is disabled for the process "
+                           "(TORCH_COMPILE_DISABLE=1 or torch._dynamo.config.disable), so no "
+                           "graph is captured and every step runs eagerly")
+            self.compile_disabled = True
+            self.report = CaptureReport(device=device_name)
+            return self.report
+        self._refuse_if_compiling_is_off()
+        self._drop_foreign_graphs()
+        keys = [(mode, desc) for mode, descs in groups for desc in descs]
+        if self._options.policy is not CapturePolicy.EAGER:
+            return self._defer(keys, device_name)
+        return self._capture_keys(keys, device_name)
+
+    def _capture_keys(self, keys: list[GraphKey], device_name: str) -> CaptureReport:
+        budget = self._options.budget
+        # With a budget the sizes measured for the prediction go first (see capture())
+        probes = measurement_plan(keys) if budget is not None else []
+        prediction: GraphMemoryPrediction | None = None
+        records: list[GraphCapture] = []
+        with self._transaction(frozen_gc=True) as used_before, capture_progress(
+                len(keys), self._options.progress) as bar:
+            for key in probes:
+                records.append(self.capture_key(key))
+                bar.update(1)
+            if budget is not None:
+                prediction = self._predict(keys, records, used_before)
+                if prediction.total_bytes > budget:
+                    raise GraphMemoryBudgetError(
+                        self._over_budget(budget, prediction, len(records)))
+            measured = set(probes)
+            for key in keys:
+                if key not in measured:
+                    records.append(self.capture_key(key))
+                    bar.update(1)
+            if self._on_cuda:
+                torch.cuda.synchronize(self._device)
+            seconds = time.perf_counter() - self._started
+            used_after = self._graph_memory_in_use()
+        self._cut.classify()
+        if prediction is None and self._graphs_account_memory():
+            # emulated graphs do not depend on the capture order: the prediction the same
+            # measured sizes would have made, for the report's predicted-vs-actual columns
+            prediction = self._predict(keys, records, None)
+        if prediction is not None:
+            probed = set(probes) if probes else set(measurement_plan(keys))
+            records = [dataclasses.replace(
+                r, predicted_bytes=prediction.for_key(r.mode, r.descriptor).predicted_bytes,
+                probe=(r.mode, r.descriptor) in probed) for r in records]
+        report = CaptureReport(graphs=tuple(records), seconds=seconds,
+                               memory_bytes=max(0, used_after - used_before),
+                               device=device_name, prediction=prediction, budget_bytes=budget)
+        self.report = report
+        logger.info("GraphRunner: %s", report.summary())
+        return report
+
+    def set_budget(self, budget: int | None) -> None:
+        self._options = dataclasses.replace(self._options, budget=budget)
+
+    @property
+    def _on_cuda(self) -> bool:
+        return self._device.type == "cuda"
+
+    @contextlib.contextmanager
+    def _transaction(self, frozen_gc: bool, key: GraphKey | None = None) -> Iterator[int]:
+        """Around one capture (eager: all keys; lazy and background: one): the model's window
+        open, the garbage collector frozen (or paused), and, whatever happens, the dummy
+        steps undone; a failure frees every graph it made. Yields the graph memory in use at
+        the start (see :meth:`_graph_memory_in_use`)."""
+        window = self._held.capture_window if self._held is not None else None
+        # Copied aside before the clock and the memory baseline start: the report measures
+        # graphs, not the copies.
+        saved = SavedBuffers(self.model)
+        self._started = time.perf_counter()
+        if frozen_gc and self._on_cuda:
+            torch.cuda.synchronize(self._device)
+            torch.cuda.empty_cache()
+        used_before = self._graph_memory_in_use()
+        if frozen_gc:
+            self._stats.inc("capture_runs")
+        primed = (set(self._primed_sizes), set(self._primed_keys))
+        stream = torch.cuda.current_stream(self._device) if self._on_cuda else None
+        if frozen_gc:
+            self._cut.forget()
+        try:
+            with contextlib.ExitStack() as stack:
+                if window is not None and frozen_gc:
+                    # capture(): open now and closed after, so that a later step reaching an
+                    # uncaptured key raises instead of capturing mid-serving
+                    window.open()
+                    stack.callback(window.close)
+                elif window is not None:
+                    stack.enter_context(window.opened())  # one lazy capture: as it was after
+                stack.enter_context(_gc_frozen() if frozen_gc else _gc_paused())
+                yield used_before
+        except BaseException:
+            self._forget_failed_capture(primed, stream)
+            if key is not None and self.deferred is not None:
+                self.deferred.failed_on(key)
+            else:
+                self.capture_failed = True
+            raise
+        finally:
+            self._undo_dummy_steps(saved)
+        self.capture_failed = False
+
+    def capture_key(self, key: GraphKey, error_mode: str = "global") -> GraphCapture:
+        """Warm up and capture one key (see the module docstring); inside a transaction."""
+        mode, desc = key
+        forward, static = self._forward, self._forward.static
+        tokens, reqs = static.fill_dummy(desc, self._config.max_num_seqs)
+        # FULL graphs of split sizes are captured split (warm-ups split too)
+        plan = forward.micro_batches(None, tokens, reqs, tokens, reqs, desc.uniform) \
+            if mode is _FULL else None
+        used_before = self._graph_memory_in_use()
+        t0 = time.perf_counter()
+        for _ in range(self._num_warmups(mode, desc)):
+            forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
+            self._stats.inc("warmups")
+        if self._on_cuda:
+            torch.cuda.synchronize(self._device)
+        versions = static.versions()
+        out = forward(mode, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True,
+                      error_mode=error_mode)
+        self._cut.record(out, tokens, reqs)
+        if self._on_cuda:
+            torch.cuda.synchronize(self._device)
+        self.graph_writes[key] = frozenset(
+            name for (name, _kind, buf), before in zip(static.slots, versions, strict=True)
+            if buf._version != before)
+        self._stats.inc("captures")
+        seconds = time.perf_counter() - t0
+        return GraphCapture(mode=mode, descriptor=desc, seconds=seconds,
+                            memory_bytes=max(0, self._graph_memory_in_use() - used_before))
+
+    # -- steps before capture(), lazy and background ---------------------------------------
+    def records_only(self) -> bool:
+        """Whether the graph backend only records kernels when it captures (``cuda``), so code
+        that first runs inside a capture would do its lazy set-up there (a Triton kernel's
+        compile and autotuning, cuBLAS handles and workspaces, Inductor's first launch): work
+        a capture cannot hold. ``emulated`` captures by running, as eager code does."""
+        backend = self._held.graph_backend if self._held is not None else None
+        if backend is not None:
+            return not backend.capture_computes
+        return self._on_cuda
+
+    def warms_up_first(self, key: GraphKey) -> bool:
+        """A step of ``key`` before capture(): whether it runs without a graph, as the key's
+        warm-up (counted in ``warmups``), because no pass ran its code yet and the backend
+        only records; the next step of the key captures it."""
+        if self.report is not None or key in self._primed_keys or not self.records_only():
+            return False
+        self._primed_keys.add(key)
+        self._primed_sizes.add(key[1].num_tokens)
+        self._stats.inc("warmups")
+        return True
+
+    def deferred_step(self, key: GraphKey) -> str | None:
+        """A step of ``key`` whose graph the lazy or background policy has not captured:
+        capture it now when the lazy policy says it is due (None: the graph is there), else
+        the reason the step runs without a graph."""
+        deferred = self.deferred
+        assert deferred is not None
+        if self._options.policy is CapturePolicy.LAZY and deferred.due(key):
+            self._capture_deferred(key)
+            return None
+        return "capture_failed" if key in deferred.failed else "not_captured"
+
+    def _defer(self, order: list[GraphKey], device_name: str) -> CaptureReport:
+        """capture() of the lazy and background policies: learn how the outputs follow the
+        padded size from two eager dummy steps, then leave the graphs to the steps (lazy) or
+        to a thread (background)."""
+        sizes = sorted({desc.num_tokens for _, desc in order})[:2]
+        probes = [next(d for _, d in order if d.num_tokens == n) for n in sizes]
+        saved = SavedBuffers(self.model)
+        self._cut.forget()
+        try:
+            for desc in probes:
+                tokens, reqs = self._forward.static.fill_dummy(desc, self._config.max_num_seqs)
+                out = self._forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, None,
+                                    capturing=True)
+                self._cut.record(out, tokens, reqs)
+                self._stats.inc("warmups")
+        finally:
+            self._undo_dummy_steps(saved)
+        self._cut.classify()
+        self.deferred = DeferredCaptures(order, self._options.lazy_warmups)
+        self.report = CaptureReport(device=device_name)
+        if self._options.policy is CapturePolicy.BACKGROUND:
+            self._start_background()
+        logger.info("GraphRunner: %d graphs left to capture (%s)", len(order),
+                    self._options.policy.value)
+        return self.report
+
+    def _capture_deferred(self, key: GraphKey, error_mode: str = "global") -> None:
+        """Capture one graph key, holding the runner's lock (a step's or the background
+        thread's), as capture() captures each of its keys."""
+        assert self.deferred is not None and self.report is not None
+        with self._transaction(frozen_gc=False, key=key):
+            record = self.capture_key(key, error_mode)
+        self.deferred.captured(key)
+        self._cut.classify()
+        report = self.report
+        self.report = dataclasses.replace(
+            report, graphs=(*report.graphs, record), seconds=report.seconds + record.seconds,
+            memory_bytes=report.memory_bytes + record.memory_bytes)
+
+    def _start_background(self) -> None:
+        thread = threading.Thread(target=self._capture_behind,
+                                  name="freezeframe-background-capture", daemon=True)
+        self._background = thread
+        thread.start()
+
+    def _capture_behind(self) -> None:
+        """The background thread: capture every pending key in order, one per lock hold."""
+        deferred = self.deferred
+        assert deferred is not None
+        self._lock.background = threading.get_ident()
+        while True:
+            self._lock.hold()
+            try:
+                key = deferred.next()
+                if key is None:
+                    return
+                self._capture_deferred(key, error_mode="thread_local")
+            except BaseException as exc:
+                self._background_error = exc
+                logger.warning("GraphRunner: background capture stopped: %s: %s "
+                               "(wait_for_capture() raises it)", type(exc).__name__, exc)
+                return
+            finally:
+                self._lock.exit()
+            time.sleep(0)  # let a waiting step have the lock before the next capture
+
+    def wait(self, timeout: float | None) -> CaptureReport:
+        """wait_for_capture(): see :meth:`~freezeframe.runtime.GraphRunner.wait_for_capture`."""
+        if self.report is None:
+            raise FreezeframeError("wait_for_capture() before capture(); call "
+                                   "runner.capture() first")
+        if self._background is not None:
+            self._background.join(timeout)
+            if self._background.is_alive():
+                raise TimeoutError(f"background capture still running after {timeout} s "
+                                   f"({self.pending} graphs left)")
+        if self._background_error is not None:
+            raise self._background_error
+        return self.report
+
+    @property
+    def pending(self) -> int:
+        return self.deferred.num_pending if self.deferred is not None else 0
+
+    # -- after every graph was dropped (parameters replaced) ---------------------------------
+    def again(self) -> None:
+        """Capture the keys again as the policy does (eager: all of them now; lazy and
+        background: each pending again); before capture(), nothing (steps capture)."""
+        if self.report is None:
+            return
+        if self.deferred is not None:
+            self.deferred.restart()
+            if self._options.policy is CapturePolicy.BACKGROUND and (
+                    self._background is None or not self._background.is_alive()):
+                self._start_background()
+            return
+        self.graph_writes.clear()
+        self.report = None
+        self.capture_all()
+
+    # -- the rules around a transaction ----------------------------------------------------
+    def _refuse_if_compiling_is_off(self) -> None:
+        off = self._held.compile_off_reason if self._held is not None else None
+        if off is not None:
+            raise CaptureError(
+                f"GraphRunner.capture: {off}, so the model runs eagerly and would capture no "
+                "graph. Call capture() where compiling is on (outside torch.compiler."
+                "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
+                "run eagerly meanwhile")
+
+    def _forget_failed_capture(self, primed: tuple[set[int], set[GraphKey]],
+                               stream: Any) -> None:
+        """Undo a capture attempt that raised, so that a retry starts as the first attempt
+        did: the graphs it stored (some may hold a half-recorded capture) are freed, the sizes
+        it primed count as unprimed (a failed first call may have left the model untraced),
+        and the caller's CUDA stream is current again."""
+        self._stats.inc("capture_failures")
+        self._primed_sizes, self._primed_keys = primed
+        self.graph_writes.clear()
+        if self._held is not None:
+            for wrapper in self._held.graph_wrappers():
+                wrapper.clear()
+        if self._forward.ubatch is not None:
+            self._forward.ubatch.clear()
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+        logger.warning("GraphRunner.capture failed; its graphs were freed, and capture() may "
+                       "be called again")
+
+    def _drop_foreign_graphs(self) -> None:
+        """Free graphs the model captured before this runner existed: they read the caller's
+        tensors, not this runner's static buffers, so each replay would copy the step's
+        inputs into them."""
+        foreign = [w for w in self._foreign if w.captured_descriptors]
+        self._foreign = []
+        if foreign:
+            logger.warning("GraphRunner.capture: the model already held graphs captured outside "
+                           "this runner (%d wrappers); they read other tensors, so they are "
+                           "freed and captured again on the runner's buffers", len(foreign))
+            for wrapper in foreign:
+                wrapper.clear()
+            self._stats.inc("foreign_graphs_dropped", len(foreign))
+
+    def _num_warmups(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> int:
+        """The configured warm-ups, but at least one eager pass before the very first capture
+        and before the first capture of each concrete compile size: tracing and compiling must
+        happen outside any capture (a capture records kernels; Dynamo cannot trace under the
+        emulated recorder, and compiling inside a CUDA capture is not allowed). Where the
+        backend only records (``cuda``), at least one before the first capture of every graph
+        key as well: each key may reach code no earlier pass ran (another compile range, an
+        attention kernel's specialisation for this many requests, a micro-batch slice at a
+        new offset)."""
+        n = self._config.cudagraph_num_of_warmups
+        num_tokens = desc.num_tokens
+        first_sight = num_tokens not in self._primed_sizes
+        self._primed_sizes.add(num_tokens)
+        new_key = (mode, desc) not in self._primed_keys
+        self._primed_keys.add((mode, desc))
+        if new_key and self.records_only():
+            return max(n, 1)
+        if first_sight and (len(self._primed_sizes) == 1
+                            or num_tokens in (self._config.compile_sizes or ())):
+            return max(n, 1)
+        if self._held is not None and not self._held.traced:  # its first call has not succeeded
+            return max(n, 1)
+        return n
+
+    def _undo_dummy_steps(self, saved: SavedBuffers) -> None:
+        """After warm-ups and captures: refill the input buffers (the dummy steps wrote their
+        rows, and the model may have too) and restore the model's buffers they wrote into (a
+        running count, a cache): eagerly, those steps never happened."""
+        self._forward.static.reset_padding()
+        restored = saved.restore()
+        if restored:
+            self._stats.inc("buffers_restored", restored)
+
+    # -- graph memory (graph_memory.py) -----------------------------------------------------
+    def _graphs_account_memory(self) -> bool:
+        """Whether the model's graphs count their own memory (``emulated``: each graph holds
+        its own tensors) rather than living in a CUDA pool only the allocator shows."""
+        backend = self._held.graph_backend if self._held is not None else None
+        return backend is not None and backend.name != "cuda"
+
+    def _graph_memory_in_use(self) -> int:
+        """A reading whose growth over a capture is the graph memory it added: the bytes the
+        emulated graphs hold (each keeps its own tensors, so graphs add up); on CUDA the
+        segments of the shared graph pool, read from the caching allocator (free memory also
+        moves with cuBLAS workspaces and warm-up caches); minus the free memory for a model
+        whose graphs the runner cannot see."""
+        if self._graphs_account_memory():
+            assert self._held is not None
+            held = sum(w.memory_bytes() for w in self._held.graph_wrappers())
+            ubatch = self._forward.ubatch
+            return held + (ubatch.memory_bytes() if ubatch is not None else 0)
+        backend = self._held.graph_backend if self._held is not None else None
+        if backend is not None and self._on_cuda:
+            index = self._device.index
+            pooled = backend.pool_bytes(index if index is not None
+                                        else torch.cuda.current_device())
+            if pooled is not None:
+                return pooled
+        return -_free_memory(self._device)
+
+    def _predict(self, keys: list[GraphKey], records: Sequence[GraphCapture],
+                 used_before: int | None) -> GraphMemoryPrediction:
+        """Predict every key's graph memory from the measured probes (measurement_plan).
+
+        Emulated: each probe's own bytes. CUDA (``used_before`` given): the pool's growth
+        since the capture began, at the end of each probe's capture. The probes are captured
+        smallest first, so the later probe of a family reuses the earlier's blocks and its own
+        delta understates it; the growth so far is its footprint when it is the largest graph
+        yet, and an overestimate otherwise, the safe side for a budget."""
+        wanted = set(measurement_plan(keys))
+        measured: dict[GraphKey, int] = {}
+        pooled = not self._graphs_account_memory()
+        grown = 0
+        for record in records:
+            grown += record.memory_bytes
+            key = (record.mode, record.descriptor)
+            if key in wanted:
+                measured[key] = grown if pooled and used_before is not None \
+                    else record.memory_bytes
+        return predict_graph_memory(keys, measured, pooled=pooled)
+
+    @staticmethod
+    def _over_budget(budget: int, prediction: GraphMemoryPrediction, measured: int) -> str:
+        largest = "; ".join(p.describe() for p in prediction.largest(3))
+        sizes = sorted({p.descriptor.num_tokens for p in prediction.sizes})
+        return (
+            f"graph_memory_budget={budget} bytes ({format_bytes(budget)}): capturing the "
+            f"{len(prediction.sizes)} graphs of capture sizes {sizes} is predicted to need "
+            f"{prediction.total_bytes} bytes ({format_bytes(prediction.total_bytes)}, "
+            f"{'one shared pool' if prediction.pooled else 'summed over graphs'}), from the "
+            f"{measured} smallest graphs, captured and measured first. Largest: {largest}. "
+            "Nothing was kept (the measured graphs were freed). Fix: capture fewer or smaller "
+            "sizes (cudagraph_capture_sizes, max_cudagraph_capture_size), choose sizes under the "
+            "budget with `freezeframe plan`, or raise graph_memory_budget")
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Collect once, then freeze every surviving object out of the collector's reach for the
+    duration, so the many short-lived objects of capture never trigger a full collection.
+
+    ``gc.unfreeze()`` cannot tell our frozen objects from the caller's, so when the caller has
+    frozen some already (a server calling ``gc.freeze()`` after start-up) the collector is
+    paused instead, and left as it was found."""
+    gc.collect()
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+        return
+    with _gc_paused():
+        yield
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The collector paused for one capture during serving (no collection first: a lazy or
+    background capture must not stall the steps with a full collection)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
