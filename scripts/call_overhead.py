@@ -352,7 +352,7 @@ def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
         model, runner, desc = _captured_runner(Chain(k), {"x": Tokens()}, args, [LEAN_OP],
                                                ff.CUDAGraphMode.PIECEWISE)
         runner(*args)
-        assert len(runner._plans) == 1, "the step was not planned"
+        assert runner.planned_shapes == 1, "the step was not planned"
         graphs = [w.graph_for(desc) for w in model.graph_wrappers()]
         assert len(graphs) == k + 1 and all(g is not None for g in graphs)
         for graph in graphs:

@@ -202,22 +202,23 @@ class Stepper:
         self._generation = held.graph_generation if held is not None else 0
 
     # -- a planned step ---------------------------------------------------------------------
-    def planned(self, call: StepCall) -> Any:
-        """The step run from its shape's plan, or :data:`STALE` (no plan, or it no longer
-        holds): the caller takes the whole way."""
-        if not self.plans or not call.plannable or self.model_hooked():
+    def planned(self, args: tuple[Any, ...], num_reqs: int | None,
+                uniform_decode: bool) -> Any:
+        """A step with only the options a plan covers, run from its shape's plan, or
+        :data:`STALE` (no plan, or it no longer holds): the caller takes the whole way."""
+        if not self.plans or self.model_hooked():
             return STALE
-        key = plan_key(call.args, call.num_reqs, call.uniform_decode)
+        key = plan_key(args, num_reqs, uniform_decode)
         plan = self.plans.get(key)
         if plan is None or (self._verifier is not None
                             and self._verifier.due(plan.graph_key)):
             return STALE
-        self._static.stage_into(plan.staging, call.args)
+        self._static.stage_into(plan.staging, args)
         self.sizes[plan.num_tokens] += 1  # the first step of the shape put it there
         if plan.context is None:
             out = self._run_full_plan(key, plan)
         else:
-            out = self._run_piecewise_plan(key, plan, call.args, plan.context)
+            out = self._run_piecewise_plan(key, plan, args, plan.context)
         if out is STALE:
             return out
         return self._copied(out)

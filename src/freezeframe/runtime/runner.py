@@ -279,8 +279,6 @@ class GraphRunner:
         Steps (and :meth:`capture`) hold the runner's lock, so concurrent calls run one after
         the other; see the class docstring for what that means for the returned tensors.
         """
-        call = StepCall(args, kwargs, uniform_decode, has_lora, num_active_loras, num_reqs,
-                        invalid_modes, extras, num_scheduled_tokens)
         if self._lock.enter("a step"):
             self._overlapped()
         # Inference only: no autograd graph may hang on the static buffers or graph outputs.
@@ -289,10 +287,14 @@ class GraphRunner:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            out = self._stepper.planned(call)
-            if out is STALE:
-                out = self._stepper.step(call)
-            return out
+            if not (kwargs or extras or invalid_modes or has_lora
+                    or num_scheduled_tokens is not None):  # (options a plan covers)
+                out = self._stepper.planned(args, num_reqs, uniform_decode)
+                if out is not STALE:
+                    return out
+            return self._stepper.step(StepCall(
+                args, kwargs, uniform_decode, has_lora, num_active_loras, num_reqs,
+                invalid_modes, extras, num_scheduled_tokens))
         finally:
             torch._C._set_grad_enabled(grad)
             self._lock.exit()
