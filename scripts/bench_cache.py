@@ -44,7 +44,7 @@ import json, sys
 sys.path.insert(0, {src!r})
 import torch
 t_torch = time.perf_counter()
-from freezeframe.cache.cli import prewarm_spec
+from freezeframe.models.prewarm import prewarm_spec
 {ff_import}
 inductor_load = [0.0]
 if {compiled!r}:

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import freezeframe as ff
-from freezeframe.cache import store as ff_cache
+from freezeframe.cache import files as ff_files
+from freezeframe.cache import inspect as ff_inspect
 from tests.helpers.toy_models import SillyModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,8 +54,8 @@ def _child_code(cache_dir: Path, backend: str, *, model_import: str | None = Non
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop(ff_cache.ENV_DISABLE_CACHE, None)
-    env.pop(ff_cache.ENV_CACHE_DIR, None)
+    env.pop(ff_files.ENV_DISABLE_CACHE, None)
+    env.pop(ff_files.ENV_CACHE_DIR, None)
     return env
 
 
@@ -88,7 +89,7 @@ OUTS = [_expected([0.0, 0.0]), _expected([0.0, 1.0, 2.0, 3.0, 4.0])]
 # -- eager: the saved trace ----------------------------------------------------------------
 def test_eager_warm_start_loads_the_trace_in_process(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager",
                                splitting_ops=["silly::attention"], cudagraph_mode="none",
                                cache_dir=str(tmp_path / "c"))
@@ -104,18 +105,18 @@ def test_eager_warm_start_loads_the_trace_in_process(tmp_path: Path,
     assert [p.is_splitting_op for p in warm.pieces] == [False, True, False, True, False]
 
     # a damaged saved trace is detected, Dynamo traces again and the trace is rewritten
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     trace = entry.path / "trace.bin"
     trace.write_bytes(trace.read_bytes()[:-7])
     again = ff.compile(SillyModel(), cfg, dynamic_arg_dims={"x": 0})
     with again.stats.expect(graphs_traced=1, traces_loaded=0, artifacts_saved=1,
                             artifacts_loaded=0):
         assert again(torch.zeros(2)).tolist() == OUTS[0]
-    ff_cache.unpack_artifact(trace.read_bytes())  # whole again
+    ff_files.unpack_artifact(trace.read_bytes())  # whole again
 
 
 def test_cache_off_touches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager",
                                splitting_ops=["silly::attention"], cudagraph_mode="none",
                                cache_dir=str(tmp_path / "c"), use_cache=False)
@@ -154,7 +155,7 @@ def test_source_change_invalidates_the_trace(tmp_path: Path) -> None:
     third = _run(code)
     assert third["stats"].get("traces_loaded", 0) == 0  # Dynamo traced the new source
     assert third["outs"][0] == [7.0, 7.0]  # 3 * (0 + 2) + 1: never the stale trace
-    assert len(ff_cache.list_entries(tmp_path / "c")) == 2
+    assert len(ff_inspect.list_entries(tmp_path / "c")) == 2
 
 
 # -- Inductor: artifacts ---------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_inductor_cold_then_warm_then_corrupt(tmp_path: Path) -> None:
     assert w["backend_compilations"] == s["backend_compilations"] == 3
 
     # damage one piece: it is detected, recompiled and rewritten; the others still load
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     victim = entry.path / "piece_2_range_1_8192.bin"
     blob = victim.read_bytes()
     victim.write_bytes(blob[: len(blob) // 2])
@@ -182,7 +183,7 @@ def test_inductor_cold_then_warm_then_corrupt(tmp_path: Path) -> None:
     assert fixed["outs"] == OUTS
     f = fixed["stats"]
     assert (f["inductor_compiles"], f["cache_misses"], f["cache_hits"]) == (1, 1, 2)
-    ff_cache.unpack_artifact(victim.read_bytes())  # whole again
+    ff_files.unpack_artifact(victim.read_bytes())  # whole again
 
 
 # One process: PadsAfterOp traced at batch 5, then called at other batch sizes, each output
@@ -216,7 +217,7 @@ def test_inductor_piece_compiled_on_a_warm_start_serves_every_size(tmp_path: Pat
     cold = _run(code)
     assert cold["same"] == [True] * 5
     assert cold["stats"]["inductor_compiles"] == 2
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     pieces = sorted(entry.path.glob("piece_*.bin"))
     assert len(pieces) == 2
     for piece in pieces:
@@ -285,7 +286,7 @@ def test_inductor_layers_compile_once_in_either_format(tmp_path: Path, fmt: str)
     assert w.get("inductor_compiles", 0) == 0 and w.get("cache_misses", 0) == 0
     assert (w["cache_hits"], w["pieces_reused"], w["traces_loaded"]) == (3, 2, 1)
     assert warm["outs"] == cold["outs"]  # bit-identical to the cold start
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     index = json.loads((entry.path / "index.json").read_text())["artifacts"]
     assert sorted(index) == [f"piece_{i}_range_1_64.bin" for i in (0, 2, 8)]
     assert {rec["compiler"] for rec in index.values()} == {f"inductor:{fmt}"}
@@ -299,8 +300,8 @@ def test_inductor_warm_start_runs_no_isa_probe(tmp_path: Path) -> None:
     code = _child_code(tmp_path / "c", "inductor")
     cold = _run(code)
     assert cold["outs"] == OUTS
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
-    header, _ = ff_cache.unpack_artifact((entry.path / "piece_0_range_1_8192.bin").read_bytes())
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
+    header, _ = ff_files.unpack_artifact((entry.path / "piece_0_range_1_8192.bin").read_bytes())
     if platform.machine() not in ("x86_64", "AMD64"):
         assert header["host"] == {"isa": None}  # Inductor probes only on x86
         return

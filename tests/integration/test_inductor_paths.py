@@ -129,7 +129,7 @@ def test_inductor_in_a_root_with_spaces_and_a_damaged_kernel_cache(tmp_path: Pat
     """Inductor builds C++ kernels with a command line that does not quote paths, so its
     cache for such a root lives elsewhere; and a damaged file in Inductor's cache (a truncated
     generated module) empties that cache once instead of failing every later start."""
-    from freezeframe.cache.store import inductor_cache_path
+    from freezeframe.cache.files import inductor_cache_path
 
     root = tmp_path / "with space é"
     cold = run_cached_process(root, "inductor")

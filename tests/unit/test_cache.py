@@ -18,11 +18,14 @@ import pytest
 import torch
 
 import freezeframe as ff
+from freezeframe.cache import entry as ff_entry
+from freezeframe.cache import files as ff_files
+from freezeframe.cache import inspect as ff_inspect
 from freezeframe.cache import key as ff_key
-from freezeframe.cache import store as ff_cache
-from freezeframe.cache.store import CompileCache, CorruptArtifactError
+from freezeframe.cache.entry import CompileCache
+from freezeframe.cache.files import CorruptArtifactError
 from freezeframe.compilation.compilers import config_passes, pass_sources
-from freezeframe.compilation.saved_trace import ValueCheck
+from freezeframe.compilation.guard_checks import ValueCheck
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import CacheError
 from freezeframe.sizes import Range
@@ -43,8 +46,8 @@ class Tiny(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ff_cache.ENV_CACHE_DIR, raising=False)
-    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_CACHE_DIR, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
 
 
 def _config(tmp_path: Path, **kw: object) -> CompilationConfig:
@@ -67,16 +70,16 @@ def _open(tmp_path: Path, *, module: torch.nn.Module | None = None, stats: Stats
 # -- root, switch --------------------------------------------------------------------------
 def test_root_resolution_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert ff_cache.resolve_cache_root(None) == tmp_path / "xdg" / "freezeframe"
-    monkeypatch.setenv(ff_cache.ENV_CACHE_DIR, str(tmp_path / "env"))
-    assert ff_cache.resolve_cache_root(None) == tmp_path / "env"
+    assert ff_files.resolve_cache_root(None) == tmp_path / "xdg" / "freezeframe"
+    monkeypatch.setenv(ff_files.ENV_CACHE_DIR, str(tmp_path / "env"))
+    assert ff_files.resolve_cache_root(None) == tmp_path / "env"
     cfg = CompilationConfig(cache_dir=str(tmp_path / "cfg"))
-    assert ff_cache.resolve_cache_root(cfg) == tmp_path / "cfg"
+    assert ff_files.resolve_cache_root(cfg) == tmp_path / "cfg"
 
 
 def test_switches_turn_the_cache_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert CompileCache.open(_config(tmp_path, use_cache=False)) is None
-    monkeypatch.setenv(ff_cache.ENV_DISABLE_CACHE, "1")
+    monkeypatch.setenv(ff_files.ENV_DISABLE_CACHE, "1")
     assert CompileCache.open(_config(tmp_path)) is None
     assert not (tmp_path / "c").exists()
 
@@ -116,25 +119,25 @@ def test_owned_by_another_user_is_refused(tmp_path: Path,
     real = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: real + 1)
     with pytest.raises(CacheError, match="owned by uid"):
-        ff_cache.check_private_dir(root)
+        ff_files.check_private_dir(root)
 
 
 # -- files ---------------------------------------------------------------------------------
 def test_pack_roundtrip_and_every_corruption_detected() -> None:
-    blob = ff_cache.pack_artifact(b"payload" * 100, {"piece": 3})
-    header, payload = ff_cache.unpack_artifact(blob)
+    blob = ff_files.pack_artifact(b"payload" * 100, {"piece": 3})
+    header, payload = ff_files.unpack_artifact(blob)
     assert payload == b"payload" * 100 and header["piece"] == 3
     flipped = bytearray(blob)
     flipped[-5] ^= 0xFF
     for bad in (blob[:-1], blob + b"x", bytes(flipped), b"", b"garbage" * 10, blob[:20]):
         with pytest.raises(CorruptArtifactError):
-            ff_cache.unpack_artifact(bad)
+            ff_files.unpack_artifact(bad)
 
 
 def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path: Path,
                                                                    monkeypatch) -> None:
     target = tmp_path / "a.bin"
-    ff_cache.atomic_write(target, b"old")
+    ff_files.atomic_write(target, b"old")
     assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
 
     def boom(*a: object) -> None:
@@ -142,7 +145,7 @@ def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path: Pat
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
-        ff_cache.atomic_write(target, b"new")
+        ff_files.atomic_write(target, b"new")
     assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
 
 
@@ -175,7 +178,7 @@ def test_corrupt_artifact_is_a_logged_miss_and_removed(tmp_path: Path, damage: s
     damaged = {"truncate": blob[: len(blob) // 2], "empty": b"", "garbage": b"\x00" * 64,
                "flip": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:]}[damage]
     path.write_bytes(damaged)
-    with caplog.at_level("WARNING", logger="freezeframe.cache.store"):
+    with caplog.at_level("WARNING", logger="freezeframe.cache.files"):
         assert cache.load_artifact(0, Range(1, 8), "g") is None
     assert "corrupt" in caplog.text and str(path) in caplog.text
     assert not path.exists()
@@ -202,9 +205,9 @@ def test_key_is_stable_and_changes_with_each_factor(tmp_path: Path,
     # torch / Inductor factors
     real = ff_key.torch_factors()
     # patched where CompileCache.open looks it up
-    monkeypatch.setattr(ff_cache, "torch_factors", lambda: {**real, "torch": "9.9.9"})
+    monkeypatch.setattr(ff_entry, "torch_factors", lambda: {**real, "torch": "9.9.9"})
     assert _open(tmp_path).key != base
-    monkeypatch.setattr(ff_cache, "torch_factors",
+    monkeypatch.setattr(ff_entry, "torch_factors",
                         lambda: {**real, "inductor_system": "another-gpu"})
     assert _open(tmp_path).key != base
 
@@ -246,7 +249,7 @@ def test_key_is_the_same_in_another_process(tmp_path: Path) -> None:
         import sys; sys.path[:0] = [{str(SRC)!r}, {str(Path(__file__).parents[2])!r}]
         import torch
         from tests.unit.test_cache import Tiny
-        from freezeframe.cache.store import CompileCache
+        from freezeframe.cache.entry import CompileCache
         from freezeframe.config import CompilationConfig
         torch.manual_seed(0)
         c = CompileCache.open(CompilationConfig(mode="piecewise", backend="eager",
@@ -295,7 +298,7 @@ def test_saved_traces_are_kept_per_checked_values(tmp_path: Path) -> None:
     saving(b"TWO AGAIN", 2.0)  # replaces the first variant with the same checks
 
     def wanting(value: float) -> object:
-        def accept(saved: ff_cache.SavedTrace) -> str | None:
+        def accept(saved: ff_entry.SavedTrace) -> str | None:
             (row,) = saved.checks
             c = ValueCheck(*row)
             return None if c.expected == ["float", repr(value)] else "another value"
@@ -308,7 +311,7 @@ def test_saved_traces_are_kept_per_checked_values(tmp_path: Path) -> None:
         assert _open(tmp_path, stats=stats).load_trace(wanting(2.0)).payload == b"TWO AGAIN"
     with stats.expect(saved_trace_rejected=1, artifacts_loaded=0):
         assert _open(tmp_path, stats=stats).load_trace(wanting(3.0)) is None
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     assert entry.has_trace
 
 
@@ -371,24 +374,24 @@ def test_two_processes_one_compile(tmp_path: Path) -> None:
 
 # -- CLI -----------------------------------------------------------------------------------
 def test_cli_list_info_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from freezeframe.cache import cli as cache_cli
+    from freezeframe.cli import main
 
     cache = _open(tmp_path)
     cache.save_artifact(0, Range(1, 8), b"x" * 10, compiler="inductor")
     root = str(tmp_path / "c")
-    assert cache_cli.main(["cache", "list", "--dir", root]) == 0
+    assert main(["cache", "list", "--dir", root]) == 0
     out = capsys.readouterr().out
     assert cache.key in out and "1 entries" in out and "tests.unit.test_cache.Tiny" in out
-    assert cache_cli.main(["cache", "info", "--dir", root, cache.key]) == 0
+    assert main(["cache", "info", "--dir", root, cache.key]) == 0
     out = capsys.readouterr().out
     assert "piece_0_range_1_8.bin: 10 bytes, compiler=inductor" in out and '"torch"' in out
-    assert cache_cli.main(["cache", "info", "--dir", root, "0123456789abcdef"]) == 2
+    assert main(["cache", "info", "--dir", root, "0123456789abcdef"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "error: no cache entry '0123456789abcdef'" in captured.err
-    assert cache_cli.main(["cache", "clear", "--dir", root, "-y"]) == 0
+    assert main(["cache", "clear", "--dir", root, "-y"]) == 0
     assert "removed 1 entry" in capsys.readouterr().out
-    assert ff_cache.list_entries(tmp_path / "c") == []
+    assert ff_inspect.list_entries(tmp_path / "c") == []
 
 
 def test_saved_trace_fit_check() -> None:
@@ -449,7 +452,7 @@ def test_lock_degrades_when_it_cannot_be_created(tmp_path: Path,
         return real_open(path, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "open", deny)
-    with caplog.at_level("WARNING", logger="freezeframe.cache.store"), cache.lock():
+    with caplog.at_level("WARNING", logger="freezeframe.cache.files"), cache.lock():
         pass
     assert "cannot create the compile lock" in caplog.text
 
@@ -477,7 +480,7 @@ def test_a_cache_dir_under_a_file_is_a_clear_error_at_the_first_call(tmp_path: P
         f"file, not a directory; {_FIX}")
     # two levels down: the file is named, not the directory above it
     with pytest.raises(CacheError, match=f"{tmp_path / 'f'} is a file, not a directory"):
-        ff_cache.ensure_cache_root(tmp_path / "f" / "a" / "b")
+        ff_files.ensure_cache_root(tmp_path / "f" / "a" / "b")
 
 
 def test_a_cache_dir_on_a_read_only_file_system_is_a_clear_error(
@@ -515,7 +518,7 @@ def test_a_damaged_usage_or_factors_file_is_listed_logged_and_rewritten(
     """JSON of the wrong kind in an entry's informational files is damage, as unreadable JSON
     is: listed without it (never an AttributeError), logged, and written again by the next
     start, which counts it in ``cache_files_damaged``."""
-    from freezeframe.cache import cli as cache_cli
+    from freezeframe.cli import main
 
     cache = _open(tmp_path)
     cache.save_artifact(0, Range(1, 8), b"x")
@@ -523,32 +526,32 @@ def test_a_damaged_usage_or_factors_file_is_listed_logged_and_rewritten(
     path = cache.entry_dir / name
     path.write_text(content)
     root = str(tmp_path / "c")
-    with caplog.at_level("WARNING", logger="freezeframe.cache.store"):
-        (entry,) = ff_cache.list_entries(tmp_path / "c")
+    with caplog.at_level("WARNING", logger="freezeframe.cache.inspect"):
+        (entry,) = ff_inspect.list_entries(tmp_path / "c")
     assert entry.damaged == (name,)
     assert f"cache file {path} is damaged ({why}); shown without it" in caplog.text
     if name == "usage.json":
         assert (entry.usage, entry.factors["key"]) == (_ZERO_USAGE, cache.key)
     else:
         assert (entry.factors, entry.usage["starts"]) == ({}, 1)
-    assert cache_cli.main(["cache", "list", "--dir", root]) == 0
+    assert main(["cache", "list", "--dir", root]) == 0
     out = capsys.readouterr().out
     assert f"(damaged: {name})" in out and "1 of them with damaged files" in out
-    assert cache_cli.main(["cache", "info", "--dir", root, cache.key]) == 0
+    assert main(["cache", "info", "--dir", root, cache.key]) == 0
     assert f"  damaged: {name} (shown empty" in capsys.readouterr().out
 
     stats = Stats()
     again = _open(tmp_path, stats=stats)
     assert again.key == cache.key
     caplog.clear()
-    with caplog.at_level("WARNING", logger="freezeframe.cache.store"):
+    with caplog.at_level("WARNING", logger="freezeframe.cache.entry"):
         again.record_start(trace_loaded=True)
     assert stats.cache_files_damaged == 1
     assert [r.getMessage() for r in caplog.records] == [
         f"cache file {path} is damaged ({why}); "
         + ("counting its starts again from this one" if name == "usage.json"
            else "writing it again")]
-    (entry,) = ff_cache.list_entries(tmp_path / "c")
+    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     assert entry.damaged == ()
     assert entry.factors["key"] == cache.key
     assert (entry.usage["starts"], entry.usage["trace_loads"]) == (
@@ -558,16 +561,16 @@ def test_a_damaged_usage_or_factors_file_is_listed_logged_and_rewritten(
 @pytest.mark.parametrize("content", ["[]", '{"artifacts": []}', '{"artifacts": {"a": 7}}'])
 def test_info_shows_an_entry_whose_index_is_damaged(tmp_path: Path, content: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from freezeframe.cache import cli as cache_cli
+    from freezeframe.cli import main
 
     cache = _open(tmp_path)
     cache.save_artifact(0, Range(1, 8), b"x")
     (cache.entry_dir / "index.json").write_text(content)
-    assert cache_cli.main(["cache", "info", "--dir", str(tmp_path / "c"), cache.key]) == 0
+    assert main(["cache", "info", "--dir", str(tmp_path / "c"), cache.key]) == 0
     assert "  artifacts (0):" in capsys.readouterr().out
-    assert ff_cache.read_index(cache.entry_dir) == {}
+    assert ff_inspect.read_index(cache.entry_dir) == {}
     cache.save_artifact(1, Range(1, 8), b"y")  # the next save writes it again
-    assert sorted(ff_cache.read_index(cache.entry_dir)) == ["piece_1_range_1_8.bin"]
+    assert sorted(ff_inspect.read_index(cache.entry_dir)) == ["piece_1_range_1_8.bin"]
 
 
 def test_freezeframe_cli_has_the_cache_command(tmp_path: Path,

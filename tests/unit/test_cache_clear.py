@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.cache import store as ff_cache
+from freezeframe.cache import inspect as ff_inspect
 from freezeframe.cli import main
 
 
@@ -39,7 +39,7 @@ def _two_entries(root: Path) -> list[str]:
         model = _compiled(root, scale)
         model(torch.ones(3, 4))
         assert model.stats.artifacts_saved == 1
-    keys = sorted(e.key for e in ff_cache.list_entries(root))
+    keys = sorted(e.key for e in ff_inspect.list_entries(root))
     assert len(keys) == 2
     return keys
 
@@ -67,7 +67,7 @@ def test_an_answer_other_than_yes_removes_nothing(tmp_path: Path, answer: str,
     assert main(["cache", "clear", "--dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"remove every entry under {tmp_path}? [y/N] nothing removed" in out
-    assert sorted(e.key for e in ff_cache.list_entries(tmp_path)) == keys
+    assert sorted(e.key for e in ff_inspect.list_entries(tmp_path)) == keys
 
 
 def test_yes_on_a_terminal_removes_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -76,7 +76,7 @@ def test_yes_on_a_terminal_removes_everything(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr("sys.stdin", _Stdin("y\n", tty=True))
     assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert f"removed 2 entries from {tmp_path}" in capsys.readouterr().out
-    assert ff_cache.list_entries(tmp_path) == []
+    assert ff_inspect.list_entries(tmp_path) == []
     assert list((tmp_path / "models").glob("*.json")) == []
 
 
@@ -90,9 +90,9 @@ def test_without_a_terminal_it_refuses_unless_told_yes(tmp_path: Path,
     assert err == (f"freezeframe cache: error: refusing to remove every entry under {tmp_path} "
                    "without asking, and stdin is not a terminal to ask on; nothing was removed. "
                    "Pass -y (--yes) to remove without asking\n")
-    assert sorted(e.key for e in ff_cache.list_entries(tmp_path)) == keys
+    assert sorted(e.key for e in ff_inspect.list_entries(tmp_path)) == keys
     assert main(["cache", "clear", "--dir", str(tmp_path), "--yes"]) == 0
-    assert ff_cache.list_entries(tmp_path) == []
+    assert ff_inspect.list_entries(tmp_path) == []
 
 
 def test_an_unknown_key_is_an_error_and_removes_nothing(tmp_path: Path,
@@ -102,7 +102,7 @@ def test_an_unknown_key_is_an_error_and_removes_nothing(tmp_path: Path,
     assert main(["cache", "clear", "--dir", str(tmp_path), "-y", keys[0], "0123456789abcdef"]
                 ) == 2
     assert "no cache entry '0123456789abcdef'" in capsys.readouterr().err
-    assert sorted(e.key for e in ff_cache.list_entries(tmp_path)) == keys
+    assert sorted(e.key for e in ff_inspect.list_entries(tmp_path)) == keys
 
 
 def _eager(scale: float, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def test_clearing_one_entry_keeps_the_other_and_its_saved_trace(
     keys = _two_entries(tmp_path)
     assert main(["cache", "clear", "--dir", str(tmp_path), "-y", keys[0]]) == 0
     assert f"removed 1 entry from {tmp_path}" in capsys.readouterr().out
-    assert [e.key for e in ff_cache.list_entries(tmp_path)] == [keys[1]]
+    assert [e.key for e in ff_inspect.list_entries(tmp_path)] == [keys[1]]
     (pointer,) = (tmp_path / "models").glob("*.json")
     assert [e["key"] for e in json.loads(pointer.read_text())["entries"]] == [
         keys[1]]

@@ -25,18 +25,18 @@ import json, os, sys, time
 import torch
 from torch import nn
 import freezeframe as ff
-from freezeframe.cache import store as ff_cache
+from freezeframe.cache import entry as ff_entry
 
 cache_dir, backend = sys.argv[1], sys.argv[2]
 
 if os.environ.get("FF_TEST_HANG_IN_WRITE"):
-    real_write = ff_cache.atomic_write
+    real_write = ff_entry.atomic_write  # where CompileCache looks it up
     def hanging_write(path, data):  # half a file on disk, then wait to be killed
         tmp = path.parent / f".{path.name}.killed.tmp"
         tmp.write_bytes(data[: len(data) // 2])
         print("WRITING", flush=True)
         time.sleep(600)
-    ff_cache.atomic_write = hanging_write
+    ff_entry.atomic_write = hanging_write
 
 
 @torch.library.custom_op("cachefaults::mix", mutates_args=())

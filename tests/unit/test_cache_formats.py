@@ -15,7 +15,8 @@ import torch
 from torch import fx
 
 import freezeframe as ff
-from freezeframe.cache import store
+from freezeframe.cache import entry as ff_entry
+from freezeframe.cache import files as ff_files
 from freezeframe.cache.artifacts import PieceCache, choose_artifact_format
 from freezeframe.compilation.compilers import InductorCompiler
 from freezeframe.sizes import Range
@@ -80,10 +81,10 @@ class _Artifact:
         Path(path).write_bytes(self.payload)
 
 
-def _open(root: Path, stats: Stats, **config: Any) -> store.CompileCache:
+def _open(root: Path, stats: Stats, **config: Any) -> ff_entry.CompileCache:
     cfg = ff.CompilationConfig(mode="piecewise", backend="inductor", cache_dir=str(root),
                                **config)
-    cache = store.CompileCache.open(cfg, stats=stats, model_key="formats")
+    cache = ff_entry.CompileCache.open(cfg, stats=stats, model_key="formats")
     assert cache is not None
     return cache
 
@@ -94,7 +95,7 @@ def _graph() -> tuple[fx.GraphModule, list[Any]]:
 
 @pytest.fixture(autouse=True)
 def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(store.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
 
 
 def test_an_artifact_of_the_other_format_is_a_miss(tmp_path: Path,
@@ -138,8 +139,8 @@ def test_an_artifact_of_another_torch_or_config_is_not_loaded(
     same = _open(tmp_path, Stats())
     assert same.key == written.key  # the same torch and config find the entry
     other_config = _open(tmp_path, Stats(), max_num_tokens=4096)
-    real = store.torch_factors()
-    monkeypatch.setattr(store, "torch_factors", lambda: {**real, "torch": "2.11.0"})
+    real = ff_entry.torch_factors()
+    monkeypatch.setattr(ff_entry, "torch_factors", lambda: {**real, "torch": "2.11.0"})
     other_torch = _open(tmp_path, Stats())
     for cache in (other_config, other_torch):
         stats = cache.stats

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import freezeframe as ff
-from freezeframe.cache import store as ff_cache
+from freezeframe.cache import files as ff_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
 def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
-    monkeypatch.delenv(ff_cache.ENV_CACHE_DIR, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_CACHE_DIR, raising=False)
 
 
 # A model whose forward and helper live in code without a file; {k} and {b} are the edits.
@@ -109,8 +109,8 @@ def _run_dash_c(tmp_path: Path, k: float) -> dict[str, Any]:
     code = _CHILD.format(src=str(ROOT / "src"), root=str(ROOT), cache=str(tmp_path / "c"),
                          model=_MODEL.format(k=k, b=1.0))
     env = dict(os.environ)
-    env.pop(ff_cache.ENV_DISABLE_CACHE, None)
-    env.pop(ff_cache.ENV_CACHE_DIR, None)
+    env.pop(ff_files.ENV_DISABLE_CACHE, None)
+    env.pop(ff_files.ENV_CACHE_DIR, None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.cache import store as ff_cache
+from freezeframe.cache import files as ff_files
+from freezeframe.cache import inspect as ff_inspect
 from tests.helpers.silly import attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ff_cache.ENV_DISABLE_CACHE, raising=False)
-    monkeypatch.delenv(ff_cache.ENV_CACHE_DIR, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_CACHE_DIR, raising=False)
 
 
 def _config(tmp_path: Path) -> ff.CompilationConfig:
@@ -110,7 +111,7 @@ def test_another_instance_with_other_values_never_gets_the_first_trace(
     other_again = ff.compile(Baked(**_OTHER[which]), cfg, dynamic_arg_dims={"x": 0})
     with other_again.stats.expect(traces_loaded=1, saved_trace_rejected=0, artifacts_saved=0):
         torch.testing.assert_close(other_again(x), other_eager(x), rtol=0, atol=0)
-    assert len(ff_cache.list_entries(tmp_path / "c")) == 1  # one entry, two saved traces
+    assert len(ff_inspect.list_entries(tmp_path / "c")) == 1  # one entry, two saved traces
 
 
 # -- globals the trace read (a constant in another module) -----------------------------------
@@ -189,8 +190,8 @@ _CHILD = textwrap.dedent("""
 
 def _run_child(code: str) -> dict[str, Any]:
     env = dict(os.environ)
-    env.pop(ff_cache.ENV_DISABLE_CACHE, None)
-    env.pop(ff_cache.ENV_CACHE_DIR, None)
+    env.pop(ff_files.ENV_DISABLE_CACHE, None)
+    env.pop(ff_files.ENV_CACHE_DIR, None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,15 +9,17 @@ import pytest
 import torch
 
 import freezeframe as ff
-from freezeframe.cache import store
-from freezeframe.cache.cli import prewarm_spec
+from freezeframe.cache import entry as ff_entry
+from freezeframe.cache import files as ff_files
+from freezeframe.cache import inspect as ff_inspect
 from freezeframe.cli import main
+from freezeframe.models.prewarm import prewarm_spec
 
 
 @pytest.fixture(autouse=True)
 def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(store.ENV_DISABLE_CACHE, raising=False)
-    monkeypatch.delenv(store.ENV_CACHE_DIR, raising=False)
+    monkeypatch.delenv(ff_files.ENV_DISABLE_CACHE, raising=False)
+    monkeypatch.delenv(ff_files.ENV_CACHE_DIR, raising=False)
 
 
 CONFIG = '{"backend": "eager", "cudagraph_mode": "none", "max_num_tokens": 64}'
@@ -32,7 +34,7 @@ def test_prewarm_then_a_start_loads_what_it_saved(tmp_path: Path,
     assert "prewarmed example (ExampleMLP) with backend eager" in out
     assert ("pieces: 4 capturable, 3 distinct; compiles: 3; piece hits: 0, misses: 0; "
             "saved trace loaded: no; files saved: 1") in out
-    (entry,) = store.list_entries(root)
+    (entry,) = ff_inspect.list_entries(root)
     assert entry.has_trace and entry.usage["starts"] == 1 and entry.usage["trace_loads"] == 0
 
     # a later process builds the same spec with the same config: Dynamo does not run
@@ -46,7 +48,7 @@ def test_prewarm_then_a_start_loads_what_it_saved(tmp_path: Path,
     x = spec.module.example_input(5)
     with torch.no_grad():
         assert torch.equal(got, spec.module(x))
-    assert store.read_usage(entry.path) | {"last_used": None} == {
+    assert ff_inspect.read_usage(entry.path) | {"last_used": None} == {
         "starts": 2, "trace_loads": 1, "hits": 0, "misses": 0, "last_used": None}
 
     assert main(["cache", "list", "--dir", str(root)]) == 0
@@ -62,7 +64,7 @@ def test_prewarm_then_a_start_loads_what_it_saved(tmp_path: Path,
 def test_usage_adds_up_hits_and_misses_per_start(tmp_path: Path) -> None:
     cfg = ff.CompilationConfig(backend="inductor", cache_dir=str(tmp_path))
     for hits, misses in ((0, 3), (3, 0)):
-        cache = store.CompileCache.open(cfg, model_key="usage")
+        cache = ff_entry.CompileCache.open(cfg, model_key="usage")
         assert cache is not None
         cache.save_artifact(0, (1, 8), b"x")  # the entry exists once something is saved
         for _ in range(hits):
@@ -70,12 +72,12 @@ def test_usage_adds_up_hits_and_misses_per_start(tmp_path: Path) -> None:
         for _ in range(misses):
             cache.record_miss()
         cache.record_start(trace_loaded=hits > 0)
-    (entry,) = store.list_entries(tmp_path)
+    (entry,) = ff_inspect.list_entries(tmp_path)
     usage = entry.usage
     assert (usage["starts"], usage["trace_loads"], usage["hits"], usage["misses"]) == (2, 1, 3, 3)
     # an unreadable usage file reads as zeros, and the next start rewrites it
     (entry.path / "usage.json").write_text("{not json")
-    assert store.read_usage(entry.path)["starts"] == 0
+    assert ff_inspect.read_usage(entry.path)["starts"] == 0
 
 
 @pytest.mark.parametrize(("argv", "message"), [

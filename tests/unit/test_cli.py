@@ -158,7 +158,7 @@ def test_only_the_chosen_module_is_imported(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(cli, "_load_registrar", spy)
     cli.build_parser(only="config")
-    assert loaded == ["freezeframe.cli:add_config_parser"]
+    assert loaded == ["freezeframe.cli.config"]
 
 
 def test_broken_dependency_inside_a_module_is_not_hidden(tmp_path: Path,

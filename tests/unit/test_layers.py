@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "freezeframe"
 # Each stage may use every stage on an earlier line.
 STAGES: list[set[str]] = [
     {"_version", "errors", "sizes"},
-    {"config", "batch", "stats", "planning"},
+    {"config", "config_fields", "batch", "stats", "planning", "planning_search"},
     {"context"},
     {"graphs"},
     {"cache"},
@@ -20,15 +20,11 @@ STAGES: list[set[str]] = [
     {"models"},
     {"bench", "cli", "__init__", "integrations"},
 ]
-# Command-line front doors of a stage sit on top with the CLI they plug into.
-FRONT_DOORS = {"freezeframe.cache.cli"}
 
 
 def _stage_of(module: str) -> int:
     parts = module.split(".")
     name = "__init__" if len(parts) == 1 else parts[1]
-    if module in FRONT_DOORS:
-        name = "cli"
     for index, stage in enumerate(STAGES):
         if name in stage:
             return index

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from freezeframe import cli
+from freezeframe.cli import files as cli_files
 from freezeframe.config import CompilationConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,7 +189,7 @@ def test_an_unwritable_out_directory_is_refused_before_the_work(
     def refuse(*args: object, **kwargs: object) -> tuple[int, str]:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(cli.tempfile, "mkstemp", refuse)  # a directory we may not write into
+    monkeypatch.setattr(cli_files.tempfile, "mkstemp", refuse)  # a directory we may not write into
     hist = write(tmp_path / "h.json", {"1": 10})
     out_path = tmp_path / "c.json"
     code, out, err = run_main(["plan", hist, "--out", str(out_path)], capsys)

@@ -4,8 +4,9 @@ piece and per compile range or concrete size, so a warm start skips Inductor.
 Holds :class:`PieceCache`, the ``cache=`` object of
 :class:`~freezeframe.compilation.compilers.CompilerManager`: it finds a piece's artifact by the
 piece's :func:`~freezeframe.cache.key.graph_hash`, turns a verified one into a runnable, and
-saves what Inductor compiled. It does not hold the files (names, header, checks and entry
-directory are :mod:`freezeframe.cache.store`'s) or the saved trace.
+saves what Inductor compiled. It does not hold the files (their header and checks are
+:mod:`freezeframe.cache.files`'s, their names and the entry directory
+:mod:`freezeframe.cache.entry`'s) or the saved trace.
 
 Eager pieces have nothing worth saving (the "compiled" runnable is the FX graph itself), so the
 cache stores no artifact for them and does not count them as hits or misses; only the saved
@@ -24,8 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from freezeframe.cache.entry import CompileCache, range_bounds
 from freezeframe.cache.key import graph_hash
-from freezeframe.cache.store import CompileCache, range_bounds
 from freezeframe.errors import CacheError, ConfigError
 
 __all__ = ["ARTIFACT_FORMATS", "PieceCache", "choose_artifact_format", "isa_probe_record",

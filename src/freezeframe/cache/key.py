@@ -5,7 +5,7 @@ example inputs' signature), the hashes of the source files a trace read, the dig
 code that has no source file (and finding that code again in a live model), and the hash of one
 compiled piece's graph. It does not hold the identity of the config's Inductor passes (resolving
 a pass is the compile path's: :func:`freezeframe.compilation.compilers.pass_sources`), where
-entries are stored (:mod:`freezeframe.cache.store`), or the values a trace specialised on
+entries are stored (:mod:`freezeframe.cache.entry`), or the values a trace specialised on
 (:mod:`freezeframe.compilation.saved_trace`).
 
 What decides whether something saved is reused:
@@ -46,11 +46,14 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "code_mismatch",
     "graph_hash",
     "hash_sources",
     "input_signature",
+    "is_primitive",
     "module_signature",
     "torch_factors",
+    "traced_code_objects",
     "traced_files_from_graph",
 ]
 
@@ -110,11 +113,11 @@ def torch_factors() -> dict[str, Any]:
     return factors
 
 
-def _primitive(value: Any) -> bool:
+def is_primitive(value: Any) -> bool:
     if isinstance(value, (bool, int, float, str, type(None))):
         return True
     if isinstance(value, (tuple, list)) and len(value) <= 64:
-        return all(_primitive(v) for v in value)
+        return all(is_primitive(v) for v in value)
     return False
 
 
@@ -124,7 +127,7 @@ def _describe(value: Any) -> Any:
     anything else by type only (its repr may hold an address)."""
     import torch
 
-    if _primitive(value):
+    if is_primitive(value):
         return value
     if isinstance(value, torch.Tensor):
         return ["tensor", list(value.shape), str(value.dtype), value.device.type]
@@ -174,7 +177,7 @@ def input_signature(
             dims_set = {d % rank for d in dims_set} if rank else set()
             shape = ["*" if i in dims_set else s for i, s in enumerate(value.shape)]
             out.append([name, "tensor", str(value.dtype), value.device.type, shape])
-        elif _primitive(value):
+        elif is_primitive(value):
             out.append([name, "value", value])
         else:
             out.append([name, "object", type(value).__qualname__])
@@ -430,7 +433,7 @@ def code_digests(codes: Iterable[types.CodeType]) -> dict[str, list[str]]:
     return {name: sorted(d) for name, d in sorted(found.items())}
 
 
-def _traced_code() -> list[types.CodeType]:
+def traced_code_objects() -> list[types.CodeType]:
     """Every code object the active Dynamo trace traced or inlined, the traced frame first
     (empty outside a backend, or on a torch without ``traced_code``)."""
     try:
@@ -496,7 +499,7 @@ def _has_contents(cell: Any) -> bool:
     return True
 
 
-def _code_mismatch(recorded: Mapping[str, Sequence[str]], roots: Iterable[Any]) -> str | None:
+def code_mismatch(recorded: Mapping[str, Sequence[str]], roots: Iterable[Any]) -> str | None:
     """Why the live code does not match the digests recorded with a trace, or None. Each
     recorded name must be found, and every live code object of that name must have a recorded
     digest (two definitions of one name that differ cannot be told apart, so they do not match).

@@ -1,4 +1,5 @@
-"""``freezeframe bench``: the reference Llama under eager, torch.compile and freezeframe modes."""
+"""``freezeframe bench``: the reference Llama under eager, torch.compile and freezeframe modes
+(:mod:`freezeframe.bench` runs it; this is its arguments, its printed table and exit status)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers: Any) -> None:
+    """Add ``bench`` to a subparsers object."""
     p = subparsers.add_parser(
         "bench",
         help="benchmark the reference Llama: eager vs torch.compile vs freezeframe graph modes",
@@ -26,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
                    help="comma-separated decode batch sizes (default 1,2,4,8)")
     p.add_argument("--modes", default=None,
                    help="comma-separated subset of: eager, compile, reduce-overhead, none, "
-                        "piecewise, full, full_and_piecewise (default: all)")
+                        "piecewise, full, full_and_piecewise, breakable, full_and_breakable "
+                        "(default: all)")
     p.add_argument("--steps", type=int_at_least(1), default=20,
                    help="timed steps per measurement (default 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3,
@@ -52,15 +55,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from freezeframe.bench.modes import ALL_MODES, modes_from
     from freezeframe.bench.progress import Progress
-    from freezeframe.bench.run import (
-        ALL_MODES,
-        BenchOptions,
-        format_table,
-        mismatched_modes,
-        modes_from,
-        run_bench,
-    )
+    from freezeframe.bench.report import format_table, mismatched_modes
+    from freezeframe.bench.run import BenchOptions, run_bench
     from freezeframe.errors import ConfigError
 
     if args.modes is not None and not args.modes.strip(","):

@@ -1,34 +1,35 @@
 """``freezeframe cache list|info|clear|prewarm``: look at, manage and fill the on-disk compile
 cache.
 
-Registered by :mod:`freezeframe.cli` through :func:`add_parser`; it imports nothing heavy, so
-``freezeframe cache list`` starts fast (``prewarm`` imports torch and the models when it runs).
-``list`` and ``info`` show each entry's size and what its starts found (piece hits and misses,
-from the entry's ``usage.json``). An entry whose ``usage.json`` or ``key_factors.json`` is damaged
-is listed without it, marked, and logged (the next start of its model writes it again).
+It imports nothing heavy, so ``freezeframe cache list`` starts fast (``prewarm`` imports torch
+and the models, :mod:`freezeframe.models.prewarm`, when it runs). ``list`` and ``info`` show each
+entry's size and what its starts found (piece hits and misses, from the entry's ``usage.json``).
+An entry whose ``usage.json`` or ``key_factors.json`` is damaged is listed without it, marked,
+and logged (the next start of its model writes it again).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from freezeframe.cache import store as _cache
+from freezeframe.cache import files as _files
+from freezeframe.cache import inspect as _inspect
+from freezeframe.cli.files import read_config_text
 from freezeframe.errors import ConfigError
 
-__all__ = ["MODELS", "PrewarmSpec", "add_parser", "main", "prewarm_spec"]
+__all__ = ["add_parser"]
 
 
 def _root(args: argparse.Namespace) -> Path:
     if args.dir:
         return Path(args.dir).expanduser()
-    return _cache.resolve_cache_root(None)
+    return _files.resolve_cache_root(None)
 
 
 def _human(n: float) -> str:
@@ -41,8 +42,8 @@ def _human(n: float) -> str:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     root = _root(args)
-    entries = _cache.list_entries(root)
-    state = "off" if not _cache.cache_enabled(None) else "on"
+    entries = _inspect.list_entries(root)
+    state = "off" if not _files.cache_enabled(None) else "on"
     print(f"cache root: {root} (cache {state} by environment)")
     if not entries:
         print("no entries")
@@ -58,8 +59,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
               f"{_human(e.size_bytes):>12}{u.get('starts', 0):>8}{u.get('hits', 0):>7}"
               f"{u.get('misses', 0):>8}  {stamp:<20} {model}{damaged}")
     total = sum(e.size_bytes for e in entries)
-    inductor = _cache.inductor_cache_path(root)
-    kernels = _cache._dir_size(inductor) if inductor.is_dir() else 0
+    inductor = _files.inductor_cache_path(root)
+    kernels = _inspect.dir_size(inductor) if inductor.is_dir() else 0
     print(f"{len(entries)} entries, {_human(total)}; Inductor kernel cache {_human(kernels)}")
     damaged_entries = sum(1 for e in entries if e.damaged)
     if damaged_entries:
@@ -70,7 +71,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     root = _root(args)
-    entries = {e.key: e for e in _cache.list_entries(root)}
+    entries = {e.key: e for e in _inspect.list_entries(root)}
     wanted = args.key or list(entries)
     if not wanted:
         print(f"cache root: {root}: no entries")
@@ -79,7 +80,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     status = 0
     for key in wanted:
         entry = entries[key]
-        index = _cache.read_index(entry.path)
+        index = _inspect.read_index(entry.path)
         print(f"entry {entry.key}  ({entry.path})")
         if entry.damaged:
             print(f"  damaged: {', '.join(entry.damaged)} (shown empty; the next start of the "
@@ -114,7 +115,7 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         return 0
     keys = args.key or None
     if keys is not None:
-        known = {e.key for e in _cache.list_entries(root)}
+        known = {e.key for e in _inspect.list_entries(root)}
         _refuse_unknown([k for k in keys if k not in known], root, "; nothing was removed")
     what = (f"every entry under {root}" if keys is None
             else f"{len(keys)} entr{'y' if len(keys) == 1 else 'ies'} under {root}")
@@ -127,75 +128,20 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
-    n = _cache.clear(root, keys)
+    n = _inspect.clear(root, keys)
     print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {root}")
     return 0
 
 
 # -- prewarm ----------------------------------------------------------------------------------
-MODELS = ("example", "tiny", "1b")
-"""The built-in model specs ``prewarm`` builds: ``example`` is :class:`ExampleMLP`, ``tiny``
-and ``1b`` the reference Llama presets (seeded random weights, the KV cache of
-:func:`prewarm_spec`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PrewarmSpec:
-    """A built-in model, the dims that vary per call, and the first call a start makes."""
-
-    module: Any
-    dynamic_arg_dims: dict[str, int]
-    first_call: Callable[[Any], Any]
-
-
-def prewarm_spec(name: str, *, layers: int | None = None, device: str = "cpu") -> PrewarmSpec:
-    """The model spec ``name`` (one of :data:`MODELS`), with ``layers`` layers when given.
-
-    A process that wants the prewarmed entry builds the same spec (same ``name``, ``layers``
-    and ``device``) and compiles it with the same config: the cache key covers the module's
-    structure and the first call's input signature.
-    """
-    import torch
-
-    if name not in MODELS:
-        raise ConfigError(f"--model: unknown model {name!r}; choose one of {list(MODELS)}")
-    if layers is not None and layers < 1:
-        raise ConfigError(f"--layers: must be at least 1, got {layers}")
-    if name == "example":
-        from freezeframe.models.example import ExampleMLP
-
-        mlp = ExampleMLP(hidden_size=32, num_layers=layers or 2).to(device).eval()
-        x = mlp.example_input(5).to(device)
-        return PrewarmSpec(mlp, {"x": 0}, lambda model: model(x))
-
-    import freezeframe as ff
-    from freezeframe.models.attention import ATTN_METADATA_KEY
-    from freezeframe.models.inputs import RequestChunk, build_step
-    from freezeframe.models.kv_cache import KVCacheConfig
-    from freezeframe.models.llama import LlamaConfig, LlamaModel, build_llama
-
-    kv = KVCacheConfig(num_blocks=32, block_size=16, max_model_len=128)
-    overrides = {} if layers is None else {"num_layers": layers}
-    llama = build_llama(LlamaConfig.preset(name, **overrides), kv, seed=0, device=device)
-    # a mixed step of several tokens (a dynamic dim first seen with size 1 is specialised)
-    step = build_step([RequestChunk((1, 2, 3, 4, 5), 0, (0,)), RequestChunk((7, 8, 9), 0, (1,))],
-                      kv, device=device)
-
-    extras: dict[str, Any] = {ATTN_METADATA_KEY: step.host}
-
-    def first_call(model: Any) -> Any:
-        with torch.no_grad(), ff.forward_context(None, **extras):
-            return model(*step.args)
-
-    return PrewarmSpec(llama, dict(LlamaModel.DYNAMIC_ARG_DIMS), first_call)
 
 
 def _cmd_prewarm(args: argparse.Namespace) -> int:
     import freezeframe as ff
-    from freezeframe.cli import _read_config_text
+    from freezeframe.models.prewarm import prewarm_spec
 
     try:
-        data = json.loads(_read_config_text(args.config)) if args.config else {}
+        data = json.loads(read_config_text(args.config)) if args.config else {}
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config: not valid JSON ({exc}); give a JSON object, '-' or "
                           "@FILE") from None
@@ -212,8 +158,8 @@ def _cmd_prewarm(args: argparse.Namespace) -> int:
         data.setdefault("splitting_ops", ["freezeframe::attention"])
     data.setdefault("mode", "piecewise")
     cfg = ff.CompilationConfig.from_dict(data)
-    if not _cache.cache_enabled(cfg):
-        raise ConfigError(f"the cache is off by environment ({_cache.ENV_DISABLE_CACHE}); "
+    if not _files.cache_enabled(cfg):
+        raise ConfigError(f"the cache is off by environment ({_files.ENV_DISABLE_CACHE}); "
                           "unset it to prewarm")
     start = time.perf_counter()
     model = ff.compile(spec.module, cfg, dynamic_arg_dims=spec.dynamic_arg_dims)
@@ -221,7 +167,7 @@ def _cmd_prewarm(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     s = model.stats
     print(f"prewarmed {args.model} ({type(spec.module).__name__}) with backend {cfg.backend} "
-          f"in {elapsed:.2f} s under {_cache.resolve_cache_root(cfg)}")
+          f"in {elapsed:.2f} s under {_files.resolve_cache_root(cfg)}")
     print(f"  pieces: {s.capturable_pieces} capturable, {s.distinct_pieces} distinct; "
           f"compiles: {s.inductor_compiles + s.eager_compiles}; piece hits: {s.cache_hits}, "
           f"misses: {s.cache_misses}; saved trace loaded: {'yes' if s.traces_loaded else 'no'}"
@@ -229,12 +175,29 @@ def _cmd_prewarm(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ModelChoices:
+    """``prewarm --model``'s choices, :data:`freezeframe.models.prewarm.MODELS`, read only when
+    argparse looks at them (a ``--model`` given, ``prewarm``'s help or usage): importing the
+    models package imports torch, which ``cache list`` must not."""
+
+    def _names(self) -> tuple[str, ...]:
+        from freezeframe.models.prewarm import MODELS
+
+        return MODELS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``cache`` with ``list``, ``info`` and ``clear`` to a subparsers object."""
+    """Add ``cache`` with ``list``, ``info``, ``clear`` and ``prewarm`` to a subparsers object."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "cache", help="list, inspect or clear the on-disk compile cache",
         description="Show and manage freezeframe's on-disk compile cache. The root is "
-        f"--dir, else ${_cache.ENV_CACHE_DIR}, else <XDG cache dir>/freezeframe.",
+        f"--dir, else ${_files.ENV_CACHE_DIR}, else <XDG cache dir>/freezeframe.",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dir", help="cache root (default: the resolved cache root)")
@@ -256,21 +219,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p_warm.add_argument("config", nargs="?", default="",
                         help="the compilation config: a JSON object, '-' (stdin) or @FILE "
                         "(default: {}); splitting_ops defaults to the model's splitting op")
-    p_warm.add_argument("--model", default="tiny", choices=MODELS,
-                        help="built-in model spec (default: tiny)")
+    model = p_warm.add_argument("--model", default="tiny",
+                                help="built-in model spec (default: tiny)")
+    model.choices = _ModelChoices()  # set after add_argument, which would list them at once
     p_warm.add_argument("--layers", type=int, help="number of layers (default: the spec's)")
     p_warm.add_argument("--device", default="cpu", help="where the model lives (default: cpu)")
     p_warm.set_defaults(func=_cmd_prewarm)
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``freezeframe ARGV`` (``python -m freezeframe.cache.cli cache list``), with
-    the command line's one-line errors and exit codes."""
-    from freezeframe.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
