@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from freezeframe.bench import run as bench_run
-from freezeframe.bench.run import BenchOptions, format_table, modes_from, run_bench
+from freezeframe.bench.measure import kv_read_bytes, split_contexts
+from freezeframe.bench.modes import modes_from
+from freezeframe.bench.report import compare_with_eager, format_table, mismatched_modes
+from freezeframe.bench.run import BenchOptions, run_bench
 from freezeframe.cli import main
 from freezeframe.errors import ConfigError
 from freezeframe.models import LlamaConfig
@@ -115,13 +118,13 @@ def test_bench_options_are_validated() -> None:
 
 
 def test_contexts_and_kv_bytes_for_the_1b_shapes() -> None:
-    assert bench_run.split_contexts((4096, 128, 1024, 128), 512) == ((128,), (1024, 4096))
-    assert bench_run.split_contexts((128, 1024, 4096), 8192) == ((128, 1024, 4096), ())
-    assert bench_run.split_contexts((496, 497), 512) == ((496,), (497,))
+    assert split_contexts((4096, 128, 1024, 128), 512) == ((128,), (1024, 4096))
+    assert split_contexts((128, 1024, 4096), 8192) == ((128, 1024, 4096), ())
+    assert split_contexts((496, 497), 512) == ((496,), (497,))
     one_b = LlamaConfig.preset("1b")
     # 16 layers x (K and V) x 8 KV heads x 64 dims x 2 bytes (bf16) = 32 KiB per key
-    assert bench_run.kv_read_bytes(one_b, 2, 1) == 32768
-    assert bench_run.kv_read_bytes(one_b, 2, 4096) == 128 * 2**20
+    assert kv_read_bytes(one_b, 2, 1) == 32768
+    assert kv_read_bytes(one_b, 2, 4096) == 128 * 2**20
 
 
 # -- progress on stderr, and running without the optional tqdm and matplotlib ------------------
@@ -257,7 +260,7 @@ def test_a_mode_whose_logits_differ_from_eager_is_named_and_fails_the_command(
         capsys: pytest.CaptureFixture[str]) -> None:
     want = [torch.tensor([[1.0, -4.0]]), torch.tensor([[2.0, 0.5]])]
     result: dict[str, Any] = {"notes": [], "modes": {"eager": {}, "full": {}, "none": {}}}
-    bench_run._compare_with_eager(result, {
+    compare_with_eager(result, {
         "eager": want,
         "full": [want[0], torch.tensor([[2.0, 0.7]])],  # 0.2 off a largest value of 2
         "none": [want[0] + 1e-5, want[1]],
@@ -268,7 +271,7 @@ def test_a_mode_whose_logits_differ_from_eager_is_named_and_fails_the_command(
     assert result["modes"]["eager"]["max_rel_diff_vs_eager"] == 0.0
     assert result["notes"] == ["full: logits differ from eager's by 1.00e-01 of their largest "
                                "value (tolerance 1e-04): a wrong answer, not a speed result"]
-    assert bench_run.mismatched_modes(result) == ["full"]
+    assert mismatched_modes(result) == ["full"]
 
     real = bench_run.run_bench
 

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from freezeframe.bench.gpu_check import (
+from freezeframe.bench.gpu_check import main
+from freezeframe.bench.gpu_probes import overlapping_kernel_pairs
+from freezeframe.bench.gpu_steps import (
     CUDA_BUDGET_S,
     NEEDS_CUDA,
     STEPS,
     TIMEOUTS,
-    main,
     pytest_summary,
 )
-from freezeframe.bench.gpu_probes import overlapping_kernel_pairs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check"
@@ -146,7 +146,7 @@ def test_overlapping_kernel_pairs_counts_pairs_on_different_streams() -> None:
 def test_every_cuda_marked_test_lives_where_gpu_check_collects_them() -> None:
     """gpu_check collects the cuda tier from CUDA_TESTS only (so that a missing test extra such
     as hypothesis cannot stop it); a cuda-marked test elsewhere would never run there."""
-    from freezeframe.bench.gpu_check import CUDA_TESTS
+    from freezeframe.bench.gpu_steps import CUDA_TESTS
 
     homes = [REPO / path for path in CUDA_TESTS]
     elsewhere = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").rglob("*.py"))
@@ -174,7 +174,7 @@ def test_the_cache_step_reads_what_scripts_bench_cache_writes(
     first GPU run failed here on a key the script no longer wrote."""
     import importlib.util
 
-    from freezeframe.bench.gpu_check import cache_figures
+    from freezeframe.bench.gpu_steps import cache_figures
 
     spec = importlib.util.spec_from_file_location("bench_cache", REPO / "scripts" /
                                                   "bench_cache.py")

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from freezeframe.bench.run import CompiledLlama, StepBuilder
+    from freezeframe.bench.measure import StepBuilder
+    from freezeframe.bench.modes import CompiledLlama
     from freezeframe.config import CompilationConfig
     from freezeframe.models import LlamaModel
     from freezeframe.models.inputs import StepInputs
@@ -176,7 +177,8 @@ def probe_capture(preset: str, compiler: str, tolerance: float,
     """
     import torch
 
-    from freezeframe.bench.run import StepBuilder, StepShapes, graph_config
+    from freezeframe.bench.measure import StepBuilder, StepShapes
+    from freezeframe.bench.modes import graph_config
     from freezeframe.models import build_llama
     from freezeframe.models.serving import EagerForward
 
@@ -244,7 +246,7 @@ def _compile_and_capture(base: LlamaModel, config: CompilationConfig,
     """Compile on the bench's largest mixed step, then capture every graph of ``config``."""
     import torch
 
-    from freezeframe.bench.run import compile_with_runner
+    from freezeframe.bench.modes import compile_with_runner
 
     on_cuda = steps.device.type == "cuda"
     started = time.perf_counter()

@@ -2,7 +2,9 @@
 
 Modes: ``eager``; ``compile`` (``torch.compile`` default); ``reduce-overhead``
 (``torch.compile(mode="reduce-overhead")``, CUDA only); and freezeframe ``none``,
-``piecewise``, ``full``, ``full_and_piecewise`` (``ff.compile`` + GraphRunner). For each mode
+``piecewise``, ``full``, ``full_and_piecewise`` (``ff.compile`` + GraphRunner), and
+``breakable``, ``full_and_breakable`` (the same graphs without a trace: mode NONE, PIECEWISE
+graphs captured breakable at the attention op). For each mode
 and batch size it times a uniform-decode step (hidden states + logits of every request) and a
 mixed step (the same decodes plus one prefill chunk), and once per mode a prefill; it records
 startup (compile + capture) time and graph memory, and for decode the share of the bandwidth
@@ -20,44 +22,54 @@ steps of the emulated graph, or the device activities a profiler sees during one
 On a machine without CUDA the graph modes run on the *emulated* backend, whose replays re-run
 every recorded op in Python: they show that the pipeline works and what emulation costs, not
 what graphs gain. ``reduce-overhead`` is skipped there (it needs CUDA graphs).
+
+This module runs it: the options, the model built once, and the loop over modes. How a mode is
+built and started is in ``modes``, how steps are built and timed in ``measure``, and what is
+reported (the eager check, the table, results.json, the plot) in ``report``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from freezeframe.bench.measure import (
+    StepBuilder,
+    StepShapes,
+    Timer,
+    device_used,
+    kv_read_bytes,
+    logits_of,
+    measure_bandwidth,
+    split_contexts,
+    sync,
+)
+from freezeframe.bench.modes import ALL_MODES, TORCH_MODES, start_mode
 from freezeframe.bench.progress import Progress
+from freezeframe.bench.report import (
+    add_speedups,
+    compare_with_eager,
+    setup_notes,
+    write_json,
+    write_outputs,
+)
 from freezeframe.errors import ConfigError
-from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaConfig, LlamaModel, build_llama
+from freezeframe.models import LlamaConfig, LlamaModel, build_llama
 from freezeframe.models.attention import check_attention_kernel, resolve_attention_kernel
-from freezeframe.models.inputs import RequestChunk, StepInputs, build_step
-from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
+from freezeframe.models.inputs import StepInputs
 
-if TYPE_CHECKING:
-    from freezeframe.batch import BatchDescriptor
-    from freezeframe.compilation.model import CompiledModel
-    from freezeframe.config import CompilationConfig
-    from freezeframe.runtime.runner import GraphRunner
+__all__ = ["DEFAULT_CONTEXTS", "BenchOptions", "prepare_out_dir", "resolve_device", "run_bench"]
 
-__all__ = ["ALL_MODES", "DEFAULT_CONTEXTS", "BenchOptions", "CompiledLlama", "StepBuilder",
-           "StepShapes", "compile_with_runner", "full_decode_launches", "graph_config",
-           "kv_read_bytes", "prepare_out_dir", "resolve_device", "run_bench"]
-
-TORCH_MODES = ("eager", "compile", "reduce-overhead")
-FF_MODES = ("none", "piecewise", "full", "full_and_piecewise")
-ALL_MODES = TORCH_MODES + FF_MODES
 #: decode context lengths timed side by side (``--contexts``)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
 
@@ -149,54 +161,6 @@ def prepare_out_dir(out: Path) -> Path:
     return out
 
 
-class _Timer:
-    """Per-call latency: CUDA events on a GPU (device time between steps), else perf_counter."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def measure(self, fn: Callable[[], Any], steps: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        if not self.cuda:
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return times
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(steps)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in events]
-
-
-def measure_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted), median of 5."""
-    n = nbytes // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    times = _Timer(device).measure(lambda: dst.copy_(src), steps=5, warmup=2)
-    return 2 * n * 4 / (statistics.median(times) / 1e3)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _device_used(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
 def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
     """Run everything ``opts`` asks for; returns the JSON-able result (also written to disk).
 
@@ -206,7 +170,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     progress = progress if progress is not None else Progress(len(opts.modes), enabled=False)
     device = resolve_device(opts.device)
     compiler = opts.compiler or ("inductor" if device.type == "cuda" else "eager")
-    notes = _setup_notes(device.type == "cuda", compiler)
+    notes = setup_notes(device.type == "cuda", compiler)
     batch_sizes = tuple(sorted(set(opts.batch_sizes)))
     llama_config = LlamaConfig.preset(opts.preset)
     contexts, skipped = split_contexts(opts.contexts, llama_config.max_position)
@@ -233,9 +197,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         if first is not None:
             firsts[mode] = first
         # each mode once, as soon as it and eager have run
-        _compare_with_eager(result, firsts, bench.dtype,
-                            only=None if mode == "eager" else mode)
-        _add_speedups(result, batch_sizes)
+        compare_with_eager(result, firsts, bench.dtype,
+                           only=None if mode == "eager" else mode)
+        add_speedups(result, batch_sizes)
         if out is not None:  # after every mode, so a run stopped early keeps what it did
             write_json(result, out)
     if "eager" not in firsts:
@@ -243,36 +207,6 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     if out is not None:
         write_outputs(result, out)
     return result
-
-
-def _setup_notes(on_cuda: bool, compiler: str) -> list[str]:
-    """What the reader of the numbers must know about this machine and compiler."""
-    notes: list[str] = []
-    if not on_cuda:
-        notes.append(
-            "no CUDA device: freezeframe graph modes run on the emulated backend (replays re-run "
-            "recorded ops in Python), so their numbers show emulation overhead, not graph "
-            "speed-ups; reduce-overhead is skipped; the bandwidth floor is a host-memory floor")
-    if compiler == "eager":
-        notes.append("compiler=eager: torch.compile and ff.compile use the eager backend "
-                     "(no Inductor kernels); pass --compiler inductor for generated kernels")
-    return notes
-
-
-def split_contexts(contexts: Sequence[int], max_position: int,
-                   block_size: int = 16) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(kept, skipped)``: sorted distinct context lengths that fit ``max_position`` with one
-    block to spare, and those that do not."""
-    ordered = sorted(set(contexts))
-    limit = max_position - block_size
-    return (tuple(c for c in ordered if c <= limit), tuple(c for c in ordered if c > limit))
-
-
-def kv_read_bytes(config: LlamaConfig, elem_bytes: int, keys: int) -> int:
-    """Bytes of keys and values one decode token reads over all layers when it reads ``keys``
-    cache positions per layer (both K and V, every KV head)."""
-    return keys * config.num_layers * 2 * config.num_kv_heads * config.resolved_head_dim \
-        * elem_bytes
 
 
 def _check_fits(shapes: StepShapes, preset: str, llama_config: LlamaConfig) -> None:
@@ -285,181 +219,6 @@ def _check_fits(shapes: StepShapes, preset: str, llama_config: LlamaConfig) -> N
             f"{llama_config.max_position - shapes.block_size}")
 
 
-def _add_speedups(result: dict[str, Any], batch_sizes: Sequence[int]) -> None:
-    """``speedup_vs_eager`` on every decode row whose batch size eager was timed at."""
-    eager_ms = {bs: result["modes"].get("eager", {}).get("decode", {}).get(str(bs), {})
-                .get("median_ms") for bs in batch_sizes}
-    for entry in result["modes"].values():
-        for bs, row in entry.get("decode", {}).items():
-            if eager_ms.get(int(bs)):
-                row["speedup_vs_eager"] = eager_ms[int(bs)] / row["median_ms"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShapes:
-    """The sizes of the bench's steps; the ``capture`` GPU probe builds the same ones."""
-
-    context: int  # tokens per decode request, the new one included
-    prefill_len: int
-    max_bs: int  # the largest decode batch; the mixed step adds one request to it
-    mixed_chunk: int  # prompt tokens of the mixed step's extra request
-    contexts: tuple[int, ...] = ()  # decode rows by context length (each fits the positions)
-    attention_kernel: str = "auto"
-    block_size: int = 16
-
-    @classmethod
-    def for_preset(cls, preset: str, max_bs: int, mixed_chunk: int, *,
-                   context: int | None = None, prefill_len: int | None = None,
-                   contexts: tuple[int, ...] = (), attention_kernel: str = "auto",
-                   ) -> StepShapes:
-        """Context and prefill length default by preset: 64 and 64 tiny, 1024 and 512 else."""
-        tiny = preset == "tiny"
-        return cls(context=context or (64 if tiny else 1024),
-                   prefill_len=prefill_len or (64 if tiny else 512),
-                   max_bs=max_bs, mixed_chunk=mixed_chunk, contexts=contexts,
-                   attention_kernel=attention_kernel)
-
-    @property
-    def max_model_len(self) -> int:
-        return max(self.context, self.prefill_len, *self.contexts) + self.block_size
-
-    @property
-    def blocks_per_req(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Request rows of the largest step: the mixed step at the largest batch size."""
-        return self.max_bs + 1
-
-    @property
-    def max_num_tokens(self) -> int:
-        return max(self.prefill_len, self.max_bs + self.mixed_chunk)
-
-    def cache_config(self) -> KVCacheConfig:
-        """A KV cache with a row of blocks for each request the largest step has."""
-        return KVCacheConfig(num_blocks=self.blocks_per_req * self.max_num_seqs,
-                             block_size=self.block_size, max_model_len=self.max_model_len,
-                             attention_kernel=self.attention_kernel)  # type: ignore[arg-type]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBuilder:
-    """Builds the bench's steps on ``device``; request ``r`` owns the ``r``-th row of blocks."""
-
-    shapes: StepShapes
-    cache: KVCacheConfig
-    device: torch.device
-
-    def decode(self, bs: int, context: int | None = None) -> StepInputs:
-        """``bs`` requests, each one new token after ``context - 1`` cached ones (default: the
-        shapes' context)."""
-        return build_step(self._decodes(bs, context), self.cache, device=self.device)
-
-    def mixed(self, bs: int) -> StepInputs:
-        """The decode step of ``bs`` requests plus the first prompt chunk of one more."""
-        chunks = self._decodes(bs)
-        chunks.append(RequestChunk(tuple(range(self.shapes.mixed_chunk)), 0, self._blocks(bs)))
-        return build_step(chunks, self.cache, device=self.device)
-
-    def prefill(self) -> StepInputs:
-        """One request's whole prompt of ``prefill_len`` tokens."""
-        prompt = tuple(i % 100 for i in range(self.shapes.prefill_len))
-        return build_step([RequestChunk(prompt, 0, self._blocks(0))], self.cache,
-                          device=self.device)
-
-    def _decodes(self, bs: int, context: int | None = None) -> list[RequestChunk]:
-        cached = (context or self.shapes.context) - 1
-        return [RequestChunk((1 + r % 7,), cached, self._blocks(r)) for r in range(bs)]
-
-    def _blocks(self, r: int) -> tuple[int, ...]:
-        per_req = self.shapes.blocks_per_req
-        return tuple(range(r * per_req, (r + 1) * per_req))
-
-
-def graph_config(shapes: StepShapes, cudagraph_mode: str, compiler: str,
-                 on_cuda: bool) -> CompilationConfig:
-    """The freezeframe configuration of a graph mode sized for the steps of ``shapes``."""
-    import freezeframe as ff
-
-    return ff.CompilationConfig(
-        mode="piecewise", backend=compiler, splitting_ops=[ATTENTION_OP],
-        cudagraph_mode=cudagraph_mode, graph_backend="cuda" if on_cuda else "emulated",
-        max_num_seqs=shapes.max_num_seqs, max_num_tokens=shapes.max_num_tokens,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledLlama:
-    """``ff.compile`` of the Llama, the GraphRunner around it, and a step through the runner."""
-
-    compiled: CompiledModel
-    runner: GraphRunner
-    forward: RunnerForward
-
-
-def compile_with_runner(base: LlamaModel, config: CompilationConfig,
-                        shapes: StepShapes, graph_memory_budget: int | None = None
-                        ) -> CompiledLlama:
-    """Wrap ``base`` for ``config``; it compiles on its first step, captures on ``capture()``
-    (measuring and predicting graph memory first when a ``graph_memory_budget`` is given)."""
-    import freezeframe as ff
-
-    compiled = ff.compile(base, config, dynamic_arg_dims=dict(
-        LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
-    runner = ff.GraphRunner(compiled, config,
-                            inputs=llama_runner_inputs(base, shapes.max_num_seqs),
-                            progress=False, graph_memory_budget=graph_memory_budget)
-    return CompiledLlama(compiled, runner, RunnerForward(runner, shapes.max_num_seqs))
-
-
-def full_decode_launches(compiled: CompiledModel, num_reqs: int) -> int | None:
-    """Launches one replay of the FULL uniform-decode graph for ``num_reqs`` one-token requests
-    issues (the graph of the smallest captured size that holds them), or None without one.
-
-    Emulated graphs record their launches: each recorded ATen op, or one per opaque kernel
-    call (a Triton launch, a compiled piece), counts one. A CUDA graph is replayed once under
-    ``torch.profiler`` and every device activity it shows (kernels, memcpy, memset) counts one.
-    """
-    from freezeframe.config import CUDAGraphMode
-    from freezeframe.graphs.emulated import EmulatedGraph
-
-    found: list[tuple[BatchDescriptor, Any]] = []
-    for wrapper in compiled.graph_wrappers():
-        if wrapper.runtime_mode is not CUDAGraphMode.FULL:
-            continue
-        for desc in wrapper.captured_descriptors:
-            if desc.num_tokens >= num_reqs and (desc.num_reqs or num_reqs) >= num_reqs:
-                found.append((desc, wrapper.graph_for(desc)))
-    if not found:
-        return None
-    # a uniform-decode graph where the mode keys them apart (FULL_AND_PIECEWISE), else the
-    # FULL graph a step of that many tokens replays (FULL)
-    _, graph = min(found, key=lambda item: (not item[0].uniform, item[0].num_tokens))
-    if isinstance(graph, EmulatedGraph):
-        return len(graph.ops)
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
-
-
-def _logits_of(forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
-               model: LlamaModel) -> Callable[[], torch.Tensor]:
-    """A call of one step: hidden states through ``forward``, then each request's logits."""
-    rows = step.last_token_index()
-
-    def run() -> torch.Tensor:
-        with torch.no_grad():
-            hidden = forward(step)
-            return model.compute_logits(hidden[rows])
-    return run
-
-
 @dataclasses.dataclass(frozen=True)
 class _Setup:
     """The choices made before the model is built."""
@@ -468,26 +227,6 @@ class _Setup:
     compiler: str  # "eager" | "inductor"
     shapes: StepShapes
     batch_sizes: tuple[int, ...]  # sorted, without repeats
-
-
-@dataclasses.dataclass(frozen=True)
-class _CaptureTimes:
-    """Startup of a graph mode (the JSON keys of a mode entry, in this order)."""
-
-    compile_s: float
-    capture_s: float
-    graphs_captured: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Started:
-    """A mode ready to time: its forward, the runner of the freezeframe modes and, for those
-    that capture graphs, how long compiling and capturing took."""
-
-    forward: Callable[[StepInputs], torch.Tensor]
-    runner: GraphRunner | None = None
-    capture: _CaptureTimes | None = None
-    full_decode_launches: int | None = None  # of one FULL decode replay, where there is one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,54 +335,23 @@ class _Bench:
             return {"skipped": reason}, None
         device = self.setup.device
         self.base.reset_cache()
-        mem0 = _device_used(device)
+        mem0 = device_used(device)
         t0 = time.perf_counter()
-        started = self._start(mode, t0)
+        started = start_mode(mode, self.base, self.steps, compiler=self.setup.compiler,
+                             launch_bs=self.setup.batch_sizes[0], progress=self.progress,
+                             t0=t0)
         entry = dataclasses.asdict(started.capture) if started.capture is not None else {}
         if started.full_decode_launches is not None:
             entry["full_decode_launches"] = started.full_decode_launches
         first = self._first_logits(mode, started.forward)
-        _sync(device)
+        sync(device)
         entry["startup_s"] = time.perf_counter() - t0
-        entry["graph_memory_bytes"] = _device_used(device) - mem0 if self.on_cuda else None
+        entry["graph_memory_bytes"] = device_used(device) - mem0 if self.on_cuda else None
         entry.update(self._time_steps(started.forward))
         if started.runner is not None:
             entry["runner_stats"] = started.runner.stats.snapshot()
         self.progress.end_mode(f"done in {time.perf_counter() - t0:.1f} s")
         return entry, first
-
-    def _start(self, mode: str, t0: float) -> _Started:
-        if mode == "eager":
-            return _Started(EagerForward(self.base))
-        if mode == "compile":
-            return _Started(EagerForward(torch.compile(self.base, backend=self.setup.compiler)))
-        if mode == "reduce-overhead":
-            return _Started(EagerForward(torch.compile(self.base, mode="reduce-overhead",
-                                                       dynamic=False)))
-        return self._start_freezeframe(mode, t0)
-
-    def _start_freezeframe(self, mode: str, t0: float) -> _Started:
-        """Compile ``base`` with freezeframe and, unless ``mode`` is ``none``, capture its
-        graphs; ``t0`` is when the mode's startup began."""
-        shapes = self.setup.shapes
-        llama = compile_with_runner(
-            self.base, graph_config(shapes, mode.upper(), self.setup.compiler, self.on_cuda),
-            shapes)
-        self.progress.phase(f"compiling (trace, split, {self.setup.compiler} compiler)")
-        # compile first, on a step of several tokens: Dynamo specialises a dynamic dim that it
-        # first sees with size 1
-        _logits_of(llama.forward, self.steps.mixed(shapes.max_bs), self.base)()
-        if mode == "none":
-            return _Started(llama.forward, llama.runner)
-        _sync(self.setup.device)
-        compile_s = time.perf_counter() - t0
-        self.progress.phase(f"capturing graphs ({'CUDA' if self.on_cuda else 'emulated'})")
-        t1 = time.perf_counter()
-        report = llama.runner.capture()
-        _sync(self.setup.device)
-        capture = _CaptureTimes(compile_s, time.perf_counter() - t1, report.num_graphs)
-        launches = full_decode_launches(llama.compiled, self.setup.batch_sizes[0])
-        return _Started(llama.forward, llama.runner, capture, launches)
 
     def _first_logits(self, mode: str, forward: Callable[[StepInputs], torch.Tensor],
                       ) -> list[torch.Tensor]:
@@ -652,7 +360,7 @@ class _Bench:
                             + (" (torch.compile compiles here)" if mode in TORCH_MODES[1:]
                                else ""))
         decodes = [self.steps.decode(bs) for bs in self.setup.batch_sizes]
-        return [_logits_of(forward, step, self.base)().float().cpu() for step in decodes]
+        return [logits_of(forward, step, self.base)().float().cpu() for step in decodes]
 
     def _time_steps(self, forward: Callable[[StepInputs], torch.Tensor]) -> dict[str, Any]:
         """The ``decode``, ``mixed`` and ``prefill_ms`` entries of a mode."""
@@ -683,44 +391,9 @@ class _Bench:
 
     def _median_ms(self, forward: Callable[[StepInputs], torch.Tensor], step: StepInputs,
                    steps: int, warmup: int) -> float:
-        timer = _Timer(self.setup.device)
-        return statistics.median(timer.measure(_logits_of(forward, step, self.base), steps,
+        timer = Timer(self.setup.device)
+        return statistics.median(timer.measure(logits_of(forward, step, self.base), steps,
                                                warmup))
-
-
-# Largest |logits - eager logits| over the largest |eager logit| a mode may show: float32 runs
-# the same math in another order; 16-bit types round every layer's activations.
-MATCH_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
-MATCH_TOLERANCE_16BIT = 5e-2
-
-
-def _compare_with_eager(result: dict[str, Any], firsts: Mapping[str, list[torch.Tensor]],
-                        dtype: torch.dtype, only: str | None = None) -> None:
-    """Record, per mode, how far its logits are from eager's on the same steps
-    (``max_rel_diff_vs_eager``) and whether that is within tolerance (``matches_eager``); a
-    mode that does not match is named in the notes. ``only``: that mode alone (else every mode
-    run so far). Nothing happens before the eager mode has run."""
-    reference = firsts.get("eager")
-    if reference is None:
-        return
-    tolerance = MATCH_TOLERANCE.get(dtype, MATCH_TOLERANCE_16BIT)
-    result["match_tolerance"] = tolerance
-    for mode, outs in firsts.items():
-        if only is not None and mode != only:
-            continue
-        diff = max(float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
-                   for got, want in zip(outs, reference, strict=True))
-        entry = result["modes"][mode]
-        entry["max_rel_diff_vs_eager"] = diff
-        entry["matches_eager"] = diff <= tolerance
-        if diff > tolerance:
-            result["notes"].append(
-                f"{mode}: logits differ from eager's by {diff:.2e} of their largest value "
-                f"(tolerance {tolerance:.0e}): a wrong answer, not a speed result")
-
-
-def mismatched_modes(result: Mapping[str, Any]) -> list[str]:
-    return [m for m, e in result["modes"].items() if e.get("matches_eager") is False]
 
 
 def _count(n: int) -> str:
@@ -729,109 +402,3 @@ def _count(n: int) -> str:
     if n >= 10**6:
         return f"{n / 1e6:.1f} M"
     return f"{n:,}"
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """A plain-text table: one row per mode, decode latency per batch size, then the rest."""
-    sizes = result["batch_sizes"]
-    contexts = result["contexts"]
-    head = ["mode", *[f"decode bs{b} ms" for b in sizes], "floor% bs1" if 1 in sizes else
-            f"floor% bs{sizes[0]}", *[f"ctx{c} ms" for c in contexts],
-            *([f"ctx{contexts[-1]}/{contexts[0]}"] if len(contexts) > 1 else []),
-            f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s", "launches", "vs eager"]
-    rows = [head]
-    for mode, e in result["modes"].items():
-        if "skipped" in e:
-            rows.append([mode, f"skipped: {e['skipped']}"])
-            continue
-        d = e["decode"]
-        first = d[str(1 if 1 in sizes else sizes[0])]
-        ctx = [e["decode_by_context"][str(c)]["median_ms"] for c in contexts]
-        rows.append([mode, *[f"{d[str(b)]['median_ms']:.3f}" for b in sizes],
-                     f"{100 * first['floor_share']:.1f}", *[f"{ms:.3f}" for ms in ctx],
-                     *([f"{ctx[-1] / ctx[0]:.2f}x"] if len(ctx) > 1 else []),
-                     f"{e['mixed'][str(sizes[-1])]['median_ms']:.3f}",
-                     f"{e['prefill_ms']:.3f}", f"{e['startup_s']:.2f}",
-                     str(e.get("full_decode_launches", "-")), _match_cell(e)])
-    width = [max(len(r[i]) for r in rows if i < len(r) and len(r) == len(head))
-             for i in range(len(head))]
-    lines = []
-    for r in rows:
-        if len(r) != len(head):
-            lines.append(f"{r[0]:<{width[0]}}  {r[1]}")
-        else:
-            lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(r, width, strict=True))))
-    info = (f"{result['preset']} preset on {result['device']} ({result['dtype']}, torch "
-            f"{result['torch']}, compiler {result['compiler']}, attention "
-            f"{result['attention_kernel']}), context {result['context']}, max_model_len "
-            f"{result['max_model_len']}, bandwidth "
-            f"{result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
-    kv = [f"ctx{c}: torch {b['torch'] / 2**20:.3g} MiB, triton {b['triton'] / 2**20:.3g} MiB"
-          for c, b in result["kv_bytes_per_decode_token"].items()]
-    legend = [f"ctxN ms: decode at context N, batch size {sizes[0]}; launches: one FULL decode "
-              "replay (recorded ops when emulated, profiled device activities on CUDA)"]
-    if kv:
-        legend.append("KV bytes one decode token reads (all layers): " + "; ".join(kv))
-    return "\n".join([info, *lines, *legend, *[f"note: {n}" for n in result["notes"]]])
-
-
-def _match_cell(entry: Mapping[str, Any]) -> str:
-    if "matches_eager" not in entry:
-        return "-"
-    verdict = "ok" if entry["matches_eager"] else "DIFFERS"
-    return f"{verdict} {entry['max_rel_diff_vs_eager']:.0e}"
-
-
-def write_json(result: dict[str, Any], out: Path) -> Path:
-    """results.json, written whole to a temporary name first and then renamed into place, so a
-    reader (or a run killed while writing) never sees half a file."""
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / "results.json"
-    partial = out / ".results.json.partial"
-    partial.write_text(json.dumps(result, indent=2, default=str))
-    os.replace(partial, target)
-    return target
-
-
-def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
-    """results.json and, when matplotlib is installed, latency_vs_batch.png."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "results.json"]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        result["notes"].append("matplotlib is not installed: no plot written "
-                               "(pip install matplotlib)")
-    else:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for mode, e in result["modes"].items():
-            if "decode" in e:
-                sizes = sorted(int(b) for b in e["decode"])
-                ax.plot(sizes, [e["decode"][str(b)]["median_ms"] for b in sizes], marker="o",
-                        label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size (decode requests)")
-        ax.set_ylabel("median decode step (ms)")
-        ax.set_title(f"freezeframe bench: {result['preset']} on {result['device']}")
-        ax.legend()
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "latency_vs_batch.png", dpi=120)
-        plt.close(fig)
-        written.append(out / "latency_vs_batch.png")
-    write_json(result, out)
-    return written
-
-
-def parse_list(text: str, kind: type = int) -> tuple[Any, ...]:
-    return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
-
-
-def modes_from(text: str | Sequence[str]) -> tuple[str, ...]:
-    parts = parse_list(text, str) if isinstance(text, str) else tuple(text)
-    return tuple(p.lower().replace("_", "-") if p.lower().replace("_", "-") in TORCH_MODES
-                 else p.lower().replace("-", "_") for p in parts)
