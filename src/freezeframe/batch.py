@@ -4,8 +4,23 @@ for a step run as micro-batches, its plan and slices."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, TypeAlias
 
-__all__ = ["BatchDescriptor", "DPMicroBatchMetadata", "MicroBatchPlan", "MicroBatchSlice"]
+if TYPE_CHECKING:
+    from freezeframe.config import CUDAGraphMode
+
+__all__ = ["BatchDescriptor", "DPMicroBatchMetadata", "GraphKey", "MicroBatchPlan",
+           "MicroBatchSlice", "mixed_step_reqs"]
+
+# What one captured graph is stored under: its runtime mode and padded descriptor.
+GraphKey: TypeAlias = "tuple[CUDAGraphMode, BatchDescriptor]"
+
+
+def mixed_step_reqs(num_tokens: int, max_num_seqs: int) -> int:
+    """The request rows of a mixed (not uniform-decode) step padded to ``num_tokens``: a graph
+    key of such steps is captured with the most requests that many tokens can hold (one
+    token each), up to ``max_num_seqs``, so every step of that size fits it."""
+    return min(num_tokens, max_num_seqs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Compilation modes, CUDA-graph modes and the frozen, validated :class:`CompilationConfig`.
 
 Field names follow vLLM's ``CompilationConfig`` for everything we support, so a vLLM
-compilation-config JSON with those fields is accepted as it is. The config resolves every
-derived value (capture sizes, compile sizes, graph mode after the splitting-op rules) once, in
-``__post_init__``; later code reads resolved values and never re-derives them.
+compilation-config JSON with those fields is accepted as it is (the checks each field's value
+goes through, and vLLM's key aliases, are :mod:`freezeframe.config_fields`). The config
+resolves every derived value (capture sizes, compile sizes, graph mode after the splitting-op
+rules) once, in ``__post_init__``; later code reads resolved values and never re-derives them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from freezeframe.config_fields import (
+    as_tuple,
+    check_custom_ops,
+    check_pass_config,
+    normalise_keys,
+    normalise_op_name,
+    positive_int,
+)
 from freezeframe.errors import ConfigError
 from freezeframe.sizes import (
     Range,
@@ -28,7 +37,8 @@ from freezeframe.sizes import (
     round_sizes_for_spec_decode,
 )
 
-__all__ = ["CUDAGraphMode", "CompilationConfig", "CompilationMode", "Range"]
+__all__ = ["CUDAGraphMode", "CompilationConfig", "CompilationMode", "Range",
+           "breakable_capture", "check_piecewise_compilation"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,98 +163,37 @@ CAPTURE_SIZES_TOKEN = "cudagraph_capture_sizes"
 _NOT_IN_CACHE_KEY = frozenset({"cache_dir", "debug", "use_cache", "graph_backend",
                                "cudagraph_num_of_warmups", "custom_ops", "pass_config"})
 
-# Accepted spellings from vLLM configs that map onto our field names.
-_ALIASES = {"level": "mode", "max_num_batched_tokens": "max_num_tokens"}
-
-# vLLM compilation-config fields freezeframe does not implement; named in the error so a user
-# pasting a vLLM JSON learns the field is known but unsupported rather than misspelt.
-_VLLM_UNSUPPORTED = frozenset({
-    "debug_dump_path", "use_inductor", "use_cudagraph", "full_cuda_graph",
-    "compile_cache_save_format", "use_inductor_graph_partition",
-    "dynamic_shapes_config", "compile_mm_encoder", "cudagraph_mm_encoder", "local_cache_dir",
-    "fast_moe_cold_start", "max_capture_size", "compile_ranges_split_points",
-})
 
 
-def _check_custom_ops(value: Any) -> tuple[str, ...]:
-    """vLLM's ``custom_ops`` syntax: ``"all"`` or ``"none"`` (at most one of them), ``"+op"`` to
-    enable and ``"-op"`` to disable one op, never both for the same op."""
-    entries = _seq(value, "custom_ops")
-    enabled: set[str] = set()
-    disabled: set[str] = set()
-    for entry in entries:
-        if not isinstance(entry, str):
-            raise ConfigError(f"custom_ops: entry {entry!r} is not a string; write 'all', "
-                              "'none', '+op_name' or '-op_name'")
-        if entry in ("all", "none"):
-            continue
-        sign, name = entry[:1], entry[1:]
-        if sign not in ("+", "-") or not name:
-            raise ConfigError(f"custom_ops: invalid entry {entry!r}; write 'all', 'none', "
-                              f"'+{entry.lstrip('+-') or 'op_name'}' (enable) or "
-                              f"'-{entry.lstrip('+-') or 'op_name'}' (disable)")
-        (enabled if sign == "+" else disabled).add(name)
-    if sum(e in ("all", "none") for e in entries) > 1:
-        raise ConfigError(f"custom_ops: {list(entries)} names 'all'/'none' more than once; "
-                          "keep one of them")
-    both = sorted(enabled & disabled)
-    if both:
-        raise ConfigError(f"custom_ops: {both} both enabled ('+') and disabled ('-'); keep one")
-    return tuple(entries)
+def check_piecewise_compilation(graph_mode: CUDAGraphMode, mode: CompilationMode,
+                                splitting_ops: Sequence[str] | None) -> None:
+    """PIECEWISE graphs need something to cut the forward at. Under mode PIECEWISE that is
+    the traced graph split at ``splitting_ops`` (so they must not be empty); under mode NONE
+    and STOCK_TORCH_COMPILE it is a *breakable* capture, which breaks the running forward at
+    the splitting ops and at ``@ff.graph_break`` functions (see freezeframe.graphs.breakable).
+    DYNAMO_TRACE_ONCE compiles one whole graph: it has no PIECEWISE graphs. Raise for a
+    ``cudagraph_mode`` with PIECEWISE graphs that ``mode`` cannot give."""
+    if not graph_mode.requires_piecewise_compilation():
+        return
+    if mode in (CompilationMode.NONE, CompilationMode.STOCK_TORCH_COMPILE):
+        return  # breakable capture
+    if mode is not CompilationMode.PIECEWISE or (splitting_ops is not None
+                                                 and len(splitting_ops) == 0):
+        raise ConfigError(
+            f"cudagraph_mode {graph_mode.name} captures piecewise graphs, which needs mode "
+            f"PIECEWISE and a graph split at splitting_ops (or a breakable capture: mode NONE "
+            f"or STOCK_TORCH_COMPILE), but mode is {mode.name} and "
+            f"splitting_ops={splitting_ops!r}; set mode='piecewise' (and keep splitting_ops "
+            "non-empty), mode='none' for graphs that break at the splitting ops without a "
+            "trace, or choose cudagraph_mode FULL, FULL_DECODE_ONLY or NONE")
 
 
-def _check_pass_config(value: Any) -> dict[str, Any]:
-    """vLLM's ``pass_config``: switches for vLLM's own fusion passes. freezeframe has none of
-    them, so a switch that is off (false or null) is accepted and anything else is refused,
-    naming the key."""
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"pass_config: expected a mapping of vLLM pass options, got {value!r}")
-    for key, option in value.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"pass_config: key {key!r} is not a string")
-        if option is not None and option is not False:
-            fix = (f"Remove pass_config.{key} or set it to false" if isinstance(option, bool)
-                   else f"Remove pass_config.{key}")
-            raise ConfigError(
-                f"not supported: pass_config.{key}={json.dumps(option, default=repr)}; "
-                "freezeframe runs none of vLLM's compilation passes (fusions of vLLM's own "
-                "quantisation, norm and collective ops, no-op elimination, sequence "
-                "parallelism), so it accepts a pass_config only with every option off and "
-                f"does not check the names (a misspelt key is reported the same way). {fix}; "
-                "to run a pass of your own on every piece, give it in inductor_passes")
-    return dict(value)
-
-
-def _normalise_op_name(op: Any) -> str:
-    """``"ns::op"`` / ``"ns::op.overload"`` as given; torch's printed form ``"ns.op"`` /
-    ``"ns.op.overload"`` (what older vLLM configs use) is rewritten to the ``::`` form."""
-    if isinstance(op, str):
-        op = op.strip()
-        if "::" in op:
-            ns, _, rest = op.partition("::")
-            if ns and rest and "::" not in rest:
-                return op
-        elif op.count(".") in (1, 2) and all(op.split(".")):
-            ns, _, rest = op.partition(".")
-            return f"{ns}::{rest}"
-    raise ConfigError(
-        f"splitting_ops: {op!r} is not an op name; write 'namespace::op' (all overloads) or "
-        "'namespace::op.overload' (one overload), e.g. 'silly::attention'")
-
-
-def _seq(value: Any, field: str) -> tuple[Any, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ConfigError(f"{field}: expected a list, got {value!r}")
-    return tuple(value)
-
-
-def _positive_int(value: Any, field: str, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{field}: expected an int, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ConfigError(f"{field}: must be {bound}, got {value}")
-    return value
+def breakable_capture(config: CompilationConfig) -> bool:
+    """Whether ``config`` captures its PIECEWISE graphs breakable, over the forward as it runs
+    (mode NONE or STOCK_TORCH_COMPILE with PIECEWISE graphs), rather than per traced piece."""
+    graph_mode = config.cudagraph_mode
+    return (isinstance(graph_mode, CUDAGraphMode) and graph_mode.has_piecewise_cudagraphs()
+            and config.mode in (CompilationMode.NONE, CompilationMode.STOCK_TORCH_COMPILE))
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -328,10 +277,10 @@ class CompilationConfig:
         set_(self, "graph_backend", graph_backend)
 
         for name in ("max_num_tokens", "max_num_seqs", "num_micro_batches"):
-            _positive_int(getattr(self, name), name)
+            positive_int(getattr(self, name), name)
         for name in ("num_speculative_tokens", "max_loras", "cudagraph_num_of_warmups",
                      "micro_batch_decode_threshold", "micro_batch_prefill_threshold"):
-            _positive_int(getattr(self, name), name, allow_zero=True)
+            positive_int(getattr(self, name), name, allow_zero=True)
         for name in ("cudagraph_copy_inputs", "cudagraph_specialize_lora", "use_cache", "debug",
                      "micro_batching"):
             if not isinstance(getattr(self, name), bool):
@@ -348,11 +297,11 @@ class CompilationConfig:
             raise ConfigError("inductor_passes: expected a mapping of names to callables or "
                               f"qualified names, got {self.inductor_passes!r}")
         set_(self, "inductor_passes", MappingProxyType(dict(self.inductor_passes)))
-        set_(self, "custom_ops", _check_custom_ops(self.custom_ops))
+        set_(self, "custom_ops", check_custom_ops(self.custom_ops))
         if self.custom_ops:
             logger.info("custom_ops %s has no effect in freezeframe: the module's ops run as "
                         "written (there are no vLLM custom ops to switch)", list(self.custom_ops))
-        set_(self, "pass_config", MappingProxyType(_check_pass_config(self.pass_config)))
+        set_(self, "pass_config", MappingProxyType(check_pass_config(self.pass_config)))
 
         self._resolve_splitting_ops_and_graph_mode()
         self._resolve_capture_sizes()
@@ -368,8 +317,8 @@ class CompilationConfig:
         mode = CompilationMode.parse(self.mode)
         ops: tuple[str, ...] | None = None
         if self.splitting_ops is not None:
-            ops = tuple(dict.fromkeys(_normalise_op_name(op)
-                                      for op in _seq(self.splitting_ops, "splitting_ops")))
+            ops = tuple(dict.fromkeys(normalise_op_name(op)
+                                      for op in as_tuple(self.splitting_ops, "splitting_ops")))
         if self.cudagraph_mode is None:
             graph_mode = (CUDAGraphMode.PIECEWISE if mode is CompilationMode.PIECEWISE
                           else CUDAGraphMode.NONE)
@@ -388,12 +337,7 @@ class CompilationConfig:
                                "is split, so only full graphs are captured; cudagraph_mode is "
                                "now FULL")
                 graph_mode = CUDAGraphMode.FULL
-        if (graph_mode.requires_piecewise_compilation()
-                and mode is not CompilationMode.PIECEWISE):
-            raise ConfigError(
-                f"cudagraph_mode {graph_mode.name} captures piecewise graphs, which needs "
-                f"mode PIECEWISE, but mode is {mode.name}; set mode='piecewise' or choose "
-                "cudagraph_mode FULL, FULL_DECODE_ONLY or NONE")
+        check_piecewise_compilation(graph_mode, mode, ops)
         set_(self, "splitting_ops", ops if ops is None else tuple(ops))
         set_(self, "cudagraph_mode", graph_mode)
 
@@ -403,10 +347,10 @@ class CompilationConfig:
         user_list = self.cudagraph_capture_sizes
         user_max = self.max_cudagraph_capture_size
         if user_max is not None:
-            _positive_int(user_max, "max_cudagraph_capture_size", allow_zero=True)
+            positive_int(user_max, "max_cudagraph_capture_size", allow_zero=True)
         if user_list is not None:
-            for s in _seq(user_list, "cudagraph_capture_sizes"):
-                _positive_int(s, "cudagraph_capture_sizes entry")
+            for s in as_tuple(user_list, "cudagraph_capture_sizes"):
+                positive_int(s, "cudagraph_capture_sizes entry")
         if user_max == 0 and not user_list and self.cudagraph_mode is not CUDAGraphMode.NONE:
             # A largest graph of 0 tokens asks for no graphs: graphs are off, as with
             # cudagraph_mode NONE (vLLM's resolved form of graphs off is this same pair).
@@ -418,6 +362,15 @@ class CompilationConfig:
             set_(self, "max_cudagraph_capture_size", 0)
             return
 
+        sizes = self._capture_sizes(user_list, user_max)
+        set_(self, "cudagraph_capture_sizes", tuple(sizes))
+        set_(self, "max_cudagraph_capture_size", sizes[-1])
+
+    def _capture_sizes(self, user_list: Sequence[int] | None, user_max: int | None) -> list[int]:
+        """The sizes to capture while graphs are on: the user's list (less the sizes above
+        ``max_num_tokens``) or the default ladder, checked against the user's maximum and
+        rounded for speculative decoding."""
+        assert isinstance(self.cudagraph_mode, CUDAGraphMode)
         if user_max is not None:
             max_size = min(user_max, self.max_num_tokens)
         else:
@@ -432,15 +385,7 @@ class CompilationConfig:
                     f"cudagraph_mode is {self.cudagraph_mode.name}; give at least one size or "
                     "set cudagraph_mode='none'")
         else:
-            # The token ladder up to the ceiling, the ceiling itself included (so the token
-            # budget, or the user's maximum, always has a graph), plus the widest uniform-decode
-            # batch: max_num_seqs requests of 1 + num_speculative_tokens tokens each, when it is
-            # not above that ceiling. The default ceiling (at most 512 tokens) holds with spec
-            # decode too, as in vLLM: a wider decode batch runs without a graph.
-            sizes = default_capture_sizes(max_size)
-            widest_decode = self.max_num_seqs * (1 + self.num_speculative_tokens)
-            if widest_decode <= max_size and widest_decode not in sizes:
-                sizes = sorted({*sizes, widest_decode})
+            sizes = self._default_capture_sizes(max_size)
         valid_max = sizes[-1]
         if user_max is not None and user_max != valid_max:
             if user_list is not None:
@@ -460,22 +405,33 @@ class CompilationConfig:
                 sizes = round_sizes_for_spec_decode(sizes, multiple, valid_max)
             except ValueError as exc:
                 raise ConfigError(f"cudagraph_capture_sizes: {exc}") from None
-        set_(self, "cudagraph_capture_sizes", tuple(sizes))
-        set_(self, "max_cudagraph_capture_size", sizes[-1])
+        return sizes
+
+    def _default_capture_sizes(self, max_size: int) -> list[int]:
+        """The token ladder up to the ceiling ``max_size``, the ceiling itself included (so the
+        token budget, or the user's maximum, always has a graph), plus the widest uniform-decode
+        batch: ``max_num_seqs`` requests of ``1 + num_speculative_tokens`` tokens each, when it
+        is not above that ceiling. The default ceiling (at most 512 tokens) holds with spec
+        decode too, as in vLLM: a wider decode batch runs without a graph."""
+        sizes = default_capture_sizes(max_size)
+        widest_decode = self.max_num_seqs * (1 + self.num_speculative_tokens)
+        if widest_decode <= max_size and widest_decode not in sizes:
+            sizes = sorted({*sizes, widest_decode})
+        return sizes
 
     def _resolve_compile_sizes(self) -> None:
         if self.compile_sizes is None:
             object.__setattr__(self, "compile_sizes", ())
             return
         out: set[int] = set()
-        for s in _seq(self.compile_sizes, "compile_sizes"):
+        for s in as_tuple(self.compile_sizes, "compile_sizes"):
             if s == CAPTURE_SIZES_TOKEN:
                 out.update(self.cudagraph_capture_sizes or ())
             elif isinstance(s, str):
                 raise ConfigError(f"compile_sizes: unknown entry {s!r}; entries are ints or the "
                                   f"string {CAPTURE_SIZES_TOKEN!r}")
             else:
-                out.add(_positive_int(s, "compile_sizes entry"))
+                out.add(positive_int(s, "compile_sizes entry"))
         sizes = sorted(out)
         too_big = [s for s in sizes if s > self.max_num_tokens]
         if too_big:
@@ -497,9 +453,9 @@ class CompilationConfig:
         if self.compile_ranges_endpoints is None:
             object.__setattr__(self, "compile_ranges_endpoints", ())
             return
-        ends = _seq(self.compile_ranges_endpoints, "compile_ranges_endpoints")
+        ends = as_tuple(self.compile_ranges_endpoints, "compile_ranges_endpoints")
         for e in ends:
-            _positive_int(e, "compile_ranges_endpoints entry")
+            positive_int(e, "compile_ranges_endpoints entry")
             if e > self.max_num_tokens:
                 raise ConfigError(
                     f"compile_ranges_endpoints: endpoint {e} is above max_num_tokens="
@@ -532,30 +488,7 @@ class CompilationConfig:
         """Build from a mapping, such as a vLLM compilation-config JSON object."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a compilation config must be a JSON object, got {data!r}")
-        return cls(**cls._normalise_keys(data))
-
-    @classmethod
-    def _normalise_keys(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        """Map aliases onto field names; reject unknown keys, listing the valid ones."""
-        valid = set(cls.field_names())
-        kwargs: dict[str, Any] = {}
-        unknown = []
-        for key, value in data.items():
-            name = _ALIASES.get(key, key)
-            if name not in valid:
-                unknown.append(key)
-                continue
-            if name in kwargs:
-                raise ConfigError(f"{key}: given twice (once under its alias); keep one")
-            kwargs[name] = value
-        if unknown:
-            known_vllm = sorted(k for k in unknown if k in _VLLM_UNSUPPORTED)
-            note = (f" ({known_vllm} are vLLM fields freezeframe does not support; remove them)"
-                    if known_vllm else "")
-            raise ConfigError(
-                f"unknown compilation-config field(s) {sorted(map(str, unknown))}{note}; valid "
-                f"fields are {sorted(valid)} (aliases: {sorted(_ALIASES)})")
-        return kwargs
+        return cls(**normalise_keys(data, cls.field_names()))
 
     @classmethod
     def from_json(cls, text: str) -> CompilationConfig:
@@ -600,7 +533,7 @@ class CompilationConfig:
         """A copy with ``changes`` applied to the values the user gave, everything re-derived
         and re-validated (so ``replace(max_num_seqs=8)`` gets the ladder for 8 sequences)."""
         given: dict[str, Any] = dict(getattr(self, "_given", None) or self.to_dict())
-        given.update(self._normalise_keys(changes))
+        given.update(normalise_keys(changes, self.field_names()))
         return CompilationConfig(**given)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -184,7 +184,7 @@ def test_a_tensor_the_comm_stream_reads_is_not_handed_to_the_compute_stream_earl
     """``h = comm(h)`` drops the compute stream's tensor while the comm kernel still reads it;
     the stream-use recorder a comm section enters keeps the allocator from giving its block to
     the compute stream's next allocation until the comm stream is past it."""
-    from freezeframe.runtime.ubatch.overlap import _CommStreamUses
+    from freezeframe.runtime.ubatch.schedule import _CommStreamUses
 
     compute = torch.cuda.current_stream()
     comm = torch.cuda.Stream()

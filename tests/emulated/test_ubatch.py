@@ -18,8 +18,9 @@ import freezeframe as ff
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context, get_forward_context
+from freezeframe.errors import MicroBatchError
 from freezeframe.graphs.emulated import EmulatedBackend
-from freezeframe.runtime.ubatch.overlap import MicroBatchError, MicroBatchWrapper
+from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_micro_batches
 
 HIDDEN = 4

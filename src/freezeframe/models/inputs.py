@@ -70,14 +70,40 @@ def build_step(
     Padded request rows repeat the last real ``query_start_loc`` (zero-length requests), so the
     offsets stay non-decreasing for any consumer that expects it.
     """
-    bs, max_blocks = cache.block_size, cache.max_blocks
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
-    table: list[list[int]] = []
+    columns = _Columns()
     for chunk in chunks:
+        columns.add(chunk, cache)
+    num_tokens, num_reqs = len(columns.ids), len(chunks)
+    host = AttentionHostMetadata(query_start_loc=tuple(columns.qsl),
+                                 seq_lens=tuple(columns.seq_lens))
+    token_pad = (pad_tokens_to or num_tokens) - num_tokens
+    req_pad = (pad_reqs_to or num_reqs) - num_reqs
+    if token_pad < 0 or req_pad < 0:
+        raise ConfigError(
+            f"cannot pad {num_tokens} tokens / {num_reqs} requests down to "
+            f"pad_tokens_to={pad_tokens_to} / pad_reqs_to={pad_reqs_to}"
+        )
+    columns.pad(token_pad, req_pad, cache.max_blocks)
+    return StepInputs(tensors=columns.tensors(cache.max_blocks, device), host=host,
+                      num_tokens=num_tokens, num_reqs=num_reqs)
+
+
+@dataclasses.dataclass
+class _Columns:
+    """A step's inputs on the host, built up request by request: per token ``ids``,
+    ``positions`` and ``slots``; per request ``qsl`` (one more entry), ``seq_lens`` and its
+    ``table`` row of blocks."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)
+    qsl: list[int] = dataclasses.field(default_factory=lambda: [0])
+    seq_lens: list[int] = dataclasses.field(default_factory=list)
+    table: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def add(self, chunk: RequestChunk, cache: KVCacheConfig) -> None:
+        """Append one request's tokens and its row, after checking its blocks hold them."""
+        bs, max_blocks = cache.block_size, cache.max_blocks
         end = chunk.num_computed + len(chunk.token_ids)
         if end > cache.max_model_len or -(-end // bs) > len(chunk.blocks):
             raise ConfigError(
@@ -86,37 +112,35 @@ def build_step(
             )
         for i, token in enumerate(chunk.token_ids):
             pos = chunk.num_computed + i
-            ids.append(token)
-            positions.append(pos)
-            slots.append(chunk.blocks[pos // bs] * bs + pos % bs)
-        qsl.append(len(ids))
-        seq_lens.append(end)
-        table.append(list(chunk.blocks) + [0] * (max_blocks - len(chunk.blocks)))
-    num_tokens, num_reqs = len(ids), len(chunks)
-    host = AttentionHostMetadata(query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens))
-    token_pad = (pad_tokens_to or num_tokens) - num_tokens
-    req_pad = (pad_reqs_to or num_reqs) - num_reqs
-    if token_pad < 0 or req_pad < 0:
-        raise ConfigError(
-            f"cannot pad {num_tokens} tokens / {num_reqs} requests down to "
-            f"pad_tokens_to={pad_tokens_to} / pad_reqs_to={pad_reqs_to}"
-        )
-    ids += [0] * token_pad
-    positions += [0] * token_pad
-    slots += [-1] * token_pad
-    qsl += [num_tokens] * req_pad
-    seq_lens += [0] * req_pad
-    table += [[0] * max_blocks for _ in range(req_pad)]
+            self.ids.append(token)
+            self.positions.append(pos)
+            self.slots.append(chunk.blocks[pos // bs] * bs + pos % bs)
+        self.qsl.append(len(self.ids))
+        self.seq_lens.append(end)
+        self.table.append(list(chunk.blocks) + [0] * (max_blocks - len(chunk.blocks)))
 
-    def t(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+    def pad(self, token_pad: int, req_pad: int, max_blocks: int) -> None:
+        """Append ``token_pad`` padding tokens (slot -1) and ``req_pad`` zero-length requests."""
+        num_tokens = len(self.ids)
+        self.ids += [0] * token_pad
+        self.positions += [0] * token_pad
+        self.slots += [-1] * token_pad
+        self.qsl += [num_tokens] * req_pad
+        self.seq_lens += [0] * req_pad
+        self.table += [[0] * max_blocks for _ in range(req_pad)]
 
-    tensors = {
-        "input_ids": t(ids),
-        "positions": t(positions),
-        "slot_mapping": t(slots),
-        "query_start_loc": t(qsl),
-        "seq_lens": t(seq_lens),
-        "block_tables": t(table).reshape(len(table), max_blocks),
-    }
-    return StepInputs(tensors=tensors, host=host, num_tokens=num_tokens, num_reqs=num_reqs)
+    def tensors(self, max_blocks: int,
+                device: torch.device | str | None) -> dict[str, torch.Tensor]:
+        """The columns as ``torch.long`` tensors on ``device``, keyed by :data:`INPUT_NAMES`."""
+
+        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return {
+            "input_ids": t(self.ids),
+            "positions": t(self.positions),
+            "slot_mapping": t(self.slots),
+            "query_start_loc": t(self.qsl),
+            "seq_lens": t(self.seq_lens),
+            "block_tables": t(self.table).reshape(len(self.table), max_blocks),
+        }

@@ -53,11 +53,8 @@ _NEG: tl.constexpr = tl.constexpr(-1.0e30)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     positions_ptr, token_req_ptr, token_valid_ptr, block_tables_ptr,
-    stride_qt, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
-    stride_ot, stride_oh,
-    stride_bt_r,
+    stride_qt, stride_qh, stride_ks, stride_kh,  # (token, head) strides of q, k, v, out
+    stride_vs, stride_vh, stride_ot, stride_oh, stride_bt_r,  # and a block table's row stride
     scale,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,

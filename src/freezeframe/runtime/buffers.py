@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from freezeframe.batch import BatchDescriptor
+from freezeframe.batch import BatchDescriptor, mixed_step_reqs
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import InputMismatchError
 from freezeframe.runtime.inputs import InputSpec
@@ -177,7 +177,7 @@ class StaticBuffers:
         """Fill the buffers for a dummy step of ``desc`` (a warm-up or a capture): every row,
         real or padded, holds the fill value. Its token and request counts."""
         tokens = desc.num_tokens
-        reqs = desc.num_reqs if desc.num_reqs is not None else min(tokens, max_num_seqs)
+        reqs = desc.num_reqs if desc.num_reqs is not None else mixed_step_reqs(tokens, max_num_seqs)
         self.staged = None
         with torch.no_grad():
             for name, spec in self.specs.items():

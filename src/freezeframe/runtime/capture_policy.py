@@ -44,13 +44,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from freezeframe.batch import BatchDescriptor
-from freezeframe.config import CUDAGraphMode
+from freezeframe.batch import GraphKey
 from freezeframe.errors import ConfigError
 
 __all__ = ["CapturePolicy", "DeferredCaptures"]
 
-GraphKey = tuple[CUDAGraphMode, BatchDescriptor]
 
 
 class CapturePolicy(enum.Enum):

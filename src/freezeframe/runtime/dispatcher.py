@@ -27,12 +27,17 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from freezeframe.batch import BatchDescriptor
-from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from freezeframe.batch import BatchDescriptor, mixed_step_reqs
+from freezeframe.config import (
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    check_piecewise_compilation,
+)
 from freezeframe.errors import ConfigError
 from freezeframe.sizes import padding_table
 
-__all__ = ["Dispatcher", "LoraCase", "lora_cases"]
+__all__ = ["Dispatcher", "LoraCase", "lora_cases", "runtime_modes"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,19 @@ def lora_cases(max_loras: int, specialize: bool, num_speculative_tokens: int) ->
     return [LoraCase(False, 0), *(LoraCase(True, n) for n in counts)]
 
 
+
+def runtime_modes(invalid_modes: Collection[CUDAGraphMode]) -> frozenset[CUDAGraphMode]:
+    """``invalid_modes`` (of a step or a runner) as a frozenset, checked: only the runtime
+    graph modes PIECEWISE and FULL can be ruled out (a ConfigError, a ValueError, otherwise)."""
+    modes = frozenset(invalid_modes)
+    for m in modes:
+        if m not in (_PIECEWISE, _FULL):
+            raise ConfigError(
+                f"invalid_modes may hold PIECEWISE and FULL only, got {m!r}; eager (NONE) is "
+                "always possible and config modes such as FULL_AND_PIECEWISE are not runtime "
+                "modes")
+    return modes
+
 class Dispatcher:
     """Valid graph keys for one config, padding, and the choice of runtime mode per step.
 
@@ -90,14 +108,7 @@ class Dispatcher:
             raise ConfigError(
                 f"Dispatcher needs a resolved CompilationConfig; cudagraph_mode is {mode!r}. "
                 "Build the config with ff.CompilationConfig(...)")
-        if mode.requires_piecewise_compilation() and (
-                compile_mode is not CompilationMode.PIECEWISE
-                or (config.splitting_ops is not None and len(config.splitting_ops) == 0)):
-            raise ConfigError(
-                f"cudagraph_mode {mode.name} captures piecewise graphs, which needs mode "
-                f"PIECEWISE with a split graph, but mode is {compile_mode.name} "
-                f"and splitting_ops={config.splitting_ops!r}; set mode='piecewise' (and keep "
-                "splitting_ops non-empty) or choose cudagraph_mode FULL, FULL_DECODE_ONLY or NONE")
+        check_piecewise_compilation(mode, compile_mode, config.splitting_ops)
         self.cudagraph_mode: CUDAGraphMode = mode
         self.uniform_decode_query_len: int = 1 + config.num_speculative_tokens
         self.capture_sizes: tuple[int, ...] = tuple(config.cudagraph_capture_sizes or ())
@@ -135,7 +146,7 @@ class Dispatcher:
 
     def _descriptor(self, padded: int, uniform: bool, case: LoraCase) -> BatchDescriptor:
         q = self.uniform_decode_query_len
-        num_reqs = padded // q if uniform else min(padded, self.max_num_seqs)
+        num_reqs = padded // q if uniform else mixed_step_reqs(padded, self.max_num_seqs)
         return BatchDescriptor(num_tokens=padded, num_reqs=num_reqs, uniform=uniform,
                                has_lora=case.has_lora, num_active_loras=case.num_active_loras)
 
@@ -204,13 +215,7 @@ class Dispatcher:
             raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        invalid = frozenset(invalid_modes)
-        for m in invalid:
-            if m not in (_PIECEWISE, _FULL):
-                raise ValueError(
-                    f"invalid_modes may hold PIECEWISE and FULL only, got {m!r}; eager (NONE) is "
-                    "always possible and config modes such as FULL_AND_PIECEWISE are not "
-                    "runtime modes")
+        invalid = runtime_modes(invalid_modes)
         case = self.effective_lora_case(has_lora, num_active_loras)
         eager = BatchDescriptor(num_tokens=num_tokens, has_lora=has_lora,
                                 num_active_loras=num_active_loras if has_lora else 0)
@@ -231,6 +236,26 @@ class Dispatcher:
             if relaxed in self._keys[_PIECEWISE]:
                 return _PIECEWISE, relaxed
         return _NONE, eager
+
+    def why_no_graph(self, num_tokens: int, uniform_decode: bool = False,
+                     has_lora: bool = False, num_active_loras: int = 0,
+                     invalid_modes: Collection[CUDAGraphMode] = frozenset()) -> str:
+        """Why :meth:`dispatch` gives a step with these arguments no graph, as a fallback
+        reason (``runtime/report.py``): ``graphs_off`` (cudagraph_mode NONE), ``too_large``
+        (above the largest capture size), ``mode_invalid`` (a graph exists, but its mode is
+        in ``invalid_modes``), ``mode_off`` (the config's mode covers no batch of this size
+        and kind: FULL_DECODE_ONLY and a mixed batch), ``no_key`` (it covers plain batches of
+        this size, but not this LoRA case)."""
+        if self.cudagraph_mode is _NONE:
+            return "graphs_off"
+        if num_tokens > self.max_capture_size:
+            return "too_large"
+        if invalid_modes and self.dispatch(num_tokens, uniform_decode, has_lora,
+                                           num_active_loras)[0] is not _NONE:
+            return "mode_invalid"
+        if self.dispatch(num_tokens, uniform_decode)[0] is _NONE:
+            return "mode_off"
+        return "no_key"
 
     # -- capture order ---------------------------------------------------------------------
     def capture_descriptors(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:

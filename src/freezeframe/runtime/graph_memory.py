@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from freezeframe.batch import BatchDescriptor
+from freezeframe.batch import BatchDescriptor, GraphKey
 from freezeframe.config import CUDAGraphMode
 from freezeframe.errors import ConfigError
 
@@ -57,7 +57,6 @@ __all__ = [
     "predict_graph_memory",
 ]
 
-GraphKey = tuple[CUDAGraphMode, BatchDescriptor]
 # (mode, uniform decode, has LoRA, active LoRAs): keys whose memory lies on one line
 Family = tuple[CUDAGraphMode, bool, bool, int]
 

@@ -19,6 +19,7 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.errors import ConfigError
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.runtime.capture_policy import CapturePolicy
+from freezeframe.runtime.dispatcher import runtime_modes
 from freezeframe.runtime.outputs import check_outputs
 
 __all__ = ["RunnerOptions", "resolve_device", "runner_config"]
@@ -44,11 +45,7 @@ class RunnerOptions:
 
     def __post_init__(self) -> None:
         check_outputs(self.outputs)
-        modes = frozenset(self.invalid_modes)
-        for m in modes:
-            if m not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
-                raise ConfigError(f"invalid_modes may hold PIECEWISE and FULL, got {m!r}")
-        object.__setattr__(self, "invalid_modes", modes)
+        object.__setattr__(self, "invalid_modes", runtime_modes(self.invalid_modes))
         policy = CapturePolicy.parse(self.capture_policy)
         object.__setattr__(self, "capture_policy", policy)
         if not isinstance(self.lazy_warmups, int) or isinstance(self.lazy_warmups, bool) \

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from freezeframe.batch import BatchDescriptor
+from freezeframe.batch import BatchDescriptor, GraphKey, mixed_step_reqs
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import ForwardContext, entered
 from freezeframe.errors import FallbackError, InputMismatchError
@@ -63,7 +63,6 @@ from freezeframe.runtime.buffers import (
     map_tensors,
 )
 from freezeframe.runtime.capture import Capturer
-from freezeframe.runtime.capture_policy import GraphKey
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dp import agree_across_ranks
 from freezeframe.runtime.forward import ModelForward
@@ -393,7 +392,7 @@ class Stepper:
             # with the request rows the capture gave them; every step of that size passes as
             # many (the padded rows hold the fill value), never fewer, which a replay would
             # read as stale rows.
-            padded_reqs = min(padded_tokens, self._config.max_num_seqs)
+            padded_reqs = mixed_step_reqs(padded_tokens, self._config.max_num_seqs)
         if reqs is not None and padded_reqs is not None and reqs > padded_reqs:
             raise InputMismatchError(
                 f"step has {reqs} requests but the graph key {desc} holds {padded_reqs}; with "
@@ -518,21 +517,11 @@ class Stepper:
     def _fallback_reason(self, num_tokens: int, uniform: bool, has_lora: bool,
                          num_active_loras: int, invalid: frozenset[CUDAGraphMode]) -> str:
         d = self._dispatcher
-        if d.cudagraph_mode is _NONE:
-            return "graphs_off"
-        if not self._graphs_available:
+        if d.cudagraph_mode is not _NONE and not self._graphs_available:
             return "graphs_unavailable"
-        if self._capturer.compile_disabled:
+        if d.cudagraph_mode is not _NONE and self._capturer.compile_disabled:
             return "compile_disabled"
-        if num_tokens > d.max_capture_size:
-            return "too_large"
-        if invalid and d.dispatch(num_tokens, uniform, has_lora, num_active_loras)[0] is not _NONE:
-            return "mode_invalid"
-        # Would a plain batch of this size and kind (no LoRA) get a graph? If not, the config
-        # mode simply does not cover this kind of batch.
-        if d.dispatch(num_tokens, uniform)[0] is _NONE:
-            return "mode_off"
-        return "no_key"
+        return d.why_no_graph(num_tokens, uniform, has_lora, num_active_loras, invalid)
 
     def _without_graph(self, key: GraphKey, reason: str, num_tokens: int, uniform: bool,
                        has_lora: bool, num_active_loras: int

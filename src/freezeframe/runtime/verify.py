@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freezeframe.batch import BatchDescriptor
+from freezeframe.batch import BatchDescriptor, GraphKey
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.errors import ConfigError, VerifyError
@@ -38,7 +38,6 @@ from freezeframe.stats import Stats
 
 __all__ = ["Verifier", "default_tolerance"]
 
-GraphKey = tuple[CUDAGraphMode, BatchDescriptor]
 
 
 def default_tolerance(dtype: torch.dtype) -> float:

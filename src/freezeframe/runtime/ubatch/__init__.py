@@ -1,7 +1,8 @@
 """Micro-batching: a step split into token slices that run in threads, so one slice's
 communication overlaps another's compute.
 
-``slicing`` plans where a step is cut (and slices its attention metadata); ``overlap`` runs the
-slices (threads, the turn-taking schedule, the two streams) and captures a FULL graph across
-them. The yield points a model calls are public as :mod:`freezeframe.ubatch`.
+``slicing`` plans where a step is cut (and slices its attention metadata); ``schedule`` is the
+turn-taking the threads run by (the baton, the two streams, the yield points); ``overlap`` runs
+the slices on threads and captures a FULL graph across them. The yield points a model calls are
+public as :mod:`freezeframe.ubatch`.
 """

@@ -370,6 +370,33 @@ def slice_attention_metadata(
     Requests past the end of ``query_start_loc`` (padding requests of a padded last slice) get
     zero query tokens. The inputs are never written.
     """
+    locs = _request_offsets(sl, query_start_loc)
+    first_req, last_req = sl.req_start, sl.req_stop - 1
+    splits_first = sl.token_start > locs[first_req]
+    # the padded last slice may end past its last request (padding tokens): not a split
+    splits_last = sl.token_stop < locs[last_req + 1]
+    trimmed_tail = locs[last_req + 1] - sl.token_stop if splits_last else 0
+    rebased = _rebased_offsets(sl, locs, trimmed_tail)
+    # keep the caller's device and dtype
+    qsl_out = torch.tensor(rebased, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    lens = [b - a for a, b in itertools.pairwise(rebased)]
+    seq_out = None if seq_lens is None else _sliced_seq_lens(sl, seq_lens, trimmed_tail)
+    return SliceAttentionMetadata(
+        query_start_loc=qsl_out,
+        seq_lens=seq_out,
+        num_tokens=sl.num_tokens,
+        num_reqs=sl.num_reqs,
+        max_query_len=max(lens) if lens else 0,
+        max_seq_len=None if seq_out is None else (
+            int(seq_out.max().item()) if seq_out.numel() else 0),
+        splits_first_request=splits_first,
+        splits_last_request=splits_last,
+    )
+
+
+def _request_offsets(sl: MicroBatchSlice, query_start_loc: torch.Tensor) -> list[int]:
+    """The batch's cumulative token offsets as ints, checked against ``sl`` and extended with
+    the zero-length padding requests a padded last slice may hold (up to ``sl.req_stop``)."""
     if query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
         raise ValueError(
             f"query_start_loc must be 1-D with at least one entry, got shape "
@@ -383,49 +410,38 @@ def slice_attention_metadata(
     need = sl.req_stop + 1
     if len(locs) < need:
         locs = locs + [locs[-1]] * (need - len(locs))
-    first_req, last_req = sl.req_start, sl.req_stop - 1
+    first_req = sl.req_start
     if not locs[first_req] <= sl.token_start < locs[first_req + 1]:
         raise ValueError(
             f"slice_attention_metadata: slice {sl} starts at token {sl.token_start}, outside its "
             f"first request {first_req} (tokens [{locs[first_req]}, {locs[first_req + 1]}))"
         )
-    splits_first = sl.token_start > locs[first_req]
-    # the padded last slice may end past its last request (padding tokens): not a split
-    splits_last = sl.token_stop < locs[last_req + 1]
-    window = locs[first_req:need]
+    return locs
+
+
+def _rebased_offsets(sl: MicroBatchSlice, locs: Sequence[int], trimmed_tail: int) -> list[int]:
+    """``sl``'s query start offsets, starting at 0: its straddling first request loses the
+    tokens before ``sl.token_start``, its straddling last request the ``trimmed_tail``."""
+    window = locs[sl.req_start:sl.req_stop + 1]
     base = window[0]
     rebased = [x - base for x in window]
-    if splits_first:
+    if sl.token_start > base:  # the first request straddles the cut
         skipped = sl.token_start - base
         rebased = [0] + [x - skipped for x in rebased[1:]]
-    trimmed_tail = 0
-    if splits_last:
-        trimmed_tail = locs[last_req + 1] - sl.token_stop
-        rebased[-1] -= trimmed_tail
-    # keep the caller's device and dtype
-    qsl_out = torch.tensor(rebased, dtype=query_start_loc.dtype, device=query_start_loc.device)
-    lens = [b - a for a, b in itertools.pairwise(rebased)]
-    max_query_len = max(lens) if lens else 0
+    rebased[-1] -= trimmed_tail
+    return rebased
 
-    seq_out: torch.Tensor | None = None
-    max_seq_len: int | None = None
-    if seq_lens is not None:
-        seq_out = seq_lens[sl.req_start:min(sl.req_stop, seq_lens.numel())]
-        if seq_out.numel() < sl.num_reqs:  # padding requests attend to nothing
-            pad = torch.zeros(sl.num_reqs - seq_out.numel(), dtype=seq_lens.dtype,
-                              device=seq_lens.device)
-            seq_out = torch.cat([seq_out, pad])
-        if splits_last:
-            seq_out = seq_out.clone()  # never write the (possibly captured) batch tensor
-            seq_out[-1] -= trimmed_tail
-        max_seq_len = int(seq_out.max().item()) if seq_out.numel() else 0
-    return SliceAttentionMetadata(
-        query_start_loc=qsl_out,
-        seq_lens=seq_out,
-        num_tokens=sl.num_tokens,
-        num_reqs=sl.num_reqs,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        splits_first_request=splits_first,
-        splits_last_request=splits_last,
-    )
+
+def _sliced_seq_lens(sl: MicroBatchSlice, seq_lens: torch.Tensor,
+                     trimmed_tail: int) -> torch.Tensor:
+    """``sl``'s rows of ``seq_lens``: padding requests attend to nothing, and a straddling last
+    request to ``trimmed_tail`` fewer keys (on a copy)."""
+    seq_out = seq_lens[sl.req_start:min(sl.req_stop, seq_lens.numel())]
+    if seq_out.numel() < sl.num_reqs:  # padding requests attend to nothing
+        pad = torch.zeros(sl.num_reqs - seq_out.numel(), dtype=seq_lens.dtype,
+                          device=seq_lens.device)
+        seq_out = torch.cat([seq_out, pad])
+    if trimmed_tail:
+        seq_out = seq_out.clone()  # never write the (possibly captured) batch tensor
+        seq_out[-1] -= trimmed_tail
+    return seq_out
