@@ -99,7 +99,7 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
                                splitting_ops=[splitting_op], use_cache=False)
     model = ff.compile(module, cfg)
     model(*args)
-    backend = model._backend
+    backend = model._variants[0].backend  # the first trace's (private: a benchmark)
     stitching = backend.stitching
     # The flat graph inputs, rebuilt from the sources Dynamo recorded for each placeholder.
     frame = dict(zip(inspect.signature(module.forward).parameters, args, strict=False))
@@ -110,7 +110,7 @@ def measure(name: str, module: torch.nn.Module, args: tuple[Any, ...],
             flat.append(eval(node.meta["grapharg"].source.name, {"L": frame}))
     n = int(next(a for a in flat if isinstance(a, torch.Tensor)).shape[0])
 
-    fast = model._trace._fast
+    fast = model._variants[0].trace._fast
     direct = {}
     names = backend.capturable_names
     for piece_name, pb in zip(names, backend.piece_backends, strict=True):
@@ -352,7 +352,10 @@ def piece_slope(few: int = 1, many: int = 5) -> dict[str, float]:
         model, runner, desc = _captured_runner(Chain(k), {"x": Tokens()}, args, [LEAN_OP],
                                                ff.CUDAGraphMode.PIECEWISE)
         runner(*args)
-        assert runner.planned_shapes == 1, "the step was not planned"
+        # (planned_shapes since the runtime rebuild; _plans before, for before/after runs)
+        planned = getattr(runner, "planned_shapes", None)
+        assert (planned if planned is not None else len(runner._plans)) == 1, \
+            "the step was not planned"
         graphs = [w.graph_for(desc) for w in model.graph_wrappers()]
         assert len(graphs) == k + 1 and all(g is not None for g in graphs)
         for graph in graphs:

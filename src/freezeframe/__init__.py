@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from freezeframe._version import __version__
 
-# The public surface: name -> module that defines it.
+# The public surface (at most 15 names, plus the errors, ubatch and hf submodules): name ->
+# module that defines it.
 _EXPORTS = {
     "compile": "freezeframe.compilation",
-    "current_compile_range": "freezeframe.compilation",
     "CompilationConfig": "freezeframe.config",
     "CompilationMode": "freezeframe.config",
     "CUDAGraphMode": "freezeframe.config",
@@ -24,17 +24,21 @@ _EXPORTS = {
     "Static": "freezeframe.runtime",
     "forward_context": "freezeframe.context",
     "BatchDescriptor": "freezeframe.batch",
-    "Stats": "freezeframe.stats",
     "plan_capture_sizes": "freezeframe.planning",
     "FreezeframeError": "freezeframe.errors",
     "ConfigError": "freezeframe.errors",
-    "CompileError": "freezeframe.errors",
     "InputMismatchError": "freezeframe.errors",
+    "graph_break": "freezeframe.graphs.breakable",
 }
 
-# Reachable here for code written against earlier releases, but not part of the surface:
-# import them from the module named.
+# Reachable here so code written against earlier releases keeps working, but not part of the
+# surface (not in __all__ or dir()): import them from the module named (``ff.errors``: every
+# error type; ``model.stats``/``runner.stats`` are the Stats a user reads;
+# ``freezeframe.compilation.current_compile_range`` for a custom pass).
 _ALSO = {
+    "CompileError": "freezeframe.errors",
+    "Stats": "freezeframe.stats",
+    "current_compile_range": "freezeframe.compilation",
     "CaptureError": "freezeframe.errors",
     "Range": "freezeframe.sizes",
     "ForwardContext": "freezeframe.context",
@@ -70,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
         InputMismatchError,
         ShapeOutOfRangeError,
     )
+    from freezeframe.graphs.breakable import graph_break
     from freezeframe.integrations import hf
     from freezeframe.planning import plan_capture_sizes
     from freezeframe.runtime import Dispatcher, GraphRunner, Requests, Static, Tokens

@@ -125,6 +125,27 @@ def test_full_and_piecewise_decode_replays_full_graphs() -> None:
         (3, 0, 1)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_without_a_trace_breakable_graphs_decode_like_hf(family: str) -> None:
+    # trace=False: no Dynamo, no compiler; the forward runs as HF wrote it and its graphs
+    # break at the attention op
+    model = _tiny(family)
+    prompts = torch.randint(0, VOCAB, (3, PROMPT), generator=torch.Generator().manual_seed(4))
+    sequences, logits = _hf_greedy(model, prompts)
+    lm = _compile(model, trace=False)
+    assert lm.compiled.config.mode is ff.CompilationMode.NONE
+    report = lm.capture()
+    assert sorted(g.descriptor.num_tokens for g in report.graphs) == CAPTURE_SIZES
+    assert {(g.segments, g.breaks) for g in report.graphs} == {
+        (3, (hf.HF_ATTENTION_OP, hf.HF_ATTENTION_OP))}
+    out = lm.generate(prompts, NEW, output_logits=True)
+    assert torch.equal(out.sequences, sequences)
+    for ours, theirs in zip(out.logits, logits, strict=True):
+        assert (ours - theirs).abs().max().item() <= REL_TOL * theirs.abs().max().item()
+    assert (lm.stats.steps_piecewise, lm.stats.fallback_too_large) == (3, 1)
+    assert lm.compiled.stats.graphs_traced == 0
+
+
 def test_the_model_called_directly_after_compile_is_still_hf() -> None:
     # "freezeframe" attention without freezeframe's step metadata is HF's SDPA with HF's mask,
     # so a padded batch with a cache still gives what it gave before compile.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
-from freezeframe.compilation.model import MAX_TRACES
+from freezeframe.compilation.routing import MAX_TRACES
 from freezeframe.compilation.signature import CallSignature, Signer, difference
 from freezeframe.errors import CompileError, InputMismatchError
 from tests.helpers.toy_models import LlamaConfig, ToyLlama
@@ -473,7 +473,7 @@ class ListSum(nn.Module):
 def test_the_retrace_warning_says_what_changed(caplog):
     model = ff.compile(ListSum(), config(), inference_mode=False)
     xs = _list5()
-    with caplog.at_level("WARNING", logger="freezeframe.compilation.model"):
+    with caplog.at_level("WARNING", logger="freezeframe.compilation.routing"):
         model(torch.ones(3, 4), xs)
         model(torch.ones(3, 4, requires_grad=True), xs)
         model(torch.ones(3, 4), _list5(3, dtype=torch.float64))

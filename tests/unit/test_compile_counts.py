@@ -200,7 +200,7 @@ def test_compile_ranges_counts():
         for n in (64, 1, 4, 16, 24, 48, 64, 8192):
             x = torch.randn(n, 4)
             assert torch.equal(model(x), AttnSandwich()(x))
-    backend = model._backend.piece_backends[0]
+    backend = model._variants[0].backend.piece_backends[0]
     assert sorted(backend.entries) == sorted(
         [ff.Range(1, 8), ff.Range(9, 32), ff.Range(33, 8192), ff.Range(16, 16),
          ff.Range(64, 64), ff.Range(128, 128)])

@@ -15,6 +15,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe.compilation import model as model_module
+from freezeframe.compilation import routing
 from freezeframe.compilation.direct_call import shared_reads
 from freezeframe.compilation.signature import exact_key
 from freezeframe.errors import CompileError, ConfigError
@@ -160,7 +161,7 @@ def test_a_replaced_parameter_is_read_on_a_remembered_call() -> None:
 
 def test_the_memory_is_emptied_when_full_and_answers_stay_right(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module, "MAX_EXACT_KEYS", 2)
+    monkeypatch.setattr(routing, "MAX_EXACT_KEYS", 2)
     module = Net()
     model = ff.compile(module, config())
     with torch.no_grad():
@@ -435,7 +436,7 @@ def test_forward_set_while_a_call_arms_is_seen(monkeypatch: pytest.MonkeyPatch) 
     x = torch.randn(3, 4)
     model = _warm(module, x)
     model.__dict__["_armed_at"] = -1  # as after any attribute set: the next call arms
-    checks = model_module.CompiledModel._may_skip_module_call
+    checks = model_module.may_skip_module_call
     inner = model.forward
 
     def set_between(self: Any) -> bool:
@@ -444,7 +445,7 @@ def test_forward_set_while_a_call_arms_is_seen(monkeypatch: pytest.MonkeyPatch) 
             self.forward = lambda *a, **k: inner(*a, **k) * 2
         return ok
 
-    monkeypatch.setattr(model_module.CompiledModel, "_may_skip_module_call", set_between)
+    monkeypatch.setattr(model_module, "may_skip_module_call", set_between)
     with torch.no_grad():
         model(x)
         monkeypatch.undo()

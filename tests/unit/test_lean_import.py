@@ -73,15 +73,18 @@ def test_compile_is_the_function_even_after_importing_the_subpackage() -> None:
     assert proc.stdout.split() == ["True", "True"]
 
 
-def test_the_public_surface_is_seventeen_names_and_older_names_still_resolve() -> None:
+def test_the_public_surface_is_fifteen_names_and_older_names_still_resolve() -> None:
     assert sorted(freezeframe._EXPORTS) == [
         "BatchDescriptor", "CUDAGraphMode", "CompilationConfig", "CompilationMode",
-        "CompileError", "ConfigError", "FreezeframeError", "GraphRunner", "InputMismatchError",
-        "Requests", "Static", "Stats", "Tokens", "compile", "current_compile_range",
-        "forward_context", "plan_capture_sizes"]
-    from freezeframe import errors, sizes
+        "ConfigError", "FreezeframeError", "GraphRunner", "InputMismatchError", "Requests",
+        "Static", "Tokens", "compile", "forward_context", "graph_break", "plan_capture_sizes"]
+    from freezeframe import compilation, errors, sizes, stats
 
     assert freezeframe.errors is errors
     assert freezeframe.CaptureError is errors.CaptureError  # type: ignore[attr-defined]
     assert freezeframe.Range is sizes.Range  # type: ignore[attr-defined]
     assert "CaptureError" not in dir(freezeframe)
+    assert freezeframe.Stats is stats.Stats  # type: ignore[attr-defined]
+    assert freezeframe.current_compile_range is compilation.current_compile_range  # type: ignore[attr-defined]
+    assert freezeframe.CompileError is errors.CompileError  # type: ignore[attr-defined]
+    assert "Stats" not in dir(freezeframe) and "current_compile_range" not in dir(freezeframe)

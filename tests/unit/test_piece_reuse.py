@@ -58,7 +58,7 @@ def test_four_layers_compile_each_distinct_piece_once_per_range() -> None:
         outs = [model(x) for x in (eager.example_input(n) for n in (3, 4, 8, 20))]
     # distinct pieces x ranges calls, each distinct piece compiled at its first index
     assert sorted(counting.calls) == sorted((i, r) for i in (0, 2, 8) for r in ranges)
-    assert model._backend is not None and model._backend.distinct_pieces == 3
+    assert model._variants[0].backend.distinct_pieces == 3
     with torch.no_grad():
         for n, out in zip((3, 4, 8, 20), outs, strict=True):
             assert torch.equal(out, eager(eager.example_input(n)))  # eager compiler: exact

@@ -72,7 +72,7 @@ def test_a_branch_on_the_batch_size_traces_each_side_once_and_warns(mode):
 def test_hot_path_bypasses_dynamo():
     model = ff.compile(TellsWhoRuns(), config("dynamo_trace_once"))
     model(X4)
-    assert model._trace.uses_bytecode
+    assert model._variants[0].trace.uses_bytecode
     # Under force_eager, anything that still went through torch.compile would run the
     # original Python (x * 100); the captured bytecode does not consult Dynamo at all.
     with torch.compiler.set_stance("force_eager"):

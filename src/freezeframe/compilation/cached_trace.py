@@ -2,7 +2,7 @@
 Dynamo and save the trace.
 
 Holds :class:`ModelCache`, through which :mod:`freezeframe.compilation.model` routes calls: on
-the first call it opens the model's :class:`~freezeframe.cache.store.CompileCache`, takes the
+the first call it opens the model's :class:`~freezeframe.cache.entry.CompileCache`, takes the
 model lock, and either compiles a saved trace that fits (checked with
 :mod:`freezeframe.compilation.saved_trace`) so Dynamo never runs, or runs trace-once and saves
 what the trace produced. It does not hold the trace itself (:mod:`freezeframe.compilation.trace`),
@@ -32,28 +32,34 @@ plain objects without guarding either identity) is not seen; ``model_key`` is th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from freezeframe.cache.artifacts import PieceCache, prefetch_torch_key
+from freezeframe.cache.entry import CompileCache, SavedTrace
+from freezeframe.cache.files import CorruptArtifactError, cache_enabled
 from freezeframe.cache.key import (
-    _code_mismatch,
-    _primitive,
-    _traced_code,
     code_digests,
+    code_mismatch,
+    is_primitive,
+    traced_code_objects,
     traced_files_from_graph,
 )
-from freezeframe.cache.store import CompileCache, CorruptArtifactError, SavedTrace, cache_enabled
 from freezeframe.compilation.compilers import config_passes, pass_sources
 from freezeframe.compilation.direct_call import free_of_side_effects
-from freezeframe.compilation.saved_trace import (
-    _KEEP_META,
+from freezeframe.compilation.guard_checks import (
     ValueCheck,
     _CannotCheck,
+    failed_check,
+    value_checks,
+)
+from freezeframe.compilation.saved_trace import (
+    _KEEP_META,
     _detached,
     _first_mismatch,
     _Frame,
@@ -64,9 +70,7 @@ from freezeframe.compilation.saved_trace import (
     _SavedSizes,
     _unviewed,
     _wrapped_frame_code,
-    failed_check,
     source_name,
-    value_checks,
     valued_nodes,
 )
 from freezeframe.compilation.signature import Signer
@@ -140,7 +144,7 @@ class ModelCache:
 
         def cached_backend(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
             if self.cache is not None:
-                codes = _traced_code()
+                codes = traced_code_objects()
                 self.cache.add_traced_files(traced_files_from_graph(gm))
                 self.cache.add_traced_code(code_digests(codes))
                 self._frame_kind = self._traced_frame_kind(codes)
@@ -203,68 +207,30 @@ class ModelCache:
         return out
 
     def _keep_graph(self, gm: Any) -> None:
+        """Keeps what saving this trace will need of the graph Dynamo traced, while the graph
+        still holds its fake values: the sources of its inputs and the pickled graph. Notes
+        instead why the trace cannot be saved."""
         try:
             from torch.fx._graph_pickler import GraphPickler, Options
         except ImportError:  # pragma: no cover - torch without a graph pickler
             self._not_saved = "this torch has no graph pickler"
             return
-        sources = []
-        for node in gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            name = source_name(node)
-            if name is None or not (name.startswith("L[") or name.startswith("G[")):
-                self._not_saved = f"graph input {node.name} has no plain source"
-                return
-            sources.append(name)
-        # A placeholder that is a view (say a reshaped block table) is stored as a plain tensor
-        # of the same sizes and strides: what the graph sees, without the view's base.
-        # So is every fake value the split reads (split.values_the_split_reads: the values
-        # crossing piece boundaries, sizes), a view as its ``detach()`` (the graph pickler
-        # cannot write a view's base), so a warm start need not re-derive them by fake
-        # propagation through the whole graph; ``valued`` lists the nodes stored with one. The
-        # values inside pieces are left out (most of them: unpickling one costs about 2 ms); a
-        # piece compiled on a warm start is traced again by Inductor from its inputs' values.
-        # A trace whose kept values cannot be written (state the pickler cannot write) is not
-        # saved: re-deriving them by fake propagation outside Dynamo's tracing context can pin
-        # a symbolic size to the traced one (an op that reads it as an int), so warm starts
-        # trace it with Dynamo instead (its pieces' artifacts still load).
+        sources, why = _input_sources(gm)
+        if why is not None:
+            self._not_saved = why
+            return
         # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold real
         # tensors and weak references).
         options = Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__)
-        replaced: dict[tuple[Any, str], Any] = {}
-
-        def put(node: Any, key: str, value: Any) -> None:
-            replaced.setdefault((node, key), node.meta[key])
-            node.meta[key] = value
-
         try:
-            for node in gm.graph.nodes:
-                for key in ("example_value", "val"):
-                    if key in node.meta and node.op == "placeholder":
-                        put(node, key, _unviewed(node.meta[key]))
-            keep = values_the_split_reads(gm, splitting_ops_of(self._model.config))
-            for node in gm.graph.nodes:
-                for key in ("example_value", "val"):
-                    if key not in node.meta or node.op == "placeholder":
-                        continue
-                    if node.name not in keep:
-                        replaced.setdefault((node, key), node.meta[key])
-                        del node.meta[key]
-                        continue
-                    put(node, key, _detached(node.meta[key]))
-                    if _holds_view(node.meta[key]):
-                        raise CacheError(f"the value of {node.name} is still a view")
-            self._graph_blob = GraphPickler.dumps(gm, options)
-            self._valued = valued_nodes(gm)
+            with _kept_values_only(gm, splitting_ops_of(self._model.config)):
+                self._graph_blob = GraphPickler.dumps(gm, options)
+                self._valued = valued_nodes(gm)
         except Exception as exc:
             self._graph_blob = None
             self._not_saved = f"the traced graph cannot be serialised ({type(exc).__name__}: {exc})"
             logger.debug("graph pickling failed", exc_info=True)
             return
-        finally:
-            for (node, key), value in replaced.items():
-                node.meta[key] = value
         self._sources = sources
 
     def _not_saving(self, why: str) -> None:
@@ -273,9 +239,8 @@ class ModelCache:
         self._model.stats.inc("traces_not_saved")
 
     def _save_trace(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        import torch
-        import torch.utils._pytree as pytree
-
+        """Saves the first call's trace (``out`` is what it returned) for warm starts, or logs
+        and counts why it cannot be saved: the reasons are checked cheapest first."""
         cache, rec = self.cache, self._recorder
         if cache is None:
             return
@@ -299,38 +264,11 @@ class ModelCache:
         if entries is None:
             self._not_saving("the trace does not record its guards")
             return
-        leaves, spec = pytree.tree_flatten(out)
-        described: list[tuple[str, Any]] = []
-        for leaf in leaves:
-            index = next((i for i, o in enumerate(rec.outputs) if o is leaf), None)
-            if index is not None:
-                described.append(("out", index))
-            elif not isinstance(leaf, torch.Tensor) and _primitive(leaf):
-                described.append(("const", leaf))
-            else:
-                self._not_saving("forward returns a value that is not a graph output")
-                return
         try:
-            spec_text = pytree.treespec_dumps(spec)
-        except Exception as exc:
-            self._not_saving(f"forward's return structure cannot be saved ({exc})")
-            return
-        try:
-            frame = _Frame(self._model.module, self._frame_kind)
-            checks = value_checks(entries, frame)
-            # Each check must hold right now, as the trace saw it: this proves the sources
-            # evaluate the same way without Dynamo, and catches a forward that changed what it
-            # read.
-            why = failed_check(checks, frame, frame.locals_at_entry(args, kwargs))
-        except _CannotCheck as exc:
-            self._not_saving(f"the trace specialised on {exc}, which another process cannot "
-                             "re-check")
-            return
-        except Exception as exc:
-            self._not_saving(f"its checks cannot be built ({type(exc).__name__}: {exc})")
-            return
-        if why is not None:
-            self._not_saving(f"a value the trace specialised on cannot be re-checked: {why}")
+            described, spec_text = _output_layout(out, rec.outputs)
+            checks = self._checks_holding_now(entries, self._frame_kind, args, kwargs)
+        except _NotSaved as exc:
+            self._not_saving(str(exc))
             return
         sizes = _SavedSizes.of(self.trace, self._signer, self._model.config.backend == "inductor",
                                args, kwargs)
@@ -346,56 +284,39 @@ class ModelCache:
         except Exception as exc:
             logger.warning("could not save the trace (%s: %s)", type(exc).__name__, exc)
 
+    def _checks_holding_now(self, entries: Sequence[Any], frame_kind: str,
+                            args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[ValueCheck]:
+        """The value checks to save with the trace, built from its guards, each of which must
+        hold right now, as the trace saw it: this proves the sources evaluate the same way
+        without Dynamo, and catches a forward that changed what it read. Raises
+        :class:`_NotSaved` when they cannot be built or one does not hold."""
+        try:
+            frame = _Frame(self._model.module, frame_kind)
+            checks = value_checks(entries, frame)
+            why = failed_check(checks, frame, frame.locals_at_entry(args, kwargs))
+        except _CannotCheck as exc:
+            raise _NotSaved(f"the trace specialised on {exc}, which another process cannot "
+                            "re-check") from None
+        except Exception as exc:
+            raise _NotSaved(f"its checks cannot be built ({type(exc).__name__}: {exc})") from None
+        if why is not None:
+            raise _NotSaved(f"a value the trace specialised on cannot be re-checked: {why}")
+        return checks
+
     def _try_saved_trace(self, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+        """The forward of a saved trace that fits this call, with its graph compiled by the
+        backend, so Dynamo never runs; None when there is none (the cache then counts and logs
+        why)."""
         cache = self.cache
-        module = self._model.module
         if cache is None or self._backend is None:
             return None
-        if getattr(getattr(module, "forward", None), "__func__", None) is None:
+        if getattr(getattr(self._model.module, "forward", None), "__func__", None) is None:
             return None
         chosen: list[_Chosen] = []
 
         def accept(saved: SavedTrace) -> str | None:
-            # rows of another layout raise TypeError: load_trace removes the file
-            checks = tuple(ValueCheck(*row) for row in saved.checks)
-            try:
-                data = pickle.loads(saved.payload)
-                frame = _Frame(module, data["frame"])
-            except Exception as exc:
-                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
-            try:
-                locals_ = frame.locals_at_entry(args, kwargs)
-                seen: list[Any] = [module, module.forward, *module.modules(),
-                                   *locals_.values()]
-                why = failed_check(checks, frame, locals_, seen)
-                if why is None:
-                    why = _code_mismatch(saved.code, seen)
-            except Exception as exc:  # a call that does not bind, an odd object to walk
-                why = f"it cannot be checked against this call ({type(exc).__name__}: {exc})"
-            if why is not None:
-                return why
-            try:
-                sizes = _SavedSizes.from_data(data["sizes"])
-            except Exception as exc:
-                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
-            why = sizes.refuses(self._signer, args, kwargs)
-            if why is not None:
-                return why
-            try:
-                gm, example_inputs = _load_graph(data["graph"], data.get("valued"))
-                loaded = _LoadedTrace(frame, data["sources"], data["out_spec"],
-                                      data["out_leaves"])
-            except Exception as exc:
-                raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
-            try:
-                mismatch = _first_mismatch(loaded.bind(*args, **kwargs), example_inputs)
-            except Exception as exc:
-                mismatch = f"the graph inputs cannot be bound ({type(exc).__name__}: {exc})"
-            if mismatch is not None:
-                return f"the call does not fit the trace ({mismatch})"
-            chosen.append(_Chosen(gm, example_inputs, loaded, sizes))
-            return None
+            return self._refusal(saved, args, kwargs, chosen)
 
         if cache.load_trace(accept) is None:
             return None
@@ -408,3 +329,149 @@ class ModelCache:
         self._model.stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
         return pick.loaded
+
+    def _refusal(self, saved: SavedTrace, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 chosen: list[_Chosen]) -> str | None:
+        """Why ``saved`` does not fit this call, checked cheapest first (the values and code it
+        specialised on, its conditions on sizes, its placeholders), or None after appending it,
+        loaded, to ``chosen``. Raises :class:`CorruptArtifactError` for a trace that cannot be
+        read."""
+        module = self._model.module
+        # rows of another layout raise TypeError: load_trace removes the file
+        checks = tuple(ValueCheck(*row) for row in saved.checks)
+        try:
+            data = pickle.loads(saved.payload)
+            frame = _Frame(module, data["frame"])
+        except Exception as exc:
+            raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+        why = _specialised_values_differ(saved, checks, frame, args, kwargs)
+        if why is not None:
+            return why
+        try:
+            sizes = _SavedSizes.from_data(data["sizes"])
+        except Exception as exc:
+            raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+        why = sizes.refuses(self._signer, args, kwargs)
+        if why is not None:
+            return why
+        try:
+            gm, example_inputs = _load_graph(data["graph"], data.get("valued"))
+            loaded = _LoadedTrace(frame, data["sources"], data["out_spec"], data["out_leaves"])
+        except Exception as exc:
+            raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
+        try:
+            mismatch = _first_mismatch(loaded.bind(*args, **kwargs), example_inputs)
+        except Exception as exc:
+            mismatch = f"the graph inputs cannot be bound ({type(exc).__name__}: {exc})"
+        if mismatch is not None:
+            return f"the call does not fit the trace ({mismatch})"
+        chosen.append(_Chosen(gm, example_inputs, loaded, sizes))
+        return None
+
+
+class _NotSaved(Exception):
+    """Why the first call's trace cannot be saved (logged, and counted in
+    ``traces_not_saved``)."""
+
+
+def _input_sources(gm: Any) -> tuple[list[str], str | None]:
+    """The sources the traced graph's inputs are read from (``L['x']``, ``G['consts'].T``), in
+    placeholder order, and why the trace cannot be saved when one has no such plain source (a
+    saved trace rebinds each input from its source, without Dynamo's bytecode)."""
+    sources: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = source_name(node)
+        if name is None or not (name.startswith("L[") or name.startswith("G[")):
+            return sources, f"graph input {node.name} has no plain source"
+        sources.append(name)
+    return sources, None
+
+
+@contextlib.contextmanager
+def _kept_values_only(gm: Any, splitting_ops: Sequence[str]) -> Iterator[None]:
+    """The traced graph as a saved trace stores it, for the duration of the block; its node
+    metadata is restored on the way out, whatever happens.
+
+    A placeholder that is a view (say a reshaped block table) is stored as a plain tensor of the
+    same sizes and strides: what the graph sees, without the view's base. So is every fake value
+    the split reads (:func:`~freezeframe.compilation.split.values_the_split_reads`: the values
+    crossing piece boundaries, sizes), a view as its ``detach()`` (the graph pickler cannot
+    write a view's base), so a warm start need not re-derive them by fake propagation through
+    the whole graph; :func:`valued_nodes` lists the nodes stored with one. The values inside
+    pieces are left out (most of them: unpickling one costs about 2 ms); a piece compiled on a
+    warm start is traced again by Inductor from its inputs' values. A trace whose kept values
+    cannot be written (state the pickler cannot write) is not saved: re-deriving them by fake
+    propagation outside Dynamo's tracing context can pin a symbolic size to the traced one (an
+    op that reads it as an int), so warm starts trace it with Dynamo instead (its pieces'
+    artifacts still load).
+    """
+    replaced: dict[tuple[Any, str], Any] = {}
+
+    def put(node: Any, key: str, value: Any) -> None:
+        replaced.setdefault((node, key), node.meta[key])
+        node.meta[key] = value
+
+    try:
+        for node in gm.graph.nodes:
+            for key in ("example_value", "val"):
+                if key in node.meta and node.op == "placeholder":
+                    put(node, key, _unviewed(node.meta[key]))
+        keep = values_the_split_reads(gm, splitting_ops)
+        for node in gm.graph.nodes:
+            for key in ("example_value", "val"):
+                if key not in node.meta or node.op == "placeholder":
+                    continue
+                if node.name not in keep:
+                    replaced.setdefault((node, key), node.meta[key])
+                    del node.meta[key]
+                    continue
+                put(node, key, _detached(node.meta[key]))
+                if _holds_view(node.meta[key]):
+                    raise CacheError(f"the value of {node.name} is still a view")
+        yield
+    finally:
+        for (node, key), value in replaced.items():
+            node.meta[key] = value
+
+
+def _output_layout(out: Any, outputs: Sequence[Any]) -> tuple[list[tuple[str, Any]], str]:
+    """Forward's return value ``out`` in terms of the graph's ``outputs`` on the same call:
+    each leaf as ``("out", index)`` or ``("const", value)``, and the structure around them as
+    text, so a warm start rebuilds it (:class:`_LoadedTrace`). Raises :class:`_NotSaved` for a
+    leaf that is neither, or a structure that cannot be written down."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(out)
+    described: list[tuple[str, Any]] = []
+    for leaf in leaves:
+        index = next((i for i, o in enumerate(outputs) if o is leaf), None)
+        if index is not None:
+            described.append(("out", index))
+        elif not isinstance(leaf, torch.Tensor) and is_primitive(leaf):
+            described.append(("const", leaf))
+        else:
+            raise _NotSaved("forward returns a value that is not a graph output")
+    try:
+        spec_text = pytree.treespec_dumps(spec)
+    except Exception as exc:
+        raise _NotSaved(f"forward's return structure cannot be saved ({exc})") from None
+    return described, spec_text
+
+
+def _specialised_values_differ(saved: SavedTrace, checks: Sequence[ValueCheck], frame: _Frame,
+                               args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why a value or a piece of code the saved trace specialised on is not the same for this
+    call (its checks, then the code of every object they and the call reach), or None."""
+    module = frame.module
+    try:
+        locals_ = frame.locals_at_entry(args, kwargs)
+        seen: list[Any] = [module, module.forward, *module.modules(), *locals_.values()]
+        why = failed_check(checks, frame, locals_, seen)
+        if why is None:
+            why = code_mismatch(saved.code, seen)
+    except Exception as exc:  # a call that does not bind, an odd object to walk
+        why = f"it cannot be checked against this call ({type(exc).__name__}: {exc})"
+    return why

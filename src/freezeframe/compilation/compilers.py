@@ -47,6 +47,7 @@ __all__ = [
     "current_compile_range",
     "make_compiler",
     "pass_sources",
+    "stock_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ def pass_sources(passes: Mapping[str, Any]) -> dict[str, list[str | None]]:
     The config's own key names a string pass by its name and a callable by its qualified name,
     and Inductor keys a custom pass by its ``uuid()``; none of them changes when the pass body
     or a helper it calls is edited, so the defining file's contents and the code's digest
-    (:func:`pass_identity`) join the cache key (:meth:`~freezeframe.cache.store.CompileCache.open`
+    (:func:`pass_identity`) join the cache key (:meth:`~freezeframe.cache.entry.CompileCache.open`
     takes them as ``inductor_passes``). The file hash is None when the pass or its file cannot be
     found (a lambda typed at a prompt).
     """
@@ -315,6 +316,26 @@ def make_compiler(backend: str, stats: Stats, compile_config: Mapping[str, Any] 
         return InductorCompiler(stats, compile_config, passes, artifact_format=artifact_format)
     raise ConfigError(f"backend: unknown compiler {backend!r}; use 'eager' or 'inductor'")
 
+
+
+def stock_backend(config: CompilationConfig, stats: Stats) -> Callable[..., Any]:
+    """The Dynamo backend of mode ``STOCK_TORCH_COMPILE``: plain torch.compile with counting
+    (every (re)trace is a graph traced and compiled whole by the config's compiler)."""
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        stats.inc("graphs_traced")
+        stats.inc("backend_compilations")
+        if config.backend == "eager":
+            stats.inc("eager_compiles")
+            return gm.forward
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        stats.inc("inductor_compiles")
+        with inductor_config.patch(dict(config.inductor_compile_config)):
+            return compile_fx(gm, example_inputs)
+
+    return backend
 
 class CompilerManager:
     """Compile-or-load for one compiled model; every piece x range/size goes through here."""

@@ -32,12 +32,12 @@ from typing import Any, cast
 
 from torch import fx
 
+from freezeframe.compilation.assemble import CompileStack
 from freezeframe.compilation.backend import CompileBackend
-from freezeframe.compilation.compilers import CompilerManager, make_compiler
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from freezeframe.config_fields import KEY_ALIASES
 from freezeframe.errors import ConfigError
-from freezeframe.graphs import CaptureWindow, GraphBackend, GraphOptions, GraphWrapper
-from freezeframe.graphs import resolve_backend as resolve_graph_backend
+from freezeframe.graphs import GraphBackend, GraphWrapper
 from freezeframe.stats import Stats
 
 __all__ = ["BACKEND_NAME", "FreezeframeBackend", "freezeframe_backend"]
@@ -47,8 +47,6 @@ BACKEND_NAME = "freezeframe"
 
 # The one option that is not a config field: a whole CompilationConfig.
 _CONFIG_OPTION = "config"
-# vLLM's spellings of two fields, as CompilationConfig.from_dict reads them.
-_OPTION_ALIASES = {"level": "mode", "max_num_batched_tokens": "max_num_tokens"}
 _MODES = (CompilationMode.PIECEWISE, CompilationMode.DYNAMO_TRACE_ONCE)
 
 
@@ -63,12 +61,12 @@ def config_from_options(options: Mapping[str, Any] | None) -> CompilationConfig:
                           f"CompilationConfig fields, got {options!r}")
     fields = CompilationConfig.field_names()
     unknown = sorted(str(k) for k in options
-                     if k != _CONFIG_OPTION and _OPTION_ALIASES.get(k, k) not in fields)
+                     if k != _CONFIG_OPTION and KEY_ALIASES.get(k, k) not in fields)
     if unknown:
         raise ConfigError(
             f"torch.compile(backend={BACKEND_NAME!r}): unknown option(s) {unknown}; valid "
             f"options are the CompilationConfig fields {sorted(fields)}, their vLLM spellings "
-            f"{sorted(_OPTION_ALIASES)}, or {_CONFIG_OPTION!r} (a whole CompilationConfig)")
+            f"{sorted(KEY_ALIASES)}, or {_CONFIG_OPTION!r} (a whole CompilationConfig)")
     if _CONFIG_OPTION in options:
         config = options[_CONFIG_OPTION]
         if len(options) > 1:
@@ -108,34 +106,24 @@ class FreezeframeBackend:
                               f"both (got config and {sorted(options)})")
         self.config = config_from_options({_CONFIG_OPTION: config} if config is not None
                                           else options)
-        self.stats = Stats()
-        self.capture_window = CaptureWindow()
+        self._stack = CompileStack.of(self.config, Stats()).with_compiler(BACKEND_NAME)
+        self.stats = self._stack.stats
+        self.capture_window = self._stack.window
         # None when graphs are off (cudagraph_mode NONE, or "auto" without CUDA).
-        self.graph_backend: GraphBackend | None = resolve_graph_backend(self.config)
-        compiler = make_compiler(self.config.backend, self.stats,
-                                 self.config.inductor_compile_config,
-                                 self.config.inductor_passes)
-        prepare = self.graph_backend.prepare if self.graph_backend is not None else None
-        self.manager = CompilerManager(compiler, self.stats, model_key=BACKEND_NAME,
-                                       prepare=prepare)
+        self.graph_backend: GraphBackend | None = self._stack.graph_backend
+        self.manager = self._stack.manager
         self.graphs: list[CompileBackend] = []
         self.full_wrappers: list[GraphWrapper] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        index = len(self.graphs)
-        backend = CompileBackend(self.config, self.stats, self.manager,
-                                 graph_backend=self.graph_backend, window=self.capture_window,
-                                 model_key=f"{BACKEND_NAME} graph {index}")
+        backend = self._stack.piece_compiler(f"{BACKEND_NAME} graph {len(self.graphs)}")
         fn = backend(gm, example_inputs)
         self.graphs.append(backend)
-        graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
-        if self.graph_backend is not None and graph_mode.has_full_cudagraphs():
-            full = GraphWrapper(fn, CUDAGraphMode.FULL, self.graph_backend,
-                                options=GraphOptions(), stats=self.stats,
-                                window=self.capture_window, debug=self.config.debug)
-            self.full_wrappers.append(full)
-            return full
-        return fn
+        full = self._stack.full_wrapper(fn)
+        if full is None:
+            return fn
+        self.full_wrappers.append(full)
+        return full
 
     def graph_wrappers(self) -> list[GraphWrapper]:
         """Every graph wrapper built so far: the PIECEWISE ones of each graph, then the FULL

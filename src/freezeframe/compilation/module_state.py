@@ -323,33 +323,58 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
                         or sub1[attr1_0] is not held1_0 or ...)
             except KeyError:  # nn.Module's own attributes deleted, a __dict__ emptied
                 return True
+
+    Each part of the condition is made by its own helper, in this order: the root and the
+    process-wide state, the submodules, the parameters and buffers, the user attributes.
     """
+    names: dict[str, Any] = {}
+    terms = [*_root_terms(state, names), *_submodule_terms(state, names),
+             *_slot_terms(state, names), *_attribute_terms(user, below, names)]
+    source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
+              "        return (" + "\n                or ".join(terms) +
+              ")\n    except KeyError:\n        return True\n")
+    return source, names
+
+
+def _root_terms(state: ModuleState, names: dict[str, Any]) -> list[str]:
+    """The every-call terms on the root module and on process-wide state (the root's flag,
+    size, hooks and children; the hook-handle counter, the global module hooks, autocast and
+    the default dtype), adding the objects they read, and the builtins every term may read, to
+    ``names``."""
     module = state.module
-    names: dict[str, Any] = {"hook_handles": _hook_handles, "len": len,
-                             "isinstance": isinstance, "Tensor": torch.Tensor,
-                             "module": module, "torch_module": _torch_module,
-                             "root_flag": state.training,
-                             "root_children": dict(module._modules),
-                             "any_autocast": torch._C._is_any_autocast_enabled,
-                             "autocast_at_trace": any(
-                                 v != "off" for k, v in state._global_state.items()
-                                 if k.startswith("autocast")),
-                             "default_dtype": torch.get_default_dtype,
-                             "dtype_at_trace": state._global_state["the default dtype"]}
-    terms = ["root['training'] is not root_flag",
-             # process-wide settings the trace's code was made for (see _global_state)
-             "any_autocast() is not autocast_at_trace",
-             "default_dtype() is not dtype_at_trace",
-             "hook_handles.next_id != handle_mark",
-             f"len(root) != {len(vars(module))}",
-             "len(torch_module._global_forward_hooks) != "
-             f"{len(_torch_module._global_forward_hooks)}",
-             "len(torch_module._global_forward_pre_hooks) != "
-             f"{len(_torch_module._global_forward_pre_hooks)}",
-             f"len(root['_forward_pre_hooks']) != {len(module._forward_pre_hooks)}",
-             f"len(root['_forward_hooks']) != {len(module._forward_hooks)}",
-             # dicts compare their values by identity first (nn.Module has no __eq__)
-             "root['_modules'] != root_children"]
+    names.update({"hook_handles": _hook_handles, "len": len,
+                  "isinstance": isinstance, "Tensor": torch.Tensor,
+                  "module": module, "torch_module": _torch_module,
+                  "root_flag": state.training,
+                  "root_children": dict(module._modules),
+                  "any_autocast": torch._C._is_any_autocast_enabled,
+                  "autocast_at_trace": any(
+                      v != "off" for k, v in state._global_state.items()
+                      if k.startswith("autocast")),
+                  "default_dtype": torch.get_default_dtype,
+                  "dtype_at_trace": state._global_state["the default dtype"]})
+    return ["root['training'] is not root_flag",
+            # process-wide settings the trace's code was made for (see _global_state)
+            "any_autocast() is not autocast_at_trace",
+            "default_dtype() is not dtype_at_trace",
+            "hook_handles.next_id != handle_mark",
+            f"len(root) != {len(vars(module))}",
+            "len(torch_module._global_forward_hooks) != "
+            f"{len(_torch_module._global_forward_hooks)}",
+            "len(torch_module._global_forward_pre_hooks) != "
+            f"{len(_torch_module._global_forward_pre_hooks)}",
+            f"len(root['_forward_pre_hooks']) != {len(module._forward_pre_hooks)}",
+            f"len(root['_forward_hooks']) != {len(module._forward_hooks)}",
+            # dicts compare their values by identity first (nn.Module has no __eq__)
+            "root['_modules'] != root_children"]
+
+
+def _submodule_terms(state: ModuleState, names: dict[str, Any]) -> list[str]:
+    """The every-call terms below the root, through the ``__dict__`` each submodule had at the
+    trace: its flag and size (and, for a leaf, that it still has no children), each hook dict
+    that was empty and is not, each traced hook dict's count, and each parent's children;
+    adding the objects they read to ``names``."""
+    terms = []
     for k, (flag, attrs, leaf) in enumerate(zip(state._sub_flags, state._sub_dicts,
                                                 state._leaves, strict=True)):
         names[f"sub{k}"], names[f"flag{k}"] = attrs, flag
@@ -365,9 +390,15 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     for k, attrs in enumerate(parents):
         names[f"parent{k}"], names[f"children{k}"] = attrs, dict(attrs["_modules"])
         terms.append(f"parent{k}['_modules'] != children{k}")
-    # parameters and buffers: each dict's size, and each slot's tensor (or None) and the
-    # address of its memory, as at the last refresh (a replaced or moved tensor is what a
-    # captured graph cannot see; the full tier decides what it means)
+    return terms
+
+
+def _slot_terms(state: ModuleState, names: dict[str, Any]) -> list[str]:
+    """The every-call terms on parameters and buffers: each dict's size, and each slot's tensor
+    (or None) and the address of its memory, as at the last refresh (a replaced or moved tensor
+    is what a captured graph cannot see; the full tier decides what it means); adding the
+    objects they read to ``names``."""
+    terms = []
     index = {}
     for k, (_, slots) in enumerate(state._slot_dicts):
         names[f"slots{k}"], index[id(slots)] = slots, k
@@ -380,6 +411,15 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
         else:
             terms.append(f"slots{k}[slot_{j}] is not tensor_{j} "
                          f"or tensor_{j}.data_ptr() != ptr_{j}")
+    return terms
+
+
+def _attribute_terms(user: dict[str, Any], below: tuple[dict[str, Any], ...],
+                     names: dict[str, Any]) -> list[str]:
+    """The every-call terms on the user attributes of the root (``user``) and of each
+    submodule (``below``): each still holds the same object, or a tensor where it held one
+    (the trace reads it as an input); adding the names and objects they read to ``names``."""
+    terms = []
     for holder, tag, attrs in (("root", "", user),
                                *((f"sub{k}", str(k), a) for k, a in enumerate(below))):
         for j, (name, value) in enumerate(attrs.items()):
@@ -389,10 +429,8 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
                 terms.append(f"not isinstance({holder}[{attr}], Tensor)")
             else:
                 terms.append(f"{holder}[{attr}] is not {held}")
-    source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
-              "        return (" + "\n                or ".join(terms) +
-              ")\n    except KeyError:\n        return True\n")
-    return source, names
+    return terms
+
 
 def has_uninitialised_lazy(module: nn.Module) -> bool:
     """Whether a lazy submodule (``nn.LazyLinear``...) still waits for its first call, which

@@ -514,6 +514,16 @@ class SizeGuards:
         self._memo: dict[tuple[int, ...], bool] = {}
         self._keys = sorted({*self._symbols.values(), *self._only})
 
+    @classmethod
+    def of_trace(cls, conditions: Sequence[tuple[Any, str]],
+                 symbols: Mapping[Any, tuple[str, int]],
+                 traced_at: Mapping[tuple[str, int], int], inductor: bool) -> SizeGuards:
+        """The guards of a trace made at sizes ``traced_at``. With Inductor, a trace made at
+        size 1 serves size 1 only: Inductor specialises code on a size-1 dim even when Dynamo
+        kept it symbolic, so another size traces again."""
+        only = {where: 1 for where, n in traced_at.items() if n == 1} if inductor else {}
+        return cls(conditions, symbols, only)
+
     @property
     def trivial(self) -> bool:
         return not self.conditions and not self._only

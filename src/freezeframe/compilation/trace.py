@@ -28,7 +28,7 @@ from torch import nn
 
 from freezeframe.errors import CompileError, ConfigError
 
-__all__ = ["TraceOnce", "resolve_dynamic_arg_dims"]
+__all__ = ["TraceOnce", "dynamo_off_reason", "resolve_dynamic_arg_dims"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,17 @@ logger = logging.getLogger(__name__)
 # (its own backend) to the same code object, which Dynamo would otherwise count as recompiles.
 _RECOMPILE_LIMIT = 8192
 
+
+
+def dynamo_off_reason() -> str | None:
+    """Why Dynamo will not trace right now (``TORCH_COMPILE_DISABLE=1``, a disabled Dynamo
+    config, the ``force_eager`` stance), or None."""
+    if torch._dynamo.config.disable:
+        return "Dynamo is disabled (TORCH_COMPILE_DISABLE=1 or torch._dynamo.config.disable)"
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    if getattr(stance, "stance", "default") == "force_eager":
+        return "the torch.compiler stance is force_eager"
+    return None
 
 def _drop_all_guards(entries: Sequence[Any]) -> list[bool]:
     return [False] * len(entries)

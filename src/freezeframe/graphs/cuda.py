@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,6 +119,38 @@ class CudaGraph:
     def replay(self) -> None:
         self.graph.replay()
 
+
+class _CudaSegments:
+    """The segments of one breakable capture on CUDA: a ``CUDAGraph`` per segment, all in
+    one pool, on one stream (the caller keeps that stream current)."""
+
+    def __init__(self, pool: _Pool, stream: torch.cuda.Stream, error_mode: str) -> None:
+        self.graphs: list[CudaGraph] = []
+        self.capturing: torch.cuda.CUDAGraph | None = None
+        self._pool = pool
+        self._stream = stream
+        self._error_mode = error_mode
+
+    def resume(self) -> None:
+        assert self.capturing is None, "resume() twice"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool.handle, capture_error_mode=self._error_mode)
+        self.capturing = graph
+
+    def cut(self) -> None:
+        graph, self.capturing = self.capturing, None
+        assert graph is not None, "cut() outside a segment"
+        with torch.cuda.stream(self._stream):
+            graph.capture_end()
+            captured = CudaGraph(graph)
+            self._pool.graphs.add(captured)
+            self._pool.captured += 1
+            captured.replay()  # its outputs hold real values before the eager work after it
+        self.graphs.append(captured)
+
+    def held_bytes(self, extra: Any) -> int:
+        return 0  # the pool holds it (pool_bytes)
 
 @dataclasses.dataclass
 class _Pool:
@@ -258,6 +290,44 @@ class CudaBackend:
         pool.graphs.add(captured)
         pool.captured += 1
         return captured, output
+
+    @contextlib.contextmanager
+    def segmented(self, *, gc_disable: bool = False,
+                  error_mode: str = "global") -> Iterator[_CudaSegments]:
+        """A capture in segments on this device's pool (see :mod:`freezeframe.graphs.
+        breakable`): each segment is a ``CUDAGraph`` of its own, captured on one stream into
+        the shared pool and replayed once as it ends, so the eager work between segments
+        reads real values. A failure ends the capture in progress and retires the pool, as
+        :meth:`capture` does."""
+        index = torch.cuda.current_device()
+        pool = self._pool(index)
+        caller_stream = torch.cuda.current_stream(index)
+        stream = self._capture_stream(index)
+        torch.cuda.synchronize(index)
+        if not gc_disable:
+            gc.collect()
+            torch.cuda.empty_cache()
+        if stream != caller_stream:
+            stream.wait_stream(caller_stream)
+        segments = _CudaSegments(pool, stream, error_mode)
+        with torch.cuda.stream(stream):
+            try:
+                segments.resume()
+                yield segments
+                segments.cut()
+            except BaseException as exc:
+                if segments.capturing is not None:
+                    _abandon(segments.capturing, stream, index, pool.handle)
+                self._retire(index)
+                if is_capture_violation(exc):
+                    raise CaptureError(
+                        "an operation inside a graph segment is not allowed during CUDA graph "
+                        "capture (typically a host sync). Make it a graph break (a splitting "
+                        "op, or @ff.graph_break on the function that makes it). CUDA said: "
+                        f"{exc}") from exc
+                raise
+        if stream != caller_stream:
+            caller_stream.wait_stream(stream)
 
     def weak_ref(self, output: Any) -> Any:
         return weak_ref_tensors(output)

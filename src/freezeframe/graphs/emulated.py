@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -431,6 +431,42 @@ class EmulatedGraph:
         return f"EmulatedGraph({len(self._steps)} steps, {self.memory_bytes} bytes)"
 
 
+class _EmulatedSegments:
+    """The segments of one emulated breakable capture: a recorder per segment."""
+
+    def __init__(self) -> None:
+        self.graphs: list[EmulatedGraph] = []
+        self._recorder: _Recorder | None = None
+        self._inference = torch.is_inference_mode_enabled()
+        self._born: set[int] = set()
+        self._steps: list[_Step] = []  # every segment's, for the memory count
+
+    def resume(self) -> None:
+        assert self._recorder is None, "resume() twice"
+        self._recorder = _Recorder()
+        self._recorder.__enter__()
+
+    def cut(self) -> None:
+        recorder, self._recorder = self._recorder, None
+        assert recorder is not None, "cut() outside a segment"
+        recorder.__exit__(None, None, None)
+        inference = self._inference or recorder.saw_inference
+        self._born |= recorder.born
+        self._steps.extend(recorder.steps)
+        # its memory is counted once for the whole capture (held_bytes): segments share it
+        self.graphs.append(EmulatedGraph(recorder.steps, inference=inference))
+
+    def abandon(self) -> None:
+        """After a failure inside a segment: stop recording (nothing is kept)."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+
+    def held_bytes(self, extra: Any) -> int:
+        """The bytes of the storages allocated during the capture that its steps, or
+        ``extra`` (the breaks' tensors, the output), keep alive: each storage once."""
+        return _held_bytes(self._steps, extra, self._born)
+
 class EmulatedBackend:
     """Graph backend for CPU tests and CI; see the module docstring for what it guarantees."""
 
@@ -451,6 +487,21 @@ class EmulatedBackend:
         graph = EmulatedGraph(recorder.steps, inference=inference, output=output,
                               born=recorder.born)
         return graph, output
+
+    @contextlib.contextmanager
+    def segmented(self, *, gc_disable: bool = False,
+                  error_mode: str = "global") -> Iterator[_EmulatedSegments]:
+        """A capture in segments (see :mod:`freezeframe.graphs.breakable`): each segment is
+        one recorder's steps; between :meth:`_EmulatedSegments.cut` and ``resume`` nothing is
+        recorded."""
+        segments = _EmulatedSegments()
+        segments.resume()
+        try:
+            yield segments
+        except BaseException:
+            segments.abandon()
+            raise
+        segments.cut()
 
     def weak_ref(self, output: Any) -> Any:
         # Every emulated graph keeps its own tensors alive anyway; a weak view would save

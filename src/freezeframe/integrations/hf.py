@@ -42,11 +42,12 @@ How the model is served
 Calling the HF model directly after :func:`compile` still works: without freezeframe's step
 metadata the ``"freezeframe"`` attention runs HF's SDPA implementation with HF's SDPA mask.
 
-Refused by :func:`compile`, with the reason: attention that is not causal self-attention
-(encoders such as ``BertForMaskedLM``, encoder-decoders, heads that cannot generate); a sliding
-window shorter than ``max_cache_len`` (one at least that long never applies, and is served);
-other layer types, logit soft-capping, attention sinks; and mixture-of-experts models while
-graphs are on (their routing is data-dependent: a captured graph would freeze it).
+Refused by :func:`compile` (:mod:`~freezeframe.integrations.hf_checks`), with the reason:
+attention that is not causal self-attention (encoders such as ``BertForMaskedLM``,
+encoder-decoders, heads that cannot generate); a sliding window shorter than ``max_cache_len``
+(one at least that long never applies, and is served); other layer types, logit soft-capping,
+attention sinks; and mixture-of-experts models while graphs are on (their routing is
+data-dependent: a captured graph would freeze it).
 """
 
 from __future__ import annotations
@@ -60,8 +61,16 @@ from torch import nn
 
 from freezeframe.compilation import CompiledModel
 from freezeframe.compilation import compile as ff_compile
-from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from freezeframe.config import CompilationConfig, CompilationMode
 from freezeframe.errors import CompileError, ConfigError
+from freezeframe.integrations.hf_checks import (
+    check_attention,
+    check_causal_lm,
+    check_experts,
+    check_given_config,
+    check_positions,
+    positive_int,
+)
 from freezeframe.models.ops import define_op
 from freezeframe.runtime import GraphRunner, Tokens
 from freezeframe.runtime.runner import CaptureReport
@@ -465,12 +474,6 @@ class CompiledCausalLM:
 
 
 # -- the entry point -------------------------------------------------------------------------
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"ff.hf.compile: {name}={value!r} must be an int >= 1")
-    return value
-
-
 def _cache_shape(model: nn.Module) -> _CacheShape:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
@@ -483,92 +486,6 @@ def _cache_shape(model: nn.Module) -> _CacheShape:
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
     return _CacheShape(layers=int(config.num_hidden_layers), kv_heads=kv_heads,
                        head_dim=int(head_dim))
-
-
-_SERVED = ("ff.hf serves decoder-only causal LMs, whose every token attends only to itself and "
-           "earlier tokens (LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...)")
-
-
-def _check_causal_lm(model: nn.Module) -> None:
-    """Refuse, before anything is traced, a model whose attention is not causal self-attention
-    (ff.hf would serve it with causal attention: wrong logits, nothing raised)."""
-    name, config = type(model).__name__, model.config
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
-                                                                 False):
-        raise ConfigError(f"ff.hf.compile: {name} has cross-attention (is_encoder_decoder or "
-                          f"add_cross_attention); only decoder-only causal LMs are supported: "
-                          f"{_SERVED}")
-    bidirectional = sorted({type(m).__name__ for m in model.modules()
-                            if getattr(m, "is_causal", True) is False})
-    can_generate = getattr(type(model), "can_generate", None)
-    if bidirectional or (callable(can_generate) and not can_generate()):
-        why = (f"its attention is bidirectional ({', '.join(bidirectional)}.is_causal is False"
-               f"{', config.is_decoder is False' if hasattr(config, 'is_decoder') else ''})"
-               if bidirectional else "it has no causal LM head (can_generate() is False)")
-        raise ConfigError(
-            f"ff.hf.compile: {name} is not a causal language model: {why}. {_SERVED}; serve "
-            "an encoder with ff.compile or ff.GraphRunner and an attention of your own")
-    if not getattr(type(model), "_supports_attention_backend", False):
-        raise ConfigError(
-            f"ff.hf.compile: {name} does not route its attention through "
-            "transformers.AttentionInterface (_supports_attention_backend is False), so "
-            "freezeframe cannot split it at attention; use a model class that does "
-            "(LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...)")
-
-
-def _check_attention(model: nn.Module, max_cache_len: int) -> None:
-    """Refuse attention the op does not implement, decided from the config: sliding windows
-    that would apply within ``max_cache_len``, other layer types, soft-capping, sinks."""
-    name, config = type(model).__name__, model.config
-    layer_types = list(getattr(config, "layer_types", None) or ())
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if other:
-        raise ConfigError(f"ff.hf.compile: {name} has {other} layers (config.layer_types); only "
-                          "full causal attention is supported: serve it without ff.hf")
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False or (
-            layer_types and "sliding_attention" not in layer_types):
-        window = None  # configured but used by no layer
-    # A token at position p sees positions > p - window: all of them while p < window.
-    if window is not None and not (isinstance(window, int) and max_cache_len <= window):
-        raise ConfigError(
-            f"ff.hf.compile: {name} has sliding-window attention (config.sliding_window="
-            f"{window!r}) and max_cache_len={max_cache_len} is longer than the window, so it "
-            "would apply; sliding-window attention is not supported yet. Pass max_cache_len <= "
-            f"{window}, where the window never applies, or set config.sliding_window=None "
-            "(use_sliding_window=False for Qwen2) if the model tolerates full attention")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    sinks = next((f"attention sinks ({n}.sinks)" for n, m in model.named_modules()
-                  if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
-    if softcap is not None or sinks:
-        raise ConfigError(
-            f"ff.hf.compile: {name} uses " + (sinks or "attention logit soft-capping (config."
-                                              f"attn_logit_softcapping={softcap})")
-            + "; only plain causal attention is supported: serve it without ff.hf")
-
-
-_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _check_experts(model: nn.Module, config: CompilationConfig) -> None:
-    """Refuse a mixture-of-experts model when graphs are on: how many tokens each expert gets
-    is data, read back to the host (transformers' grouped-mm fallback calls ``offs.tolist()``)
-    or turned into shapes; a captured graph replays the routing of the step it captured."""
-    mode = config.cudagraph_mode
-    if not isinstance(mode, CUDAGraphMode) or mode is CUDAGraphMode.NONE:
-        return
-    counts = {f: getattr(model.config, f, None) for f in _EXPERT_FIELDS}
-    found = [f"config.{f}={n}" for f, n in counts.items() if isinstance(n, int) and n > 1] + [
-        f"{n} is a {type(m).__name__}" for n, m in model.named_modules()
-        if type(m).__name__.endswith("Experts")]
-    if found:
-        raise ConfigError(
-            f"ff.hf.compile: {type(model).__name__} is a mixture-of-experts model ({found[0]}) "
-            f"and cudagraph_mode={mode.name} captures graphs; expert routing is data-dependent "
-            "(which tokens go to which expert is read back to the host or becomes a shape), so "
-            "a captured graph would freeze the routing of the step it captured and every "
-            "replay would send tokens to the wrong experts. Pass cudagraph_mode='none' "
-            "(compiled, no graphs), or serve it without ff.hf")
 
 
 def _default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -587,6 +504,7 @@ def compile(
     backend: str | None = None,
     graph_backend: str | None = None,
     cudagraph_mode: str | None = None,
+    trace: bool = True,
 ) -> CompiledCausalLM:
     """Serve the HF causal LM ``model`` (used in place, weights shared) on freezeframe.
 
@@ -604,51 +522,52 @@ def compile(
     long prefill) runs without graphs, counted in ``runner.stats.fallback_too_large``.
     With ``config``, give none of those four; in PIECEWISE mode its ``splitting_ops`` must name
     :data:`HF_ATTENTION_OP`.
+
+    ``trace=False`` builds the default config without a trace: mode NONE, the model's forward
+    run as written, its PIECEWISE graphs captured breakable at the attention op (see
+    :mod:`freezeframe.graphs.breakable`): no Dynamo and no compiler at startup, for a model
+    Dynamo cannot trace or a start that must be fast.
     """
     shape = _cache_shape(model)
-    _check_causal_lm(model)
-    max_batch_size = _positive_int("max_batch_size", max_batch_size)
-    max_cache_len = _positive_int("max_cache_len", max_cache_len)
-    _check_attention(model, max_cache_len)
-    positions_limit = getattr(model.config, "max_position_embeddings", None)
-    if positions_limit is not None and max_cache_len > positions_limit:
-        raise ConfigError(
-            f"ff.hf.compile: max_cache_len={max_cache_len} is above the model's "
-            f"max_position_embeddings={positions_limit}; pass at most {positions_limit}")
+    check_causal_lm(model)
+    max_batch_size = positive_int("max_batch_size", max_batch_size)
+    max_cache_len = positive_int("max_cache_len", max_cache_len)
+    check_attention(model, max_cache_len)
+    check_positions(model, max_cache_len)
     if config is None:
-        tokens = _positive_int("max_num_tokens", max_num_tokens) if max_num_tokens is not None \
-            else max(512, max_batch_size)
-        config = CompilationConfig(
-            mode="piecewise", backend=backend or "inductor", splitting_ops=[HF_ATTENTION_OP],
-            cudagraph_mode=cudagraph_mode or "piecewise",
-            cudagraph_capture_sizes=list(capture_sizes) if capture_sizes is not None
-            else _default_capture_sizes(max_batch_size),
-            max_num_tokens=tokens, max_num_seqs=max_batch_size,
-            graph_backend=graph_backend or "auto")
+        config = _default_config(max_batch_size, max_num_tokens, capture_sizes, backend,
+                                 graph_backend, cudagraph_mode, trace)
     else:
-        given = {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
-                 "backend": backend, "graph_backend": graph_backend,
-                 "cudagraph_mode": cudagraph_mode}
-        clash = sorted(k for k, v in given.items() if v is not None)
-        if clash:
-            raise ConfigError(
-                f"ff.hf.compile: {clash} given together with config; set them in the "
-                "CompilationConfig instead (cudagraph_capture_sizes, backend, graph_backend, "
-                "cudagraph_mode, max_num_tokens)")
-        if not isinstance(config, CompilationConfig):
-            raise ConfigError(f"ff.hf.compile: config must be a CompilationConfig, got "
-                              f"{type(config).__name__}")
-        if config.mode is CompilationMode.PIECEWISE \
-                and HF_ATTENTION_OP not in (config.splitting_ops or ()):
-            raise ConfigError(
-                f"ff.hf.compile: config.splitting_ops={config.splitting_ops!r} does not name "
-                f"{HF_ATTENTION_OP!r}; add it, so that the graph is split at attention")
-        if int(config.max_num_seqs) < max_batch_size:
-            raise ConfigError(
-                f"ff.hf.compile: config.max_num_seqs={config.max_num_seqs} is below "
-                f"max_batch_size={max_batch_size}; a decode step of max_batch_size rows needs "
-                f"max_num_seqs >= {max_batch_size}")
-    _check_experts(model, config)
+        config = check_given_config(
+            config, max_batch_size, HF_ATTENTION_OP,
+            {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
+             "backend": backend, "graph_backend": graph_backend,
+             "cudagraph_mode": cudagraph_mode})
+    check_experts(model, config)
+    return _serve(model, config, shape, max_batch_size, max_cache_len)
+
+
+def _default_config(max_batch_size: int, max_num_tokens: int | None,
+                    capture_sizes: Sequence[int] | None, backend: str | None,
+                    graph_backend: str | None, cudagraph_mode: str | None,
+                    trace: bool = True) -> CompilationConfig:
+    """The config :func:`compile` builds when given none (its docstring lists the defaults)."""
+    tokens = positive_int("max_num_tokens", max_num_tokens) if max_num_tokens is not None \
+        else max(512, max_batch_size)
+    return CompilationConfig(
+        mode="piecewise" if trace else "none", backend=backend or "inductor",
+        splitting_ops=[HF_ATTENTION_OP],
+        cudagraph_mode=cudagraph_mode or "piecewise",
+        cudagraph_capture_sizes=list(capture_sizes) if capture_sizes is not None
+        else _default_capture_sizes(max_batch_size),
+        max_num_tokens=tokens, max_num_seqs=max_batch_size,
+        graph_backend=graph_backend or "auto")
+
+
+def _serve(model: nn.Module, config: CompilationConfig, shape: _CacheShape, max_batch_size: int,
+           max_cache_len: int) -> CompiledCausalLM:
+    """Switch ``model`` to the ``"freezeframe"`` attention, wrap it with its static KV cache,
+    compile that and put a runner around it."""
     parameter = next(model.parameters())
     flat = _FlatCausalLM(model, shape, max_batch_size, max_cache_len, parameter.dtype,
                          parameter.device).eval()

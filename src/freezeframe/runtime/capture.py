@@ -32,27 +32,24 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from freezeframe.batch import BatchDescriptor
+from freezeframe.batch import BatchDescriptor, GraphKey
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.errors import CaptureError, FreezeframeError, GraphMemoryBudgetError
+from freezeframe.graphs.breakable import BreakableGraph
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import GraphWrapper
 from freezeframe.runtime.buffers import SavedBuffers
-from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures, GraphKey
+from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.forward import ModelForward
-from freezeframe.runtime.graph_memory import (
-    GraphMemoryPrediction,
-    format_bytes,
-    measurement_plan,
-    predict_graph_memory,
-)
+from freezeframe.runtime.graph_memory import GraphMemoryPrediction, measurement_plan
 from freezeframe.runtime.lock import StepLock
+from freezeframe.runtime.memory_meter import GraphMemoryMeter, over_budget_message
 from freezeframe.runtime.outputs import OutputCut
 from freezeframe.runtime.progress import capture_progress
 from freezeframe.runtime.report import CaptureReport, GraphCapture
@@ -103,6 +100,7 @@ class Capturer:
         self._primed_keys: set[GraphKey] = set()
         # graph wrappers that held graphs before this runner existed (low-level calls on other
         # tensors): capture() frees them; graphs this runner's steps captured are kept
+        self._memory = GraphMemoryMeter(held, device, self._ubatch_bytes)
         self._foreign: list[GraphWrapper] = [
             w for w in held.graph_wrappers() if w.captured_descriptors] \
             if held is not None else []
@@ -148,10 +146,10 @@ class Capturer:
                 records.append(self.capture_key(key))
                 bar.update(1)
             if budget is not None:
-                prediction = self._predict(keys, records, used_before)
+                prediction = self._memory.predict(keys, records, used_before)
                 if prediction.total_bytes > budget:
                     raise GraphMemoryBudgetError(
-                        self._over_budget(budget, prediction, len(records)))
+                        over_budget_message(budget, prediction, len(records)))
             measured = set(probes)
             for key in keys:
                 if key not in measured:
@@ -160,12 +158,12 @@ class Capturer:
             if self._on_cuda:
                 torch.cuda.synchronize(self._device)
             seconds = time.perf_counter() - self._started
-            used_after = self._graph_memory_in_use()
+            used_after = self._memory.in_use()
         self._cut.classify()
-        if prediction is None and self._graphs_account_memory():
+        if prediction is None and self._memory.graphs_hold_their_own:
             # emulated graphs do not depend on the capture order: the prediction the same
             # measured sizes would have made, for the report's predicted-vs-actual columns
-            prediction = self._predict(keys, records, None)
+            prediction = self._memory.predict(keys, records, None)
         if prediction is not None:
             probed = set(probes) if probes else set(measurement_plan(keys))
             records = [dataclasses.replace(
@@ -177,6 +175,10 @@ class Capturer:
         self.report = report
         logger.info("GraphRunner: %s", report.summary())
         return report
+
+    def _ubatch_bytes(self) -> int:
+        ubatch = self._forward.ubatch
+        return ubatch.memory_bytes() if ubatch is not None else 0
 
     def set_budget(self, budget: int | None) -> None:
         self._options = dataclasses.replace(self._options, budget=budget)
@@ -190,7 +192,7 @@ class Capturer:
         """Around one capture (eager: all keys; lazy and background: one): the model's window
         open, the garbage collector frozen (or paused), and, whatever happens, the dummy
         steps undone; a failure frees every graph it made. Yields the graph memory in use at
-        the start (see :meth:`_graph_memory_in_use`)."""
+        the start (see :class:`GraphMemoryMeter`)."""
         window = self._held.capture_window if self._held is not None else None
         # Copied aside before the clock and the memory baseline start: the report measures
         # graphs, not the copies.
@@ -199,7 +201,7 @@ class Capturer:
         if frozen_gc and self._on_cuda:
             torch.cuda.synchronize(self._device)
             torch.cuda.empty_cache()
-        used_before = self._graph_memory_in_use()
+        used_before = self._memory.in_use()
         if frozen_gc:
             self._stats.inc("capture_runs")
         primed = (set(self._primed_sizes), set(self._primed_keys))
@@ -236,7 +238,7 @@ class Capturer:
         # FULL graphs of split sizes are captured split (warm-ups split too)
         plan = forward.micro_batches(None, tokens, reqs, tokens, reqs, desc.uniform) \
             if mode is _FULL else None
-        used_before = self._graph_memory_in_use()
+        used_before = self._memory.in_use()
         t0 = time.perf_counter()
         for _ in range(self._num_warmups(mode, desc)):
             forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
@@ -254,8 +256,21 @@ class Capturer:
             if buf._version != before)
         self._stats.inc("captures")
         seconds = time.perf_counter() - t0
+        segments, breaks = self._breaks_of(mode, desc)
         return GraphCapture(mode=mode, descriptor=desc, seconds=seconds,
-                            memory_bytes=max(0, self._graph_memory_in_use() - used_before))
+                            memory_bytes=max(0, self._memory.in_use() - used_before),
+                            segments=segments, breaks=breaks)
+
+    def _breaks_of(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> tuple[int, tuple[str, ...]]:
+        """The segments and breaks of the breakable graph captured for the key, if it is one."""
+        if self._held is None:
+            return 0, ()
+        for wrapper in self._held.graph_wrappers():
+            if wrapper.runtime_mode is mode:
+                graph = wrapper.graph_for(desc)
+                if isinstance(graph, BreakableGraph):
+                    return graph.num_segments, tuple(graph.breaks)
+        return 0, ()
 
     # -- steps before capture(), lazy and background ---------------------------------------
     def records_only(self) -> bool:
@@ -465,75 +480,6 @@ class Capturer:
         restored = saved.restore()
         if restored:
             self._stats.inc("buffers_restored", restored)
-
-    # -- graph memory (graph_memory.py) -----------------------------------------------------
-    def _graphs_account_memory(self) -> bool:
-        """Whether the model's graphs count their own memory (``emulated``: each graph holds
-        its own tensors) rather than living in a CUDA pool only the allocator shows."""
-        backend = self._held.graph_backend if self._held is not None else None
-        return backend is not None and backend.name != "cuda"
-
-    def _graph_memory_in_use(self) -> int:
-        """A reading whose growth over a capture is the graph memory it added: the bytes the
-        emulated graphs hold (each keeps its own tensors, so graphs add up); on CUDA the
-        segments of the shared graph pool, read from the caching allocator (free memory also
-        moves with cuBLAS workspaces and warm-up caches); minus the free memory for a model
-        whose graphs the runner cannot see."""
-        if self._graphs_account_memory():
-            assert self._held is not None
-            held = sum(w.memory_bytes() for w in self._held.graph_wrappers())
-            ubatch = self._forward.ubatch
-            return held + (ubatch.memory_bytes() if ubatch is not None else 0)
-        backend = self._held.graph_backend if self._held is not None else None
-        if backend is not None and self._on_cuda:
-            index = self._device.index
-            pooled = backend.pool_bytes(index if index is not None
-                                        else torch.cuda.current_device())
-            if pooled is not None:
-                return pooled
-        return -_free_memory(self._device)
-
-    def _predict(self, keys: list[GraphKey], records: Sequence[GraphCapture],
-                 used_before: int | None) -> GraphMemoryPrediction:
-        """Predict every key's graph memory from the measured probes (measurement_plan).
-
-        Emulated: each probe's own bytes. CUDA (``used_before`` given): the pool's growth
-        since the capture began, at the end of each probe's capture. The probes are captured
-        smallest first, so the later probe of a family reuses the earlier's blocks and its own
-        delta understates it; the growth so far is its footprint when it is the largest graph
-        yet, and an overestimate otherwise, the safe side for a budget."""
-        wanted = set(measurement_plan(keys))
-        measured: dict[GraphKey, int] = {}
-        pooled = not self._graphs_account_memory()
-        grown = 0
-        for record in records:
-            grown += record.memory_bytes
-            key = (record.mode, record.descriptor)
-            if key in wanted:
-                measured[key] = grown if pooled and used_before is not None \
-                    else record.memory_bytes
-        return predict_graph_memory(keys, measured, pooled=pooled)
-
-    @staticmethod
-    def _over_budget(budget: int, prediction: GraphMemoryPrediction, measured: int) -> str:
-        largest = "; ".join(p.describe() for p in prediction.largest(3))
-        sizes = sorted({p.descriptor.num_tokens for p in prediction.sizes})
-        return (
-            f"graph_memory_budget={budget} bytes ({format_bytes(budget)}): capturing the "
-            f"{len(prediction.sizes)} graphs of capture sizes {sizes} is predicted to need "
-            f"{prediction.total_bytes} bytes ({format_bytes(prediction.total_bytes)}, "
-            f"{'one shared pool' if prediction.pooled else 'summed over graphs'}), from the "
-            f"{measured} smallest graphs, captured and measured first. Largest: {largest}. "
-            "Nothing was kept (the measured graphs were freed). Fix: capture fewer or smaller "
-            "sizes (cudagraph_capture_sizes, max_cudagraph_capture_size), choose sizes under the "
-            "budget with `freezeframe plan`, or raise graph_memory_budget")
-
-
-def _free_memory(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
 
 
 @contextlib.contextmanager

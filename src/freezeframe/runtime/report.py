@@ -73,6 +73,9 @@ class GraphCapture:
     memory_bytes: int
     predicted_bytes: int | None = None
     probe: bool = False
+    # a breakable graph's segments and the breaks between them (0 and () for any other graph)
+    segments: int = 0
+    breaks: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,4 +137,9 @@ class CaptureReport:
                                         else "") + ")")
         if self.budget_bytes is not None:
             text += f", budget {format_bytes(self.budget_bytes)}"
+        breakable = [g for g in self.graphs if g.segments]
+        if breakable:
+            text += (f"; {len(breakable)} breakable graphs of "
+                     f"{sum(g.segments for g in breakable)} segments around "
+                     f"{sum(len(g.breaks) for g in breakable)} breaks")
         return text

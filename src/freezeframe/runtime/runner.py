@@ -170,19 +170,27 @@ class GraphRunner:
             model, held, config, self.dispatcher, self.device, self.stats, forward, cut,
             self._lock, CaptureOptions(options.policy, lazy_warmups, graph_memory_budget,
                                        progress), self.graphs_available)
-        verifier = Verifier(verify, verify_tolerance, self.stats)
-        self._stepper = Stepper(
-            held, config, self.dispatcher, self.stats, static,
-            InputChecker(self.specs, self.device, max_num_tokens=config.max_num_tokens,
-                         max_num_seqs=config.max_num_seqs,
-                         query_len=self.dispatcher.uniform_decode_query_len),
-            cut, forward, self._capturer, verifier if verify else None,
-            StepOptions(strict=strict, copy_outputs=copy_outputs, dp_sync=dp_sync,
-                        dp_group=dp_group, invalid_modes=frozenset(options.invalid_modes),
-                        policy_name=options.policy.value),
-            self.graphs_available)
+        self._stepper = self._new_stepper(held, static, cut, forward)
         self._micro = forward.ubatch
         self._forward = forward
+
+    def _new_stepper(self, held: Capturable | None, static: StaticBuffers, cut: OutputCut,
+                     forward: ModelForward) -> Stepper:
+        """The step path (plan.py) over the runner's parts, with its input checks and, with
+        ``verify``, its verifier."""
+        options, config = self.options, self.config
+        checker = InputChecker(self.specs, self.device, max_num_tokens=config.max_num_tokens,
+                               max_num_seqs=config.max_num_seqs,
+                               query_len=self.dispatcher.uniform_decode_query_len)
+        verifier = Verifier(options.verify, options.verify_tolerance, self.stats) \
+            if options.verify else None
+        return Stepper(held, config, self.dispatcher, self.stats, static, checker, cut, forward,
+                       self._capturer, verifier,
+                       StepOptions(strict=options.strict, copy_outputs=options.copy_outputs,
+                                   dp_sync=options.dp_sync, dp_group=options.dp_group,
+                                   invalid_modes=frozenset(options.invalid_modes),
+                                   policy_name=options.policy.value),
+                       self.graphs_available)
 
     def _micro_batching(self, model: Any, config: CompilationConfig
                         ) -> MicroBatchWrapper | None:

@@ -1,0 +1,155 @@
+"""The compile stack every front door builds from a config, in one place.
+
+``ff.compile`` (per trace of a model) and the ``torch.compile(backend="freezeframe")`` entry
+point (per graph Dynamo hands over) compile the same way::
+
+    config --resolve--> graph backend (cuda / emulated / None)
+           --make-----> compiler (eager / inductor) --> CompilerManager (compile-or-load)
+    per graph:          CompileBackend (split, compile per range, PIECEWISE wrappers)
+                        + a FULL GraphWrapper around the whole, when the mode has FULL graphs
+
+One :class:`CompileStack` serves one compiled model (or one ``FreezeframeBackend``): its pieces
+share the stats, the compiler manager (so a repeated piece compiles once), the graph backend
+(one memory pool) and the capture window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from freezeframe.compilation.backend import CompileBackend
+from freezeframe.compilation.cached_trace import ModelCache
+from freezeframe.compilation.compilers import CompilerManager, make_compiler
+from freezeframe.compilation.direct_call import DirectCall, Stitched
+from freezeframe.compilation.saved_trace import source_name
+from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards
+from freezeframe.compilation.trace import TraceOnce
+from freezeframe.config import CompilationConfig, CUDAGraphMode
+from freezeframe.graphs import (
+    CaptureWindow,
+    GraphBackend,
+    GraphOptions,
+    GraphWrapper,
+    resolve_backend,
+)
+from freezeframe.graphs.breakable import BreakableBackend
+from freezeframe.stats import Stats
+
+__all__ = ["CompileStack", "Variant"]
+
+
+@dataclasses.dataclass
+class Variant:
+    """One trace of the model and everything built from it: the call structure it serves,
+    the trace, its compiled pieces and graph wrappers, its on-disk cache, its FULL wrapper."""
+
+    signature: CallSignature | None  # None until its first call
+    trace: TraceOnce
+    backend: CompileBackend
+    cache: ModelCache
+    full_wrapper: GraphWrapper | None
+    guards: SizeGuards | None = None  # the trace's conditions on sizes; None until traced
+    stitched: Stitched | None = None  # what the trace's code calls, once traced
+    sources: list[str | None] | None = None  # the Dynamo source of each graph input
+    # the trace called without Dynamo's bytecode (direct_call.py), from its second call on;
+    # ``direct_tried`` is set once that was worked out (``direct`` left None where the direct
+    # call could differ: the bytecode stays)
+    direct: DirectCall | None = None
+    direct_tried: bool = False
+    # the stitching copies with pieces' entries bound in, by those entries (sized_call)
+    sized: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.full_wrapper is not None:
+            return self.full_wrapper(*args, **kwargs)
+        direct = self.direct
+        if direct is not None:
+            return direct.call(*args, **kwargs)
+        return self.cache(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class CompileStack:
+    """The compiler, compile manager and graph backend of one compiled model.
+
+    ``graph_backend`` is None when graphs are off (``cudagraph_mode`` NONE, or "auto" without
+    CUDA); ``manager`` is None until :meth:`with_compiler` (modes that compile nothing).
+    """
+
+    config: CompilationConfig
+    stats: Stats
+    window: CaptureWindow
+    graph_backend: GraphBackend | None
+    manager: CompilerManager | None = None
+
+    @classmethod
+    def of(cls, config: CompilationConfig, stats: Stats) -> CompileStack:
+        """The stack for ``config`` without a compiler yet (see :meth:`with_compiler`)."""
+        return cls(config, stats, CaptureWindow(), resolve_backend(config))
+
+    def with_compiler(self, model_key: str) -> CompileStack:
+        """Give the stack its compiler manager: the config's compiler, with the graph
+        backend's ``prepare`` for callables that launch kernels of their own."""
+        config = self.config
+        compiler = make_compiler(config.backend, self.stats, config.inductor_compile_config,
+                                 config.inductor_passes)
+        prepare = self.graph_backend.prepare if self.graph_backend is not None else None
+        self.manager = CompilerManager(compiler, self.stats, model_key=model_key,
+                                       prepare=prepare)
+        return self
+
+    @property
+    def full_graphs(self) -> bool:
+        """Whether this stack captures whole forwards (a FULL wrapper around each graph)."""
+        mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
+        return self.graph_backend is not None and mode.has_full_cudagraphs()
+
+    def piece_compiler(self, model_key: str) -> CompileBackend:
+        """A new Dynamo backend for one graph: it splits the graph and compiles its pieces."""
+        assert self.manager is not None, "with_compiler() first"
+        return CompileBackend(self.config, self.stats, self.manager,
+                              graph_backend=self.graph_backend, window=self.window,
+                              model_key=model_key)
+
+    def full_wrapper(self, run: Callable[..., Any]) -> GraphWrapper | None:
+        """``run`` wrapped for FULL graphs, or None when this stack captures none."""
+        if not self.full_graphs:
+            return None
+        assert self.graph_backend is not None
+        return GraphWrapper(run, CUDAGraphMode.FULL, self.graph_backend,
+                            options=GraphOptions(), stats=self.stats, window=self.window,
+                            debug=self.config.debug)
+
+    def breakable_wrapper(self, run: Callable[..., Any], *, watch_ops: bool) -> GraphWrapper:
+        """``run`` (a forward without a trace) wrapped for breakable PIECEWISE graphs: captured
+        in segments that break at the splitting ops and ``@ff.graph_break`` functions
+        (:mod:`freezeframe.graphs.breakable`); ``watch_ops``: find the ops as they are called
+        (mode NONE) rather than as break points of a split graph."""
+        assert self.graph_backend is not None
+        backend = BreakableBackend(self.graph_backend, tuple(self.config.splitting_ops or ()),
+                                   watch_ops=watch_ops)
+        return GraphWrapper(run, CUDAGraphMode.PIECEWISE, backend, options=GraphOptions(),
+                            stats=self.stats, window=self.window, debug=self.config.debug)
+
+    def variant(self, model: Any, dims: dict[str, tuple[int, ...]], user_key: str | None,
+                signer: Signer | None, signature: CallSignature | None) -> Variant:
+        """A new, untraced trace of ``model`` (a CompiledModel): its piece compiler, the
+        on-disk cache around it and the first call, the trace-once callable, its FULL
+        wrapper. The first call through ``variant.cache`` traces (or loads) it."""
+        backend = self.piece_compiler(model.model_key)
+        cache = ModelCache(model, dims, model_key=user_key, signer=signer)
+        holder: list[Variant] = []
+
+        def stitched_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
+            stitched = Stitched(backend(gm, example_inputs))
+            holder[0].stitched = stitched
+            holder[0].sources = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+            return stitched
+
+        trace = TraceOnce(model.module, cache.wrap_backend(stitched_backend), dims)
+        cache.trace = trace
+        made = Variant(signature, trace, backend, cache, self.full_wrapper(cache))
+        holder.append(made)
+        return made
