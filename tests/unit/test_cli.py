@@ -240,10 +240,12 @@ BAD_ARGUMENTS = [
     (["bench", "--modes", "fast,eager"], "freezeframe bench: error: --modes: unknown mode(s) "
                                          "['fast']; choose from ['eager', 'compile', "
                                          "'reduce-overhead', 'none', 'piecewise', 'full', "
-                                         "'full_and_piecewise']"),
+                                         "'full_and_piecewise', 'breakable', "
+                                         "'full_and_breakable']"),
     (["bench", "--modes", ","], "freezeframe bench: error: --modes: give at least one of "
                                 "['eager', 'compile', 'reduce-overhead', 'none', 'piecewise', "
-                                "'full', 'full_and_piecewise']"),
+                                "'full', 'full_and_piecewise', 'breakable', "
+                                "'full_and_breakable']"),
     (["bench", "--device", "tpu"], "freezeframe bench: error: --device: unknown device 'tpu'; "
                                    "use auto, cpu, cuda or cuda:N"),
     (["bench", "--device", "mps"], "freezeframe bench: error: --device: the benchmark runs on "

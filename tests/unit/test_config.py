@@ -17,7 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from freezeframe.config import (
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    breakable_capture,
+)
 from freezeframe.errors import ConfigError
 from freezeframe.sizes import Range
 
@@ -375,12 +380,20 @@ def test_splitting_op_names() -> None:
         CompilationConfig(splitting_ops="silly::attention")
 
 
-def test_piecewise_graphs_need_piecewise_mode() -> None:
-    for mode in ("none", "stock_torch_compile", "dynamo_trace_once"):
-        for graph_mode in ("piecewise", "full_and_piecewise"):
-            with pytest.raises(ConfigError, match="needs mode PIECEWISE") as exc:
-                CompilationConfig(mode=mode, cudagraph_mode=graph_mode)
-            assert "set mode='piecewise'" in str(exc.value)
+def test_piecewise_graphs_need_a_split_or_a_breakable_capture() -> None:
+    for graph_mode in ("piecewise", "full_and_piecewise"):
+        # one traced graph has nothing to cut at
+        with pytest.raises(ConfigError, match="needs mode PIECEWISE") as exc:
+            CompilationConfig(mode="dynamo_trace_once", cudagraph_mode=graph_mode)
+        assert "set mode='piecewise'" in str(exc.value)
+        assert "mode='none' for graphs that break at the splitting ops" in str(exc.value)
+        # mode NONE and STOCK_TORCH_COMPILE capture them breakable, over the running forward
+        for mode in ("none", "stock_torch_compile"):
+            cfg = CompilationConfig(mode=mode, cudagraph_mode=graph_mode)
+            assert cfg.cudagraph_mode is CUDAGraphMode[graph_mode.upper()]
+            assert breakable_capture(cfg) is True
+        assert breakable_capture(CompilationConfig(mode="piecewise",
+                                                   cudagraph_mode=graph_mode)) is False
 
 
 # -- other validation -------------------------------------------------------------------------

@@ -27,14 +27,15 @@ def make(mode: CUDAGraphMode, *, lora: bool = False, **kw: object) -> Dispatcher
 
 # -- construction ----------------------------------------------------------------------------
 def test_piecewise_graphs_without_piecewise_compilation_rejected_by_config() -> None:
-    with pytest.raises(ConfigError, match="piecewise"):
-        CompilationConfig(mode="none", cudagraph_mode="full_and_piecewise")
+    with pytest.raises(ConfigError, match="FULL_AND_PIECEWISE captures piecewise graphs"):
+        CompilationConfig(mode="dynamo_trace_once", cudagraph_mode="full_and_piecewise")
 
 
 def test_dispatcher_rechecks_a_config_built_around_validation() -> None:
     cfg = CompilationConfig(mode="piecewise", cudagraph_mode="full_and_piecewise",
                             cudagraph_capture_sizes=[1, 8])
-    object.__setattr__(cfg, "mode", CompilationMode.NONE)  # as a bypassed/replaced config might
+    # as a bypassed/replaced config might (NONE would be a breakable capture, which is valid)
+    object.__setattr__(cfg, "mode", CompilationMode.DYNAMO_TRACE_ONCE)
     with pytest.raises(ConfigError, match="FULL_AND_PIECEWISE captures piecewise graphs"):
         Dispatcher(cfg)
 
