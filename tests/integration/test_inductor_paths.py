@@ -23,7 +23,7 @@ from tests.helpers import silly
 from tests.helpers.configs import silly_config
 from tests.helpers.toy_models import AttnSandwich, SillyModel
 from tests.unit.test_cache_faults import _run as run_cached_process
-from tests.unit.test_call_checks import RowNorm
+from tests.unit.test_call_checks import RowNorm, grad_after_a_no_grad_call
 from tests.unit.test_call_checks import config as call_config
 from tests.unit.test_piecewise import config as piecewise_config
 
@@ -39,6 +39,13 @@ def test_inductor_trace_made_at_batch_size_one_serves_only_size_one() -> None:
         torch.testing.assert_close(model(x), eager(x))
     # size 1 got its own trace; 3 and 5 share the second, symbolic one
     assert (model.num_traces, model.stats.retraces) == (2, 1)
+
+
+def test_a_call_with_grad_after_a_no_grad_call_keeps_autograd() -> None:
+    """Found by the matrix (inductor_grad_after_a_no_grad_call): the grad trace reused the
+    pieces Inductor compiled under no_grad (same graph hash), inference graphs without
+    autograd, so its output did not require grad. Grad mode is part of the hash now."""
+    grad_after_a_no_grad_call("inductor")
 
 
 class _BatchMixing(torch.nn.Module):

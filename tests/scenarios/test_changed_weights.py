@@ -163,6 +163,39 @@ def test_hooks_on_the_compiled_model_run_on_every_runner_step(rig: Rig, mode: st
     assert len(seen) == 3
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_inputs", "written_then_new"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pre_hook_returning_new_inputs_never_writes_the_callers_input(
+        rig: Rig, mode: str, in_place: bool) -> None:
+    """Found by the matrix (pre_hook_inputs_written_back): the replay copied the hook's new
+    inputs into the runner's buffers, and the step took that copy for a write of the model and
+    copied it back into the caller's tensor. Only what eager writes reaches it: nothing, or
+    (``in_place``) the hook's own in-place write."""
+    block, model, runner = _runner(rig, mode)
+
+    def halve(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = kwargs["x"] if "x" in kwargs else args[0]  # (the runner passes it by name)
+        if in_place:
+            x.mul_(2.0)
+        return (), {"x": x * 0.5}
+
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, device=rig.device)
+    runner(x.clone())  # planned before the hook
+    model.register_forward_pre_hook(halve, with_kwargs=True)
+    reference = Block()
+    reference.load_state_dict(block.state_dict())
+    reference.to(rig.device).register_forward_pre_hook(halve, with_kwargs=True)
+    for _ in range(3):
+        mine, theirs = x.clone(), x.clone()
+        got = runner(mine)
+        want = _eager(reference, theirs)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(mine, x * 2.0 if in_place else x, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_each_answer_is_its_own_tensor_object(rig: Rig, mode: str) -> None:
     """An in-place change of one answer's metadata (``y.t_()``) must not reach the next."""

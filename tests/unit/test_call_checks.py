@@ -239,6 +239,34 @@ def test_inference_mode_false_keeps_autograd():
     assert model.stats.retraces == 1
 
 
+def grad_after_a_no_grad_call(backend: str) -> None:
+    """inference_mode=False: a first call under no_grad, then one with grad on (another trace)
+    must answer as eager does: the output requires grad, the values and the parameters'
+    gradients are eager's."""
+    torch.manual_seed(0)
+    mine, eager = RowNorm(), RowNorm()
+    eager.load_state_dict(mine.state_dict())
+    model = ff.compile(mine, config(backend=backend), inference_mode=False)
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(model(x), eager(x))
+    x = torch.randn(5, 8)
+    got, want = model(x), eager(x)
+    assert got.requires_grad and want.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    for p, q in zip(mine.parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_with_grad_after_a_no_grad_call_keeps_autograd():
+    """The eager compiler's sibling of the Inductor test (test_inductor_paths.py), where the
+    no_grad trace's compiled pieces were reused for the grad trace."""
+    grad_after_a_no_grad_call("eager")
+
+
 def test_outputs_are_inference_tensors_by_default():
     model = ff.compile(Scale(), config())
     assert model(torch.ones(2, 3)).is_inference()

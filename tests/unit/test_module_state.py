@@ -665,3 +665,111 @@ def test_a_process_wide_setting_the_trace_was_made_for_is_refused_when_it_change
         torch.set_default_dtype(before)
     with torch.no_grad():  # and back under the first call's settings, served again
         torch.testing.assert_close(model(x), _MakesOnes()(x))
+
+
+# -- class attributes forward reads (found by the matrix: class_attribute_read_by_forward) ----
+class _Base(nn.Module):
+    BIAS = 3.0
+
+
+class _Leaf(nn.Module):
+    FACTOR = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.FACTOR
+
+
+class ReadsClass(_Base):
+    """Reads class attributes through ``self``: its own, a base class's, a submodule's."""
+
+    OFFSET = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.leaf = _Leaf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leaf(self.lin(x)) + self.OFFSET + self.BIAS
+
+
+def _reads_class_pair() -> tuple[type[ReadsClass], nn.Module, nn.Module]:
+    """A fresh subclass per test (the class attributes are changed), and two instances."""
+    cls = type("ReadsClassCopy", (ReadsClass,), {})
+    mine, theirs = cls(), cls()
+    theirs.load_state_dict(mine.state_dict())
+    return cls, mine, theirs
+
+
+@pytest.mark.parametrize(("target", "name", "where"), [
+    (None, "OFFSET", r"ReadsClassCopy\.OFFSET"),  # set on the class itself
+    (_Base, "BIAS", r"ReadsClassCopy\.BIAS"),  # on the base class forward reads it from
+    (_Leaf, "FACTOR", r"_Leaf\.FACTOR"),  # on a submodule's class
+])
+@pytest.mark.parametrize("mode", ["piecewise", "dynamo_trace_once"])
+def test_a_class_attribute_forward_reads_changed_after_the_trace_is_refused(
+        target: type | None, name: str, where: str, mode: str) -> None:
+    """Found by the matrix: ``type(module).OFFSET = 2.5`` after the trace was answered from
+    the trace, which baked 1.0 in. The every-call check follows the class attributes forward
+    read (taken from the trace's guards), so even a routed call is refused."""
+    cls, mine, theirs = _reads_class_pair()
+    model = ff.compile(mine, _config(mode=mode))
+    x = torch.randn(3, 4)
+    for _ in range(2):  # the second call is routed (the every-call tier only)
+        before = model(x)
+        assert torch.equal(before, theirs(x).detach())
+    holder = target if target is not None else cls
+    old = getattr(holder, name)
+    setattr(holder, name, 2.5)
+    try:
+        assert not torch.equal(theirs(x), before)  # eager reads 2.5 now
+        with pytest.raises(CompileError, match=rf"class attribute {where} that forward reads "
+                                               rf"was {old!r} at the trace and is 2\.5 now"):
+            model(x)
+        setattr(holder, name, float(repr(old)))  # back to an equal value: served again
+        assert torch.equal(model(x), theirs(x).detach())
+        assert model.stats.retraces == 0
+    finally:
+        setattr(holder, name, old)
+
+
+def test_a_class_attribute_shadowed_on_the_subclass_is_refused() -> None:
+    """``self.BIAS`` is looked up from the instance's class: a value set on the subclass
+    hides the base class's, and is a change too."""
+    cls, mine, _ = _reads_class_pair()
+    model = ff.compile(mine, _config())
+    model(torch.randn(3, 4))
+    cls.BIAS = -1.0
+    with pytest.raises(CompileError, match=r"ReadsClassCopy\.BIAS that forward reads was 3\.0 "
+                                           r"at the trace and is -1\.0 now"):
+        model(torch.randn(3, 4))
+
+
+def test_class_attributes_forward_does_not_read_are_not_checked() -> None:
+    cls, mine, theirs = _reads_class_pair()
+    cls.UNUSED = 1
+    model = ff.compile(mine, _config())
+    x = torch.randn(3, 4)
+    model(x)
+    cls.UNUSED = 2
+    cls.training_note = "anything"
+    assert torch.equal(model(x), theirs(x).detach())
+
+
+def test_a_trace_loaded_from_the_cache_checks_the_class_attributes_too(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo does not run on a warm start: the class attributes come from the saved
+    trace's checks."""
+    monkeypatch.delenv("FREEZEFRAME_DISABLE_CACHE", raising=False)
+    cls, mine, theirs = _reads_class_pair()
+    cfg = _config(use_cache=True, cache_dir=str(tmp_path / "cache"))
+    x = torch.randn(3, 4)
+    ff.compile(cls(), cfg)(x)
+    model = ff.compile(mine, cfg)
+    assert torch.equal(model(x), theirs(x).detach())
+    assert model.stats.traces_loaded == 1
+    cls.OFFSET = 7.0
+    with pytest.raises(CompileError, match=r"ReadsClassCopy\.OFFSET that forward reads was "
+                                           r"1\.0 at the trace and is 7\.0 now"):
+        model(x)

@@ -12,9 +12,10 @@ What decides whether something saved is reused:
 
 * The *base key* hashes what is known before tracing: the freezeframe version, the config's
   ``cache_key()``, the source files of the config's Inductor passes, torch's version and
-  Inductor's system factors, the module's class, structure and public attributes, every
-  parameter's and buffer's shape/dtype/device, the example-input signature (plain argument
-  values included), and the user's optional ``model_key``.
+  Inductor's system factors, the rank and world size under ``torch.distributed``, the module's
+  class, structure and public attributes, every parameter's and buffer's shape/dtype/device,
+  the example-input signature (plain argument values included), and the user's optional
+  ``model_key``.
 * The entry *key* adds what the trace read, known only after a trace (or, on a warm start, from
   the ``models/`` pointer, re-verified before it is trusted): the contents of every source file
   Dynamo traced or inlined, and a digest of every traced code object that has no source file
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "code_mismatch",
+    "distributed_factors",
     "graph_hash",
     "hash_sources",
     "input_signature",
@@ -68,9 +70,29 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def distributed_factors() -> dict[str, Any]:
+    """The process's place in ``torch.distributed``: ``{"distributed": {"rank", "world_size",
+    "backend"}}`` when a process group of more than one rank is initialised, ``{}`` otherwise
+    (so a single process keeps the key it always had).
+
+    Each rank gets an entry of its own: its traces may differ (a tensor-parallel shard's
+    shapes, a branch on the rank), and ranks sharing one cache directory then never wait on
+    each other's entry lock or take each other's pieces.
+    """
+    import torch
+
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return {}
+    return {"distributed": {"rank": int(dist.get_rank()),
+                            "world_size": int(dist.get_world_size()),
+                            "backend": str(dist.get_backend())}}
+
+
 def torch_factors() -> dict[str, Any]:
     """torch's version and Inductor's system factors (device, CUDA/HIP and Triton versions;
-    ``"no gpu"`` where torch sees no GPU).
+    ``"no gpu"`` where torch sees no GPU), and the process's rank and world size under
+    ``torch.distributed`` (:func:`distributed_factors`).
 
     ``torch_key()`` (a hash of torch's own sources) is left out on purpose: it costs seconds,
     the version plus git revision identify a build, and Inductor's artifact loader checks
@@ -83,6 +105,7 @@ def torch_factors() -> dict[str, Any]:
         "torch_git": getattr(getattr(torch, "version", None), "git_version", None),
         "python": ".".join(str(v) for v in sys.version_info[:3]),
         "machine": platform.machine(),
+        **distributed_factors(),
     }
     try:  # torch 2.11-2.13 keep this in codecache; guard against it moving
         if not torch.cuda.is_available():
@@ -349,12 +372,14 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     name), arguments (other nodes by position, constants by type and value) and keyword
     arguments; constant tensors (``get_attr``) by dtype, shape, strides and a digest of their
     values; nested graphs (a higher-order op's body) by their own structure; and every example
-    input's dtype, device, sizes, strides and ``requires_grad``, symbolic sizes with their symbols
-    renamed in order of first appearance. Node and placeholder names are left out, so the
-    pieces of identical layers (which differ only in the names of their parameters, passed in as
-    inputs) hash alike; two pieces that differ in a constant do not. An object it cannot describe
-    by value is hashed by its identity in this process: such a piece is reused only where the
-    very same object appears, and never found in another process's cache.
+    input's dtype, device, sizes, strides and ``requires_grad``, symbolic sizes with their
+    symbols renamed in order of first appearance; and whether grad mode is on (Inductor compiles
+    a piece under ``no_grad`` as an inference graph with no autograd: reused for a trace made
+    with grad on, its outputs would not require grad). Node and placeholder names are left out,
+    so the pieces of identical layers (which differ only in the names of their parameters,
+    passed in as inputs) hash alike; two pieces that differ in a constant do not. An object it
+    cannot describe by value is hashed by its identity in this process: such a piece is reused
+    only where the very same object appears, and never found in another process's cache.
 
     It is stored with each saved artifact and compared on load, and it decides which pieces
     share one compiled callable (:class:`~freezeframe.compilation.compilers.CompilerManager`).
@@ -368,7 +393,7 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             inputs.append(["tensor", *norm.tensor_meta(x)])
         else:
             inputs.append(norm.value(x))
-    return _sha([inputs, _structure(gm, norm), extra])[:32]
+    return _sha([inputs, _structure(gm, norm), extra, torch.is_grad_enabled()])[:32]
 
 
 # ---------------------------------------------------------------------------------------------

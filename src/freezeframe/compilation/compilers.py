@@ -318,9 +318,16 @@ def make_compiler(backend: str, stats: Stats, compile_config: Mapping[str, Any] 
 
 
 
-def stock_backend(config: CompilationConfig, stats: Stats) -> Callable[..., Any]:
+def stock_backend(config: CompilationConfig, stats: Stats,
+                  prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+                  ) -> Callable[..., Any]:
     """The Dynamo backend of mode ``STOCK_TORCH_COMPILE``: plain torch.compile with counting
-    (every (re)trace is a graph traced and compiled whole by the config's compiler)."""
+    (every (re)trace is a graph traced and compiled whole by the config's compiler).
+    ``prepare`` is the graph backend's (``GraphBackend.prepare``) when the model has graphs:
+    Inductor's code then goes through it as the traced pieces' does (on the emulated backend
+    a unit recorded whole, since its C++ kernels write through pointers a recorder cannot
+    see: without it every emulated FULL replay of an Inductor-compiled stock model was
+    wrong)."""
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         stats.inc("graphs_traced")
@@ -333,7 +340,8 @@ def stock_backend(config: CompilationConfig, stats: Stats) -> Callable[..., Any]
 
         stats.inc("inductor_compiles")
         with inductor_config.patch(dict(config.inductor_compile_config)):
-            return compile_fx(gm, example_inputs)
+            compiled: Any = compile_fx(gm, example_inputs)
+        return prepare(compiled) if prepare is not None else compiled
 
     return backend
 

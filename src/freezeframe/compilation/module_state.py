@@ -47,8 +47,10 @@ counter) is caught at the first trace: the trace would replay the first call's v
 
 from __future__ import annotations
 
+import keyword
 import operator
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -59,7 +61,7 @@ from torch.utils.hooks import RemovableHandle as _hook_handles
 
 from freezeframe.compilation.values import Same, describe, token
 
-__all__ = ["ModuleState", "has_uninitialised_lazy"]
+__all__ = ["ModuleState", "class_reads", "has_uninitialised_lazy"]
 
 def _tensor_token(value: torch.Tensor) -> tuple[Any, ...]:
     # The trace reads a tensor attribute as an input (as it does parameters), and a forward
@@ -136,6 +138,41 @@ def _describe_slot(meta: tuple[Any, ...] | None) -> str:
     return f"a {dtype} tensor of shape {list(shape)} on {device}"
 
 
+# A class attribute in a guard's source: ``type(<module>).NAME`` or
+# ``dict(type(<module>)[.__mro__[k]].__dict__)['NAME']`` (how Dynamo names ``self.OFFSET`` read
+# from the class, ``type(self).OFFSET``, ``self.__class__.TUP``...)
+_CLASS_READ = re.compile(r"type\(((?:[^()]|\([^()]*\))*)\)(?:\.__mro__\[\d+\])?"
+                         r"(?:\.__dict__\)\[['\"](\w+)['\"]\]|\.(\w+))")
+_MISSING = object()
+
+
+def class_reads(sources: Iterable[str], module: nn.Module) -> tuple[tuple[type, str], ...]:
+    """The class attributes forward read through a module of the tree, from the sources of the
+    values its trace specialised on (Dynamo's guards, or a saved trace's checks): each as (the
+    module's class, the attribute name), looked up as ``module.NAME`` is (through the MRO, so
+    the name set on a subclass counts too). Sources naming no module of ``module``'s tree
+    (globals, arguments) are left out."""
+    found: dict[tuple[type, str], None] = {}
+    namespace = {"__builtins__": {}, "self": module, "L": {"self": module}}
+    owned = {id(m) for m in module.modules()}
+    for source in sources:
+        for match in _CLASS_READ.finditer(source):
+            name = match.group(2) or match.group(3)
+            if name.startswith("__") or not name.isidentifier() or keyword.iskeyword(name):
+                continue
+            try:
+                holder = eval(compile(match.group(1), "<class read>", "eval"), namespace)
+            except Exception:
+                continue  # a global, an argument: not the module's state
+            if id(holder) in owned:
+                found[(type(holder), name)] = None
+    return tuple(found)
+
+
+def _class_token(cls: type, name: str) -> Any:
+    return token(getattr(cls, name, _MISSING), _tensor_token)
+
+
 class _SubmoduleState:
     __slots__ = ("attrs", "hooks", "slots", "training")
 
@@ -183,10 +220,14 @@ class _SubmoduleState:
 class ModuleState:
     """A snapshot of ``module``'s Python state; see the module docstring."""
 
-    def __init__(self, module: nn.Module, *, every_call: bool = True) -> None:
+    def __init__(self, module: nn.Module, *, every_call: bool = True,
+                 class_reads: tuple[tuple[type, str], ...] = ()) -> None:
         """``every_call=False``: a snapshot for :meth:`difference` only (no every-call tier
-        is generated)."""
+        is generated). ``class_reads``: the class attributes forward read (:func:`class_reads`
+        of the trace's value sources), compared as attributes are."""
         self.module = module
+        self._class_reads = class_reads
+        self._class_tokens = tuple(_class_token(cls, name) for cls, name in class_reads)
         self._every_call = every_call
         self.training = module.training
         self._global_ids = _global_hook_ids()
@@ -284,6 +325,11 @@ class ModuleState:
             why = before.difference(_SubmoduleState(sub), _where(name), tensor_stores)
             if why is not None:
                 return why
+        for (cls, name), then in zip(self._class_reads, self._class_tokens, strict=True):
+            now = _class_token(cls, name)
+            if now != then:
+                return (f"the class attribute {cls.__qualname__}.{name} that forward reads "
+                        f"was {_describe(then)} at the trace and is {_describe(now)} now")
         return None
 
 
@@ -329,10 +375,11 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     """
     names: dict[str, Any] = {}
     terms = [*_root_terms(state, names), *_submodule_terms(state, names),
-             *_slot_terms(state, names), *_attribute_terms(user, below, names)]
+             *_slot_terms(state, names), *_attribute_terms(user, below, names),
+             *_class_terms(state._class_reads, names)]
     source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
               "        return (" + "\n                or ".join(terms) +
-              ")\n    except KeyError:\n        return True\n")
+              ")\n    except (KeyError, AttributeError):\n        return True\n")
     return source, names
 
 
@@ -429,6 +476,17 @@ def _attribute_terms(user: dict[str, Any], below: tuple[dict[str, Any], ...],
                 terms.append(f"not isinstance({holder}[{attr}], Tensor)")
             else:
                 terms.append(f"{holder}[{attr}] is not {held}")
+    return terms
+
+
+def _class_terms(reads: tuple[tuple[type, str], ...], names: dict[str, Any]) -> list[str]:
+    """The every-call terms on the class attributes forward reads: each still holds the same
+    object (an attribute read of the class, which CPython serves from its type cache); adding
+    the classes and objects they read to ``names``."""
+    terms = []
+    for j, (cls, name) in enumerate(reads):
+        names[f"class_{j}"], names[f"class_held_{j}"] = cls, getattr(cls, name, _MISSING)
+        terms.append(f"class_{j}.{name} is not class_held_{j}")
     return terms
 
 

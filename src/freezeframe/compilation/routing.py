@@ -31,7 +31,11 @@ from torch.nn.modules import module as _nn_module
 
 from freezeframe.compilation.assemble import Variant
 from freezeframe.compilation.direct_call import direct_call, sized_call
-from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
+from freezeframe.compilation.module_state import (
+    ModuleState,
+    class_reads,
+    has_uninitialised_lazy,
+)
 from freezeframe.compilation.signature import (
     CallSignature,
     SameCall,
@@ -211,7 +215,8 @@ class Router:
         trace = variant.trace
         variant.guards = SizeGuards.of_trace(trace.size_conditions, trace.size_symbols, sizes,
                                              self._inductor)
-        state = ModuleState(module) if first else None
+        state = ModuleState(module, class_reads=class_reads(trace.value_sources, module)) \
+            if first else None
         warn_about_branches(trace, self.model_key, self._warned, self.stats)
         self.variants.append(variant)
         self.routes.setdefault(key, []).append(variant)

@@ -239,6 +239,11 @@ class TraceOnce:
         # the trace specialised on (``CONSTANT_MATCH`` on ``self.scale``, ``G['consts'].SCALE``,
         # ...), for whoever must re-check them without Dynamo (the saved trace).
         self.guard_entries: list[Any] = []
+        # The source expression of every such value (``self.scale``,
+        # ``dict(type(self).__dict__)['OFFSET']``), from the guards or, for a trace loaded from
+        # the cache, from its saved checks: the module-state check finds the class attributes
+        # forward read among them.
+        self.value_sources: list[str] = []
         # The trace's conditions on dynamic sizes (Python branches on them): (sympy expression,
         # where in the user's code), and which (argument, dim) each size symbol stands for.
         self.size_conditions: list[tuple[Any, str]] = []
@@ -311,6 +316,7 @@ class TraceOnce:
 
         def drop_and_record(entries: Sequence[Any]) -> list[bool]:
             self.guard_entries = list(entries)
+            self.value_sources = [_guard_source(e) for e in entries]
             return _drop_all_guards(entries)
 
         def observing_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
@@ -378,6 +384,11 @@ class TraceOnce:
         self.size_symbols = symbols
         self.size_conditions = conditions
 
+    def adopt_value_sources(self, sources: Sequence[str]) -> None:
+        """Take the sources of the values a trace loaded from the cache specialised on (its
+        saved checks) as this trace's."""
+        self.value_sources = list(sources)
+
     def adopt_size_conditions(self, conditions: Sequence[tuple[Any, str]],
                               symbols: Mapping[Any, tuple[str, int]]) -> None:
         """Take the size conditions of a trace loaded from the cache (Dynamo did not run, so
@@ -397,3 +408,9 @@ class TraceOnce:
         # backend refuses a second trace. (No process-wide compile stance is set here: another
         # thread or model would see it.)
         return self._compiled(*args, **kwargs)
+
+
+def _guard_source(entry: Any) -> str:
+    """The source expression a guard entry checks (as the saved checks name it)."""
+    guard = getattr(entry, "orig_guard", None)
+    return str(getattr(guard, "name", "") or getattr(entry, "name", "") or "")

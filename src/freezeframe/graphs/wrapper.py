@@ -24,6 +24,7 @@ holds the mechanism. Policy, as in the seeds:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -39,7 +40,15 @@ from freezeframe.errors import CaptureError, ConfigError, InputMismatchError
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend
 from freezeframe.stats import Stats
 
-__all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper", "PieceReplay", "StaleReplay"]
+__all__ = ["INPUT_COPIES", "CaptureWindow", "GraphOptions", "GraphWrapper", "PieceReplay",
+           "StaleReplay"]
+
+# Called with the captured tensor before a replay copies a new argument into it. A GraphRunner
+# sets it for a step whose model runs hooks (runtime/plan.py): a forward pre-hook that returns
+# new inputs makes the replay copy them into the runner's static buffer, a write that is the
+# library's own and must not reach the caller's input.
+INPUT_COPIES: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = \
+    contextvars.ContextVar("freezeframe_input_copies", default=None)
 
 logger = logging.getLogger(__name__)
 
@@ -404,6 +413,9 @@ class GraphWrapper:
                 self._refuse_shape(key, captured, now)
             if self.debug:
                 self._refuse_address(key, captured, now)
+            watch = INPUT_COPIES.get()
+            if watch is not None:
+                watch(then)
             then.copy_(now)
             if written:
                 copied.append((now, then))

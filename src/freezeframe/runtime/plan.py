@@ -53,7 +53,7 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import ForwardContext, entered
 from freezeframe.errors import FallbackError, InputMismatchError
 from freezeframe.graphs.capturable import Capturable
-from freezeframe.graphs.wrapper import StaleReplay
+from freezeframe.graphs.wrapper import INPUT_COPIES, StaleReplay
 from freezeframe.runtime.buffers import (
     Slot,
     Staging,
@@ -64,7 +64,7 @@ from freezeframe.runtime.buffers import (
 )
 from freezeframe.runtime.capture import Capturer
 from freezeframe.runtime.dispatcher import Dispatcher
-from freezeframe.runtime.dp import agree_across_ranks
+from freezeframe.runtime.dist import agree_across_ranks
 from freezeframe.runtime.forward import ModelForward
 from freezeframe.runtime.inputs import InputChecker
 from freezeframe.runtime.outputs import OutputCut
@@ -138,6 +138,41 @@ class StepPlan:
 # What a plan requires of each positional input. The class rules out tensor subclasses (and
 # anything that is not a tensor: it has no ``shape``), which take the whole way and its checks.
 _input_key = operator.attrgetter("__class__", "shape", "dtype", "device")
+
+
+class _CopiedInto:
+    """The runner's buffers a graph replay copied a new argument into during a hooked step:
+    a forward pre-hook on the model returned new inputs, so the model ran on them and the
+    replay copied them into the captured tensors, the runner's buffers. That copy is the
+    library's own write, and what the graph then writes lands in the hook's tensors (the
+    wrapper copies it there), so neither reaches the caller's input. A write made before the
+    copy (the hook wrote the caller's input in place) does, as in eager: the buffer is kept
+    as it was just before the copy."""
+
+    __slots__ = ("_static", "_versions", "kept")
+
+    def __init__(self, static: StaticBuffers, versions: list[int]) -> None:
+        self._static, self._versions = static, versions
+        # input name -> the buffer before the first copy into it when the step had written it
+        # already, else None
+        self.kept: dict[str, torch.Tensor | None] = {}
+
+    def __call__(self, target: torch.Tensor) -> None:
+        storage = target.untyped_storage().data_ptr()
+        for (name, _, buf), before in zip(self._static.slots, self._versions, strict=True):
+            if name not in self.kept and buf.untyped_storage().data_ptr() == storage:
+                self.kept[name] = buf.clone() if buf._version != before else None
+
+    def caller_writes(self, slots: list[Slot]) -> list[Slot]:
+        """``slots`` (the buffers whose version moved) less the copies, each buffer written
+        before its copy as it was then."""
+        out: list[Slot] = []
+        for name, kind, buf in slots:
+            if name not in self.kept:
+                out.append((name, kind, buf))
+            elif (before := self.kept[name]) is not None:
+                out.append((name, kind, before))
+        return out
 
 
 def plan_key(args: Sequence[Any], num_reqs: int | None, uniform_decode: bool
@@ -319,13 +354,20 @@ class Stepper:
         before = verifier.begin(held.module) if (  # type: ignore[union-attr]
             verifier is not None and mode is not _NONE and held is not None
             and verifier.due((mode, desc))) else None
+        copies = _CopiedInto(self._static, versions) if hooked else None  # (pre-hooks)
+        token = INPUT_COPIES.set(copies) if copies is not None else None
         try:
             out, replay = self._run(route, num_tokens, reqs, extras, split,
                                     plannable, direct=split is None and not hooked)
         except BaseException:
-            self._after_failure(values, versions, writes, num_tokens, reqs)
+            self._after_failure(values, versions, writes, num_tokens, reqs, copies)
             raise
+        finally:
+            if token is not None:
+                INPUT_COPIES.reset(token)
         slots = self._static.written(versions, writes)
+        if copies is not None and copies.kept:
+            slots = copies.caller_writes(slots)
         out = self._finish(out, values, slots, aliased, padded_tokens, num_tokens, padded_reqs,
                            reqs)
         if before is not None:
@@ -401,13 +443,15 @@ class Stepper:
         return _Route(mode, desc, padded_tokens, padded_reqs, uniform)
 
     def _after_failure(self, values: Mapping[str, torch.Tensor], versions: list[int],
-                       writes: frozenset[str] | None, num_tokens: int, reqs: int | None
-                       ) -> None:
+                       writes: frozenset[str] | None, num_tokens: int, reqs: int | None,
+                       copies: _CopiedInto | None = None) -> None:
         """A step raised: what the model wrote before it did reaches the caller, as in eager,
         and the buffers are refilled (it may have written any row)."""
         with contextlib.suppress(Exception):
-            self._static.copy_back(values, self._static.written(versions, writes),
-                                   num_tokens, reqs)
+            slots = self._static.written(versions, writes)
+            if copies is not None and copies.kept:
+                slots = copies.caller_writes(slots)
+            self._static.copy_back(values, slots, num_tokens, reqs)
         with contextlib.suppress(Exception):
             self._static.reset_padding()
 
