@@ -18,6 +18,7 @@ import torch
 from freezeframe.bench.measure import StepBuilder, StepShapes, full_decode_launches, logits_of, sync
 from freezeframe.models import ATTENTION_OP, LlamaModel
 from freezeframe.models.inputs import StepInputs
+from freezeframe.models.llama_tp import TPLlamaModel
 from freezeframe.models.serving import EagerForward, RunnerForward, llama_runner_inputs
 
 if TYPE_CHECKING:
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     from freezeframe.config import CompilationConfig
     from freezeframe.runtime.runner import GraphRunner
 
-__all__ = ["ALL_MODES", "FF_MODES", "TORCH_MODES", "CaptureTimes", "CompiledLlama", "Started",
-           "compile_with_runner", "graph_config", "modes_from", "start_mode"]
+__all__ = ["ALL_MODES", "FF_MODES", "TORCH_MODES", "TP_MODES", "CaptureTimes", "CompiledLlama",
+           "Started", "compile_with_runner", "graph_config", "modes_from", "start_mode"]
 
 TORCH_MODES = ("eager", "compile", "reduce-overhead")
 FF_MODES = ("none", "piecewise", "full", "full_and_piecewise", "breakable", "full_and_breakable")
@@ -35,6 +36,9 @@ FF_MODES = ("none", "piecewise", "full", "full_and_piecewise", "breakable", "ful
 _BREAKABLE = {"breakable": ("PIECEWISE", "none"),
               "full_and_breakable": ("FULL_AND_PIECEWISE", "none")}
 ALL_MODES = TORCH_MODES + FF_MODES
+#: the modes ``--tp`` runs: eager and freezeframe's traced ones, whose graphs are captured in
+#: lockstep (torch.compile's own graphs and the breakable capture are not)
+TP_MODES = ("eager", "none", "piecewise", "full", "full_and_piecewise")
 
 
 def parse_list(text: str, kind: type = int) -> tuple[Any, ...]:
@@ -73,14 +77,16 @@ def compile_with_runner(base: LlamaModel, config: CompilationConfig,
                         shapes: StepShapes, graph_memory_budget: int | None = None
                         ) -> CompiledLlama:
     """Wrap ``base`` for ``config``; it compiles on its first step, captures on ``capture()``
-    (measuring and predicting graph memory first when a ``graph_memory_budget`` is given)."""
+    (measuring and predicting graph memory first when a ``graph_memory_budget`` is given; in
+    lockstep with the other ranks when ``base`` is a tensor-parallel shard)."""
     import freezeframe as ff
 
     compiled = ff.compile(base, config, dynamic_arg_dims=dict(
         LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
     runner = ff.GraphRunner(compiled, config,
                             inputs=llama_runner_inputs(base, shapes.max_num_seqs),
-                            progress=False, graph_memory_budget=graph_memory_budget)
+                            progress=False, graph_memory_budget=graph_memory_budget,
+                            lockstep=isinstance(base, TPLlamaModel))
     return CompiledLlama(compiled, runner, RunnerForward(runner, shapes.max_num_seqs))
 
 

@@ -16,9 +16,18 @@ __all__ = ["MATCH_TOLERANCE", "MATCH_TOLERANCE_16BIT", "add_speedups", "compare_
            "format_table", "mismatched_modes", "setup_notes", "write_json", "write_outputs"]
 
 
-def setup_notes(on_cuda: bool, compiler: str) -> list[str]:
-    """What the reader of the numbers must know about this machine and compiler."""
+def setup_notes(on_cuda: bool, compiler: str, tp: int = 1) -> list[str]:
+    """What the reader of the numbers must know about this machine, the compiler and, with
+    ``tp`` ranks, tensor parallelism."""
     notes: list[str] = []
+    if tp > 1 and on_cuda:
+        notes.append(f"tensor parallel over {tp} GPUs (NCCL): each rank holds 1/{tp} of every "
+                     "layer; two all-reduces per decoder layer run inside the graphs; the "
+                     "times are rank 0's")
+    elif tp > 1:
+        notes.append(f"tensor parallel over {tp} CPU processes (gloo over loopback TCP) with "
+                     "emulated graphs: these times show emulation and communication overhead, "
+                     "not speed; the times are rank 0's")
     if not on_cuda:
         notes.append(
             "no CUDA device: freezeframe graph modes run on the emulated backend (replays re-run "
@@ -106,7 +115,9 @@ def format_table(result: dict[str, Any]) -> str:
         else:
             lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
                                    for i, (c, w) in enumerate(zip(r, width, strict=True))))
-    info = (f"{result['preset']} preset on {result['device']} ({result['dtype']}, torch "
+    tp = result.get("tensor_parallel", 1)
+    where = f"{tp} tensor-parallel ranks of {result['device']}" if tp > 1 else result["device"]
+    info = (f"{result['preset']} preset on {where} ({result['dtype']}, torch "
             f"{result['torch']}, compiler {result['compiler']}, attention "
             f"{result['attention_kernel']}), context {result['context']}, max_model_len "
             f"{result['max_model_len']}, bandwidth "

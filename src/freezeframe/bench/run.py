@@ -54,7 +54,7 @@ from freezeframe.bench.measure import (
     split_contexts,
     sync,
 )
-from freezeframe.bench.modes import ALL_MODES, TORCH_MODES, start_mode
+from freezeframe.bench.modes import ALL_MODES, TORCH_MODES, TP_MODES, start_mode
 from freezeframe.bench.progress import Progress
 from freezeframe.bench.report import (
     add_speedups,
@@ -67,6 +67,8 @@ from freezeframe.errors import ConfigError
 from freezeframe.models import LlamaConfig, LlamaModel, build_llama
 from freezeframe.models.attention import check_attention_kernel, resolve_attention_kernel
 from freezeframe.models.inputs import StepInputs
+from freezeframe.models.llama_tp import TPLlamaModel, shard_llama
+from freezeframe.models.parallel import TensorParallel
 
 __all__ = ["DEFAULT_CONTEXTS", "BenchOptions", "prepare_out_dir", "resolve_device", "run_bench"]
 
@@ -90,11 +92,18 @@ class BenchOptions:
     device: str = "auto"
     out: str | None = None
     seed: int = 0
+    tp: int = 1  # tensor-parallel ranks (bench/tp.py launches them)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in ALL_MODES]
         if bad:
             raise ConfigError(f"--modes: unknown mode(s) {bad}; choose from {list(ALL_MODES)}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"--tp must be an int >= 1, got {self.tp!r}")
+        bad = [m for m in self.modes if m not in TP_MODES] if self.tp > 1 else []
+        if bad:
+            raise ConfigError(f"--tp {self.tp}: mode(s) {bad} do not run tensor-parallel; "
+                              f"choose from {list(TP_MODES)}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"--batch-sizes: give at least one, each >= 1; got "
                               f"{list(self.batch_sizes)}")
@@ -170,7 +179,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     progress = progress if progress is not None else Progress(len(opts.modes), enabled=False)
     device = resolve_device(opts.device)
     compiler = opts.compiler or ("inductor" if device.type == "cuda" else "eager")
-    notes = setup_notes(device.type == "cuda", compiler)
+    notes = setup_notes(device.type == "cuda", compiler, opts.tp)
     batch_sizes = tuple(sorted(set(opts.batch_sizes)))
     llama_config = LlamaConfig.preset(opts.preset)
     contexts, skipped = split_contexts(opts.contexts, llama_config.max_position)
@@ -257,6 +266,8 @@ class _Bench:
                           "modes are emulated); --preset tiny runs in seconds")
         t0 = time.perf_counter()
         base = build_llama(opts.preset, cache, device=setup.device, seed=opts.seed)
+        if opts.tp > 1:  # every rank built the same model from the seed; it keeps its shard
+            base = shard_llama(base, _tensor_parallel(opts.tp))
         build_s = time.perf_counter() - t0
         steps = StepBuilder(setup.shapes, cache, setup.device)
         prefill = steps.prefill()
@@ -275,8 +286,13 @@ class _Bench:
         return self.base.lm_head.weight.dtype
 
     @property
+    def shape(self) -> LlamaConfig:
+        """The shapes this process holds: a tensor-parallel rank's share, else the model's."""
+        return self.base.local if isinstance(self.base, TPLlamaModel) else self.base.config
+
+    @property
     def weight_bytes(self) -> int:
-        return self.base.config.num_params() * (torch.finfo(self.dtype).bits // 8)
+        return self.shape.num_params() * (torch.finfo(self.dtype).bits // 8)
 
     @property
     def elem_bytes(self) -> int:
@@ -286,12 +302,12 @@ class _Bench:
         """Bytes a decode step of ``bs`` requests must read: the weights and every KV entry of
         ``context`` positions (default: the shapes' context)."""
         keys = context or self.setup.shapes.context
-        return self.weight_bytes + bs * kv_read_bytes(self.base.config, self.elem_bytes, keys)
+        return self.weight_bytes + bs * kv_read_bytes(self.shape, self.elem_bytes, keys)
 
     def kv_bytes_by_context(self) -> dict[str, dict[str, int]]:
         """Per decode context: the KV bytes one token's attention reads on each path."""
         window = self.setup.shapes.blocks_per_req * self.setup.shapes.block_size
-        cfg = self.base.config
+        cfg = self.shape
         return {str(c): {"torch": kv_read_bytes(cfg, self.elem_bytes, window),
                          "triton": kv_read_bytes(cfg, self.elem_bytes, c)}
                 for c in self.setup.shapes.contexts}
@@ -318,6 +334,7 @@ class _Bench:
             "batch_sizes": list(self.setup.batch_sizes),
             "steps": self.opts.steps,
             "params": self.base.config.num_params(),
+            "tensor_parallel": self.opts.tp,
             "weight_bytes": self.weight_bytes,
             "bandwidth_bytes_per_s": self.bandwidth,
             "model_build_s": self.build_s,
@@ -394,6 +411,15 @@ class _Bench:
         timer = Timer(self.setup.device)
         return statistics.median(timer.measure(logits_of(forward, step, self.base), steps,
                                                warmup))
+
+
+def _tensor_parallel(size: int) -> TensorParallel:
+    """This process's place in the world group, which must have ``size`` ranks."""
+    tp = TensorParallel.from_group()
+    if tp.size != size:
+        raise ConfigError(f"--tp {size}: the process group has {tp.size} ranks; launch --tp "
+                          "ranks (see freezeframe.bench.tp)")
+    return tp
 
 
 def _count(n: int) -> str:

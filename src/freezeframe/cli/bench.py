@@ -49,13 +49,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--compiler", choices=["eager", "inductor"], default=None,
                    help="default: inductor on CUDA, eager on CPU (Inductor on CPU is slow)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--tp", type=int_at_least(1), default=1,
+                   help="tensor-parallel ranks (default 1). Under torchrun (--nproc-per-node "
+                        "N) each rank is one of its processes; without it the bench spawns N "
+                        "processes itself. On the CPU the ranks talk over gloo and graphs are "
+                        "emulated: the times are overhead, not speed. Modes: eager, none, "
+                        "piecewise, full, full_and_piecewise (the default with --tp)")
     p.add_argument("--out", default="bench_out", help="directory for results.json and the plot")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from freezeframe.bench.modes import ALL_MODES, modes_from
+    from freezeframe.bench.modes import ALL_MODES, TP_MODES, modes_from
     from freezeframe.bench.progress import Progress
     from freezeframe.bench.report import format_table, mismatched_modes
     from freezeframe.bench.run import BenchOptions, run_bench
@@ -68,7 +74,8 @@ def _main(args: argparse.Namespace) -> int:
     opts = BenchOptions(
         preset=args.preset,
         batch_sizes=tuple(args.batch_sizes),
-        modes=modes_from(args.modes) if args.modes else ALL_MODES,
+        modes=modes_from(args.modes) if args.modes else (
+            TP_MODES if args.tp > 1 else ALL_MODES),
         steps=args.steps,
         warmup=args.warmup,
         context=args.context,
@@ -78,9 +85,18 @@ def _main(args: argparse.Namespace) -> int:
         compiler=args.compiler,
         device=args.device,
         out=args.out,
+        tp=args.tp,
     )
-    with Progress(len(opts.modes), enabled=not args.quiet) as progress:
-        result = run_bench(opts, progress)
+    if opts.tp > 1:
+        from freezeframe.bench.tp import run_tp_bench
+
+        tp_result = run_tp_bench(opts, args.quiet)
+        if tp_result is None:  # a rank other than 0 under torchrun: rank 0 reports
+            return 0
+        result = tp_result
+    else:
+        with Progress(len(opts.modes), enabled=not args.quiet) as progress:
+            result = run_bench(opts, progress)
     print(format_table(result))
     print(f"wrote {args.out}/results.json" + (
         "" if any("matplotlib" in n for n in result["notes"])

@@ -33,6 +33,13 @@ body is run with the recorder still active, so its ATen operations are recorded 
 body launched are in the graph. A custom op whose kernel shows the recorder no ATen work
 (a C++ kernel) is recorded as one step and called again on replay.
 
+Collectives. A process group's ops (the ``c10d`` namespace, which ``torch.distributed`` and its
+functional collectives call) run asynchronously and return a ``Work``; their schemas do not say
+which tensors they write. Each is recorded whatever its schema shows, and a replay waits for
+its ``Work`` before the next step, as a captured NCCL kernel is ordered on the stream before
+the kernels after it (without the wait, the op after a replayed all-reduce read a half-reduced
+buffer: the functional ``wait_tensor`` finds nothing to wait for on replay).
+
 Opaque kernels. Inductor's fused CPU kernels write through raw pointers that a dispatch mode
 cannot see. :func:`opaque` marks such a callable as one unit: during an emulated capture it is
 recorded as one step that calls it on the captured tensors and copies its outputs into the
@@ -61,6 +68,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _OPAQUE_ATTR = "__freezeframe_opaque__"
 _aten = torch.ops.aten
+# the namespace of a process group's ops (see "Collectives" above)
+_COLLECTIVES = "c10d"
 
 # Ops that only allocate: their contents are undefined, so replay must not touch the buffer
 # they produced (a real graph does not re-allocate either; the memory keeps what it holds).
@@ -148,6 +157,13 @@ def _copy_into(targets: Sequence[torch.Tensor], results: Sequence[torch.Tensor],
             dst.copy_(src)
 
 
+def _wait_for_work(result: Any) -> None:
+    """Wait for every ``Work`` a replayed collective returned (see the module docstring)."""
+    for leaf in pytree.tree_leaves(result):
+        if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
+            leaf.wait()
+
+
 def _clone_containers(tree: Any) -> Any:
     """Same leaves, new lists/tuples/dicts: a callee that clears its argument list (Inductor's
     boxed convention) must not empty the recorded one."""
@@ -183,6 +199,8 @@ class _OpStep:
 
     def run(self) -> None:
         result = self.func(*self.args, **self.kwargs)
+        if self.func.namespace == _COLLECTIVES:
+            _wait_for_work(result)
         if self.targets:
             fresh = ([t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
                      if self.func.is_view else _fresh_outputs(self.func, result))
@@ -315,7 +333,7 @@ class _Recorder(TorchDispatchMode):
             logger.debug("custom op %s showed no ATen work; recording it as one step", func)
             targets = _fresh_outputs(func, out)
             self._note_born(targets)
-            if targets or _mutates_an_argument(func):
+            if targets or _mutates_an_argument(func) or func.namespace == _COLLECTIVES:
                 self._append(_OpStep(func, args, kwargs, targets))
         return out
 

@@ -8,7 +8,7 @@ dispatcher knows and runs steps through them.
 from __future__ import annotations
 
 from freezeframe.runtime.dispatcher import Dispatcher, LoraCase, lora_cases
-from freezeframe.runtime.dp import agree_across_ranks
+from freezeframe.runtime.dist import agree_across_ranks
 from freezeframe.runtime.inputs import InputSpec, Requests, Static, Tokens
 from freezeframe.runtime.runner import CaptureReport, GraphCapture, GraphRunner
 

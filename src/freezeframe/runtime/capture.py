@@ -16,7 +16,9 @@ it made and leaves the runner serving without graphs until a capture succeeds.
 
 * eager (:meth:`Capturer.capture_all`): every key the dispatcher owns, PIECEWISE then FULL,
   largest first, under a frozen garbage collector; with a graph-memory budget the sizes the
-  prediction is made from go first and the rest only within the budget;
+  prediction is made from go first and the rest only within the budget; with ``lockstep``,
+  agreed with the other ranks first and each key between two barriers
+  (:mod:`freezeframe.runtime.lockstep`);
 * lazy: a key's ``lazy_warmups + 1``-th step captures it (:meth:`Capturer.deferred_step`);
 * background: a thread captures the pending keys, one per hold of the runner's lock.
 
@@ -49,6 +51,7 @@ from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.forward import ModelForward
 from freezeframe.runtime.graph_memory import GraphMemoryPrediction, measurement_plan
 from freezeframe.runtime.lock import StepLock
+from freezeframe.runtime.lockstep import Lockstep, in_lockstep, lockstep_session
 from freezeframe.runtime.memory_meter import GraphMemoryMeter, over_budget_message
 from freezeframe.runtime.outputs import OutputCut
 from freezeframe.runtime.progress import capture_progress
@@ -71,6 +74,8 @@ class CaptureOptions:
     lazy_warmups: int
     budget: int | None
     progress: bool
+    # capture in lockstep with the other ranks of a process group (eager policy only)
+    lockstep: Lockstep | None = None
 
 
 class Capturer:
@@ -138,23 +143,27 @@ class Capturer:
         budget = self._options.budget
         # With a budget the sizes measured for the prediction go first (see capture())
         probes = measurement_plan(keys) if budget is not None else []
+        measured = set(probes)
+        order = [*probes, *(key for key in keys if key not in measured)]
         prediction: GraphMemoryPrediction | None = None
         records: list[GraphCapture] = []
-        with self._transaction(frozen_gc=True) as used_before, capture_progress(
-                len(keys), self._options.progress) as bar:
+        # with lockstep: the plan agreed with the other ranks first (see lockstep.py)
+        with lockstep_session(self._options.lockstep, self._config, order, budget) as sync, \
+                self._transaction(frozen_gc=True) as used_before, \
+                capture_progress(len(keys), self._options.progress) as bar:
             for key in probes:
-                records.append(self.capture_key(key))
+                with in_lockstep(sync, len(records), key):
+                    records.append(self.capture_key(key))
                 bar.update(1)
             if budget is not None:
                 prediction = self._memory.predict(keys, records, used_before)
                 if prediction.total_bytes > budget:
                     raise GraphMemoryBudgetError(
                         over_budget_message(budget, prediction, len(records)))
-            measured = set(probes)
-            for key in keys:
-                if key not in measured:
+            for key in order[len(probes):]:
+                with in_lockstep(sync, len(records), key):
                     records.append(self.capture_key(key))
-                    bar.update(1)
+                bar.update(1)
             if self._on_cuda:
                 torch.cuda.synchronize(self._device)
             seconds = time.perf_counter() - self._started
@@ -256,21 +265,10 @@ class Capturer:
             if buf._version != before)
         self._stats.inc("captures")
         seconds = time.perf_counter() - t0
-        segments, breaks = self._breaks_of(mode, desc)
+        segments, breaks = _breaks_of(self._held, mode, desc)
         return GraphCapture(mode=mode, descriptor=desc, seconds=seconds,
                             memory_bytes=max(0, self._memory.in_use() - used_before),
                             segments=segments, breaks=breaks)
-
-    def _breaks_of(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> tuple[int, tuple[str, ...]]:
-        """The segments and breaks of the breakable graph captured for the key, if it is one."""
-        if self._held is None:
-            return 0, ()
-        for wrapper in self._held.graph_wrappers():
-            if wrapper.runtime_mode is mode:
-                graph = wrapper.graph_for(desc)
-                if isinstance(graph, BreakableGraph):
-                    return graph.num_segments, tuple(graph.breaks)
-        return 0, ()
 
     # -- steps before capture(), lazy and background ---------------------------------------
     def records_only(self) -> bool:
@@ -480,6 +478,19 @@ class Capturer:
         restored = saved.restore()
         if restored:
             self._stats.inc("buffers_restored", restored)
+
+
+def _breaks_of(held: Capturable | None, mode: CUDAGraphMode,
+               desc: BatchDescriptor) -> tuple[int, tuple[str, ...]]:
+    """The segments and breaks of the breakable graph captured for the key, if it is one."""
+    if held is None:
+        return 0, ()
+    for wrapper in held.graph_wrappers():
+        if wrapper.runtime_mode is mode:
+            graph = wrapper.graph_for(desc)
+            if isinstance(graph, BreakableGraph):
+                return graph.num_segments, tuple(graph.breaks)
+    return 0, ()
 
 
 @contextlib.contextmanager

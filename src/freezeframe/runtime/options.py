@@ -20,6 +20,7 @@ from freezeframe.errors import ConfigError
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.runtime.capture_policy import CapturePolicy
 from freezeframe.runtime.dispatcher import runtime_modes
+from freezeframe.runtime.lockstep import Lockstep
 from freezeframe.runtime.outputs import check_outputs
 
 __all__ = ["RunnerOptions", "resolve_device", "runner_config"]
@@ -42,6 +43,7 @@ class RunnerOptions:
     graph_memory_budget: int | None = None
     verify: int = 0
     verify_tolerance: float | None = None
+    lockstep: Lockstep | bool | None = None
 
     def __post_init__(self) -> None:
         check_outputs(self.outputs)
@@ -57,10 +59,31 @@ class RunnerOptions:
                 "capture_policy='background' with dp_sync=True: data-parallel ranks must "
                 "capture the same graphs at the same steps, which a background thread cannot "
                 "promise; use capture_policy='lazy' (deterministic) or 'eager'")
+        object.__setattr__(self, "lockstep", _resolve_lockstep(self.lockstep, policy))
 
     @property
     def policy(self) -> CapturePolicy:
         return CapturePolicy.parse(self.capture_policy)
+
+    @property
+    def lockstep_config(self) -> Lockstep | None:
+        return self.lockstep if isinstance(self.lockstep, Lockstep) else None
+
+
+def _resolve_lockstep(lockstep: Any, policy: CapturePolicy) -> Lockstep | None:
+    """``lockstep=True`` is ``Lockstep()`` (the world, the default timeout); off is None."""
+    if lockstep is None or lockstep is False:
+        return None
+    if lockstep is True:
+        lockstep = Lockstep()
+    if not isinstance(lockstep, Lockstep):
+        raise ConfigError(f"lockstep: expected True, False or a Lockstep(...), got {lockstep!r}")
+    if policy is not CapturePolicy.EAGER:
+        raise ConfigError(
+            f"lockstep with capture_policy={policy.value!r}: lockstep capture agrees on and "
+            "captures every graph in capture(), which the lazy and background policies leave "
+            "to later steps; use capture_policy='eager' with lockstep")
+    return lockstep
 
 
 def _check_budget(budget: Any, policy: CapturePolicy) -> None:

@@ -60,6 +60,7 @@ from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.forward import ModelForward
 from freezeframe.runtime.inputs import InputChecker, InputSpec, input_specs
 from freezeframe.runtime.lock import StepLock
+from freezeframe.runtime.lockstep import Lockstep
 from freezeframe.runtime.options import RunnerOptions, resolve_device, runner_config
 from freezeframe.runtime.outputs import OutputCut
 from freezeframe.runtime.plan import STALE, StepCall, StepOptions, Stepper
@@ -108,6 +109,12 @@ class GraphRunner:
         verify: check the first ``verify`` graph steps of each key against the module run
             eagerly (:mod:`freezeframe.runtime.verify`); ``verify_tolerance`` overrides the
             per-dtype tolerance of that check.
+        lockstep: capture in lockstep with the other ranks of a process group (``True``: the
+            world; or a :class:`~freezeframe.runtime.lockstep.Lockstep` naming the group and
+            the timeout): the ranks agree on the graphs first, capture each between two
+            barriers, and a failure on one rank is an error on every rank within the timeout
+            (:mod:`freezeframe.runtime.lockstep`). Needed when the model holds collectives
+            (tensor parallelism); only with ``capture_policy="eager"``.
 
     Threads: a step and :meth:`capture` hold the runner's lock (about 0.1-0.2 us when no other
     thread holds it), so calls from several threads run one at a time, each on its own inputs,
@@ -141,13 +148,14 @@ class GraphRunner:
         graph_memory_budget: int | None = None,
         verify: int = 0,
         verify_tolerance: float | None = None,
+        lockstep: Lockstep | bool = False,
     ) -> None:
         options = RunnerOptions(
             outputs=outputs, copy_outputs=copy_outputs, strict=strict, dp_sync=dp_sync,
             dp_group=dp_group, invalid_modes=invalid_modes, call_positional=call_positional,
             progress=progress, capture_policy=capture_policy, lazy_warmups=lazy_warmups,
             graph_memory_budget=graph_memory_budget, verify=verify,
-            verify_tolerance=verify_tolerance)
+            verify_tolerance=verify_tolerance, lockstep=lockstep)
         self.options = options
         # A model holding its own graphs (ff.compile's); None for a plain callable.
         held = model if isinstance(model, Capturable) else None
@@ -169,7 +177,8 @@ class GraphRunner:
         self._capturer = Capturer(
             model, held, config, self.dispatcher, self.device, self.stats, forward, cut,
             self._lock, CaptureOptions(options.policy, lazy_warmups, graph_memory_budget,
-                                       progress), self.graphs_available)
+                                       progress, options.lockstep_config),
+            self.graphs_available)
         self._stepper = self._new_stepper(held, static, cut, forward)
         self._micro = forward.ubatch
         self._forward = forward

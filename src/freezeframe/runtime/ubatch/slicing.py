@@ -33,7 +33,7 @@ import torch
 
 from freezeframe.batch import DPMicroBatchMetadata, MicroBatchPlan, MicroBatchSlice
 from freezeframe.errors import ConfigError
-from freezeframe.runtime.dp import dp_active
+from freezeframe.runtime.dist import dp_active
 
 if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.config import CompilationConfig
