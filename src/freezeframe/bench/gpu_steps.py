@@ -254,8 +254,9 @@ def _step_tests(run: CheckRun, result: StepResult, timeout: float) -> None:
 
 def _bench_args(cuda: bool, quick: bool, peers: bool = False) -> list[str]:
     if cuda:
-        modes = "eager,piecewise,full_and_piecewise" + (",compile,reduce-overhead" if peers
-                                                        else "")
+        # breakable: the same graphs without a trace (startup without a compile)
+        modes = "eager,piecewise,full_and_piecewise,breakable" + (
+            ",compile,reduce-overhead" if peers else "")
         if quick:
             return ["--preset", "1b", "--batch-sizes", "1,8,64", "--modes", modes,
                     "--steps", "5", "--warmup", "1", "--contexts", "128,4096"]

@@ -251,20 +251,27 @@ class CudaBackend:
             self._side_streams[index] = side
         return side
 
-    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False,
-                error_mode: str = "global") -> tuple[CudaGraph, Any]:
+    def _before_capture(self, gc_disable: bool
+                        ) -> tuple[int, _Pool, torch.cuda.Stream, torch.cuda.Stream]:
+        """The current device, its pool, the caller's stream and the stream to capture on,
+        ordered after the caller's work; unless ``gc_disable``, what can be freed is freed
+        first (the first capture of a forward; later pieces skip it)."""
         index = torch.cuda.current_device()
         pool = self._pool(index)
         caller_stream = torch.cuda.current_stream(index)
         stream = self._capture_stream(index)
-        graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(index)
         if not gc_disable:
-            # Free what we can before the first capture of a forward; later pieces skip this.
             gc.collect()
             torch.cuda.empty_cache()
         if stream != caller_stream:
             stream.wait_stream(caller_stream)
+        return index, pool, caller_stream, stream
+
+    def capture(self, fn: Callable[[], Any], *, gc_disable: bool = False,
+                error_mode: str = "global") -> tuple[CudaGraph, Any]:
+        index, pool, caller_stream, stream = self._before_capture(gc_disable)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool.handle, capture_error_mode=error_mode)
             try:
@@ -299,16 +306,7 @@ class CudaBackend:
         the shared pool and replayed once as it ends, so the eager work between segments
         reads real values. A failure ends the capture in progress and retires the pool, as
         :meth:`capture` does."""
-        index = torch.cuda.current_device()
-        pool = self._pool(index)
-        caller_stream = torch.cuda.current_stream(index)
-        stream = self._capture_stream(index)
-        torch.cuda.synchronize(index)
-        if not gc_disable:
-            gc.collect()
-            torch.cuda.empty_cache()
-        if stream != caller_stream:
-            stream.wait_stream(caller_stream)
+        index, pool, caller_stream, stream = self._before_capture(gc_disable)
         segments = _CudaSegments(pool, stream, error_mode)
         with torch.cuda.stream(stream):
             try:
