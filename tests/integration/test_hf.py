@@ -176,13 +176,6 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ff.ConfigError, match="only decoder-only causal LMs"):
         ff.hf.compile(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, add_cross_attention=True)))
-    sliding = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-        sliding_window=8, max_window_layers=1))
-    with pytest.raises(ff.ConfigError, match=r"Qwen2ForCausalLM has sliding-window attention "
-                                             r"\(config.sliding_window=8\) and max_cache_len=256"):
-        ff.hf.compile(sliding)
 
     lm = _compile(model)  # nothing is traced until the first step
     with pytest.raises(ff.ConfigError, match="input_ids has 9 rows but max_batch_size is 8"):
@@ -280,54 +273,36 @@ def test_step_checks_every_index_on_the_host_before_anything_is_written() -> Non
     assert (by_tensor - expected).abs().max().item() <= REL_TOL * expected.abs().max().item()
 
 
-def test_a_sliding_window_is_served_where_it_never_applies_and_refused_where_it_would() -> None:
-    # MistralConfig's default window (4096) is far above max_cache_len: full attention, exactly.
-    # Before: compile passed and the first generate failed with a Dynamo graph-break message.
+def test_sliding_window_attention_generates_like_hf() -> None:
+    # 5 prompt tokens + 4 new ones: a window of 4 masks positions from the second new token on
     torch.manual_seed(0)
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY)).eval()
-    assert mistral.config.sliding_window == 4096
-    _assert_generates_like_hf(mistral)
-    # At the edge: a window of 9 and a 9-position cache (5 prompt + 4 new tokens): the window
-    # never masks a position, and the tokens are HF's (whose mask does apply the window).
-    torch.manual_seed(0)
-    edge = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=9))
-    lm = _assert_generates_like_hf(edge.eval(), max_cache_len=9)
-    assert lm.max_cache_len == 9
-    with pytest.raises(ff.ConfigError) as info:
-        _compile(edge, max_cache_len=10)
-    assert str(info.value) == (
-        "ff.hf.compile: MistralForCausalLM has sliding-window attention (config.sliding_window="
-        "9) and max_cache_len=10 is longer than the window, so it would apply; sliding-window "
-        "attention is not supported yet. Pass max_cache_len <= 9, where the window never "
-        "applies, or set config.sliding_window=None (use_sliding_window=False for Qwen2) if "
-        "the model tolerates full attention")
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **TINY, max_position_embeddings=64, sliding_window=4)).eval()
+    lm = _assert_generates_like_hf(mistral, max_cache_len=16)
+    assert lm.max_cache_len == 16
+    # the window matters: the same weights with full attention make other logits
+    full = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **TINY, max_position_embeddings=64, sliding_window=None)).eval()
+    full.load_state_dict(mistral.state_dict())
+    prompts = torch.randint(0, VOCAB, (3, PROMPT), generator=torch.Generator().manual_seed(4))
+    assert not torch.allclose(torch.stack(_hf_greedy(full, prompts)[1]),
+                              torch.stack(_hf_greedy(mistral, prompts)[1]))
     # Qwen2 with use_sliding_window=True: its second layer slides (max_window_layers=1)
     torch.manual_seed(0)
     qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        **TINY, max_position_embeddings=64, use_sliding_window=True, max_window_layers=1))
+        **TINY, max_position_embeddings=64, use_sliding_window=True, sliding_window=3,
+        max_window_layers=1))
     assert qwen.config.layer_types == ["full_attention", "sliding_attention"]
-    _assert_generates_like_hf(qwen.eval())
-    with pytest.raises(ff.ConfigError, match=r"^ff.hf.compile: Qwen2ForCausalLM has "
-                                             r"sliding-window attention \(config.sliding_window"
-                                             r"=4096\) and max_cache_len=4097 is longer"):
-        ff.hf.compile(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-            **TINY, use_sliding_window=True, max_window_layers=1)), max_cache_len=4097)
+    _assert_generates_like_hf(qwen.eval(), max_cache_len=16)
 
 
-def test_soft_capping_and_attention_sinks_are_refused_at_compile() -> None:
-    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY, head_dim=16))
-    with pytest.raises(ff.ConfigError) as info:
-        _compile(gemma)
-    assert str(info.value) == (
-        "ff.hf.compile: Gemma2ForCausalLM uses attention logit soft-capping (config."
-        "attn_logit_softcapping=50.0); only plain causal attention is supported: serve it "
-        "without ff.hf")
-    sinks = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        **TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-        layer_types=["full_attention"] * 2))
-    with pytest.raises(ff.ConfigError, match=r"^ff.hf.compile: GptOssForCausalLM uses attention "
-                                             r"sinks \(model.layers.0.self_attn.sinks\); "):
-        _compile(sinks, cudagraph_mode="none")
+def test_soft_capping_generates_like_hf() -> None:
+    # Gemma 2: attention logit soft-capping, final logit soft-capping, sliding layers
+    torch.manual_seed(0)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **TINY, head_dim=16, max_position_embeddings=64, sliding_window=3,
+        attn_logit_softcapping=2.0)).eval()
+    _assert_generates_like_hf(gemma, max_cache_len=16)
 
 
 def _tiny_mixtral() -> torch.nn.Module:
@@ -348,8 +323,20 @@ def test_mixture_of_experts_is_refused_with_graphs(mode: str) -> None:
         f"num_local_experts=4) and cudagraph_mode={mode.upper()} captures graphs; expert routing "
         "is data-dependent (which tokens go to which expert is read back to the host or "
         "becomes a shape), so a captured graph would freeze the routing of the step it "
-        "captured and every replay would send tokens to the wrong experts. Pass "
-        "cudagraph_mode='none' (compiled, no graphs), or serve it without ff.hf")
+        "captured and every replay would send tokens to the wrong experts. Pass trace=False "
+        "with cudagraph_mode='piecewise' (breakable graphs; the experts run eagerly between "
+        "them), cudagraph_mode='none' (compiled, no graphs), or serve it without ff.hf")
+
+
+def test_mixture_of_experts_on_breakable_graphs_generates_like_hf() -> None:
+    # the experts are breaks: they run eagerly at every replay, on the router's fresh choice
+    lm = _assert_generates_like_hf(_tiny_mixtral(), trace=False, cudagraph_mode="piecewise")
+    assert lm.stats.steps_piecewise == 3  # the three decode steps; the prefill is too large
+    report = lm.capture()  # (captured at the first step: the report of that capture)
+    assert [c.breaks for c in report.graphs] == [
+        ("freezeframe_hf::attention", "@graph_break MixtralExperts.forward") * 2] * 4
+    with pytest.raises(ff.ConfigError, match="Pass trace=False with cudagraph_mode='piecewise'"):
+        _compile(_tiny_mixtral(), trace=False, cudagraph_mode="full_and_piecewise")
 
 
 def test_mixture_of_experts_without_graphs_generates_like_hf() -> None:

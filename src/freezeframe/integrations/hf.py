@@ -2,14 +2,16 @@
 
 One entry: :func:`compile` (``ff.hf.compile(model, ...)``) takes a ``LlamaForCausalLM``,
 ``Qwen2ForCausalLM``, ``GPT2LMHeadModel`` or any decoder-only model whose attention goes through
-``transformers.AttentionInterface``, and returns a :class:`CompiledCausalLM` whose
-:meth:`~CompiledCausalLM.generate` decodes greedily on captured graphs::
+``transformers.AttentionInterface``, and returns a :class:`CompiledCausalLM`: HF's ``generate``
+(greedy and sampling, stop tokens, padded prompts of different lengths, a streamer) on captured
+graphs, and :attr:`~CompiledCausalLM.batcher`, continuous batching that ``generate`` is built
+on::
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
                                          intermediate_size=128, num_attention_heads=4)).eval()
     lm = ff.hf.compile(model, max_batch_size=8, max_cache_len=64, backend="eager",
                        graph_backend="emulated")
-    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4).sequences  # [3, 9]
+    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4).sequences  # [3, <= 9]
 
 How the model is served
 -----------------------
@@ -17,52 +19,59 @@ How the model is served
   ``positions`` and ``seq_ids`` (the cache row of each token), each ``[num_tokens]``. The HF
   model sees them as one sequence (``input_ids[None]``, ``position_ids`` from ``positions``),
   so its embeddings, MLPs, norms and position embeddings are what they are eagerly; only
-  attention needs to know which tokens belong together, and it is ours. A prefill of 3 prompts
-  of 5 tokens is a 15-token step, a decode step of 3 sequences a 3-token step. So the token
+  attention needs to know which tokens belong together, and it is ours. A prefill of prompts of
+  5 and 3 tokens is an 8-token step, a decode step of 3 sequences a 3-token step. So the token
   count is the one dynamic dim: one trace serves every batch, and graphs are captured per
   padded token count (for decode: per padded batch size).
-* **The split point: HF's attention interface, calling our op.** Importing this module
-  registers the attention implementation ``"freezeframe"``; :func:`compile` switches the model
-  to it (``set_attn_implementation``, no model code changes). It calls the custom op
-  ``freezeframe_hf::attention`` (:func:`freezeframe.models.ops.define_op`: microseconds a
-  call), the splitting op, which runs eagerly between the captured pieces. Not SDPA: SDPA sees
-  keys and values after HF's cache update and mask building (host-side bookkeeping that would
-  land in captured pieces), cannot tell which tokens of a flat batch share a sequence, and other
-  code calls it too. Our op owns the cache write and the attention, takes its metadata as
-  tensors and needs no mask (a 4-d placeholder makes HF's mask utilities return early).
+* **The split point: HF's attention interface, calling our op**
+  (:mod:`~freezeframe.integrations.hf_attention`). Importing this module registers the
+  attention implementation ``"freezeframe"``; :func:`compile` switches the model to it
+  (``set_attn_implementation``, no model code changes). It calls the custom op
+  ``freezeframe_hf::attention``, the splitting op, which runs eagerly between the captured
+  pieces, and applies sliding windows, soft-capping and sinks as the layer asks. Not SDPA: SDPA
+  sees keys and values after HF's cache update and mask building (host-side bookkeeping that
+  would land in captured pieces), cannot tell which tokens of a flat batch share a sequence, and
+  other code calls it too.
 * **The static KV cache.** Two buffers, ``[layers, max_batch_size + 1, max_cache_len,
-  kv_heads, head_dim]``, allocated once. The op writes each token's key and value at
-  ``(seq_ids[t], positions[t])`` in place, then lets token ``t`` attend to cache positions
-  ``<= positions[t]`` of its row: no host sync, no data-dependent shapes, so it is safe inside a
-  captured graph (FULL modes) as well as between pieces. Padded tokens carry ``seq_ids == -1``
-  and write only the extra sink row. A prefill rewrites its rows from position 0, so nothing
-  needs clearing between generations. :meth:`CompiledCausalLM.step` checks every index on the
-  host first: one outside the cache would be a device-side assert inside a graph.
+  kv_heads, head_dim]``, allocated once; the op writes and reads them in place, positions as
+  tensors, no host sync. Padded tokens carry ``seq_ids == -1`` and write only the extra sink row.
+  A prefill rewrites its rows from position 0, so nothing needs clearing between requests.
+  :meth:`CompiledCausalLM.step` checks every index on the host first: one outside the cache
+  would be a device-side assert inside a graph.
 
 Calling the HF model directly after :func:`compile` still works: without freezeframe's step
-metadata the ``"freezeframe"`` attention runs HF's SDPA implementation with HF's SDPA mask.
+metadata the ``"freezeframe"`` attention is HF's own.
 
 Refused by :func:`compile` (:mod:`~freezeframe.integrations.hf_checks`), with the reason:
 attention that is not causal self-attention (encoders such as ``BertForMaskedLM``,
-encoder-decoders, heads that cannot generate); a sliding window shorter than ``max_cache_len``
-(one at least that long never applies, and is served); other layer types, logit soft-capping,
-attention sinks; and mixture-of-experts models while graphs are on (their routing is
-data-dependent: a captured graph would freeze it).
+encoder-decoders, heads that cannot generate); layer types other than full and sliding
+attention; and mixture-of-experts models with FULL or traced PIECEWISE graphs (served without
+graphs, or with ``trace=False`` and PIECEWISE graphs: :mod:`~freezeframe.integrations.hf_experts`
+makes each expert module a graph break).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from freezeframe.compilation import CompiledModel
 from freezeframe.compilation import compile as ff_compile
-from freezeframe.config import CompilationConfig, CompilationMode
+from freezeframe.config import CompilationConfig, CompilationMode, breakable_capture
 from freezeframe.errors import CompileError, ConfigError
+from freezeframe.integrations.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    HF_ATTENTION_OP,
+    STEP_KWARG,
+    StepMetadata,
+)
+from freezeframe.integrations.hf_batching import Batcher, Finished, NewToken
 from freezeframe.integrations.hf_checks import (
     check_attention,
     check_causal_lm,
@@ -71,147 +80,30 @@ from freezeframe.integrations.hf_checks import (
     check_positions,
     positive_int,
 )
-from freezeframe.models.ops import define_op
+from freezeframe.integrations.hf_experts import break_at_experts
+from freezeframe.integrations.hf_generate import (
+    MODEL_DEFAULT,
+    GenerateOptions,
+    Generation,
+)
+from freezeframe.integrations.hf_generate import generate as _generate
+from freezeframe.integrations.hf_sampling import SamplingParams
 from freezeframe.runtime import GraphRunner, Tokens
 from freezeframe.runtime.runner import CaptureReport
 from freezeframe.stats import Stats
 
-try:
-    import transformers
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        f"freezeframe.integrations.hf needs Hugging Face transformers (>= 4.53): {exc}; "
-        "install it with pip install 'freezeframe[hf]'") from None
-
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HF_ATTENTION_OP",
+    "MODEL_DEFAULT",
+    "Batcher",
     "CompiledCausalLM",
+    "Finished",
     "Generation",
+    "NewToken",
+    "SamplingParams",
     "compile",
 ]
-
-#: The splitting op, for ``CompilationConfig(splitting_ops=[HF_ATTENTION_OP])``.
-HF_ATTENTION_OP = "freezeframe_hf::attention"
-#: The name of the attention implementation registered with ``transformers.AttentionInterface``.
-ATTN_IMPLEMENTATION = "freezeframe"
-# The keyword argument under which a step's cache and metadata travel from the wrapper through
-# the HF model (which passes its **kwargs on to the attention function) to the attention.
-_STEP_KWARG = "freezeframe_step"
-# Upper bound on tokens * cache positions * kv heads * head dim gathered at once by the op.
-_GATHER_BUDGET = 1 << 22
-# Attention features the op does not implement: the keyword HF passes, and what it means.
-_UNSUPPORTED_KWARGS = {"sliding_window": "sliding-window attention",
-                       "softcap": "attention logit soft-capping",
-                       "s_aux": "attention sinks", "is_causal": "bidirectional attention"}
-
-
-# -- the splitting op ------------------------------------------------------------------------
-def _attention_kernel(
-    q: torch.Tensor,  # [1, heads, T, head_dim]: HF's query layout for one sequence of T tokens
-    k: torch.Tensor,  # [1, kv_heads, T, head_dim]
-    v: torch.Tensor,  # [1, kv_heads, T, head_dim]
-    out: torch.Tensor,  # [T, heads, head_dim], written
-    k_cache: torch.Tensor,  # [layers, rows + 1, window, kv_heads, head_dim], written
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,  # [T] position of each token in its sequence
-    seq_ids: torch.Tensor,  # [T] cache row of each token; -1: padding (the sink row)
-    layer: int,
-    scale: float,
-) -> None:
-    """Write this step's keys and values into the layer's cache rows, then attend each token
-    over its row's positions up to its own (causal over the cache)."""
-    num_tokens = out.shape[0]
-    if num_tokens == 0:
-        return
-    keys_cache, values_cache = k_cache[layer], v_cache[layer]
-    sink = keys_cache.shape[0] - 1
-    rows = torch.where(seq_ids < 0, torch.full_like(seq_ids, sink), seq_ids)
-    # every token's key/value first, so a token sees the earlier tokens of the same step
-    keys_cache.index_put_((rows, positions), k[0].transpose(0, 1).to(keys_cache.dtype))
-    values_cache.index_put_((rows, positions), v[0].transpose(0, 1).to(values_cache.dtype))
-    heads, head_dim = out.shape[1], out.shape[2]
-    window, kv_heads = keys_cache.shape[1], keys_cache.shape[2]
-    group = heads // kv_heads  # query heads per kv head (grouped-query attention)
-    queries = q[0].transpose(0, 1).reshape(num_tokens, kv_heads, group, head_dim).float()
-    visible = torch.arange(window, device=q.device) <= positions[:, None]  # [T, window]
-    chunk = max(1, _GATHER_BUDGET // (window * kv_heads * head_dim))
-    for start in range(0, num_tokens, chunk):
-        end = min(start + chunk, num_tokens)
-        keys = keys_cache[rows[start:end]].float()  # [n, window, kv_heads, head_dim]
-        values = values_cache[rows[start:end]].float()
-        scores = torch.einsum("nkgd,ntkd->nkgt", queries[start:end], keys) * scale
-        # position positions[t] itself is always visible, so no row is all -inf
-        scores = scores.masked_fill(~visible[start:end, None, None, :], float("-inf"))
-        result = torch.einsum("nkgt,ntkd->nkgd", scores.softmax(-1), values)
-        out[start:end].copy_(result.reshape(end - start, heads, head_dim))
-
-
-def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                    seq_ids: torch.Tensor, layer: int, scale: float) -> None:
-    return None
-
-
-_LIBRARY = define_op(
-    HF_ATTENTION_OP,
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-    "Tensor positions, Tensor seq_ids, int layer, float scale) -> ()",
-    _attention_kernel, _attention_fake)
-
-
-# -- the HF attention function -----------------------------------------------------------------
-class _StepMetadata(NamedTuple):
-    """What the attention of one step needs beyond q, k, v: the caches and where tokens go."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    positions: torch.Tensor
-    seq_ids: torch.Tensor
-
-
-def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, attention_mask: torch.Tensor | None,
-                  scaling: float | None = None, dropout: float = 0.0,
-                  **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The ``"freezeframe"`` attention implementation (HF's attention-function signature)."""
-    step = kwargs.pop(_STEP_KWARG, None)
-    if step is None:
-        # The HF model called directly, not through CompiledCausalLM: HF's own SDPA path (the
-        # "freezeframe" mask is HF's SDPA mask, so padding and caches work as with "sdpa").
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-            **kwargs)
-    # ff.hf.compile refuses such models up front; this is the safety net at trace time.
-    problems: dict[str, Any] = {kwarg: kwargs.get(kwarg) for kwarg in _UNSUPPORTED_KWARGS}
-    window = problems["sliding_window"]
-    if isinstance(window, int) and window >= step.k_cache.shape[2]:
-        problems["sliding_window"] = None  # a window as long as the cache never masks anything
-    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    problems["is_causal"] = False if causal is False else None
-    for kwarg, got in problems.items():
-        if got is not None:
-            raise CompileError(
-                f"ff.hf: layer {getattr(module, 'layer_idx', '?')} of "
-                f"{type(module).__name__} asks for {_UNSUPPORTED_KWARGS[kwarg]} "
-                f"({kwarg}={got!r}); freezeframe's HF attention implements full causal "
-                "attention only: serve this model without freezeframe")
-    num_tokens, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
-    out = query.new_empty((num_tokens, heads, head_dim))
-    scale = float(scaling) if scaling is not None else head_dim ** -0.5
-    torch.ops.freezeframe_hf.attention(query, key, value, out, step.k_cache, step.v_cache,
-                                       step.positions, step.seq_ids,
-                                       int(module.layer_idx),  # type: ignore[arg-type]
-                                       scale)
-    return out.unsqueeze(0), None
-
-
-# Process-wide, as the op itself is: registering again under the same name replaces the entry
-# with the same function.
-transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, _hf_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 # -- the traced module -----------------------------------------------------------------------
@@ -244,24 +136,14 @@ class _FlatCausalLM(nn.Module):
         # A 4-d mask is taken as given by HF's mask utilities, so HF builds none; the attention
         # op ignores it (it masks by position and cache row).
         placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
-        step = _StepMetadata(self.k_cache, self.v_cache, positions, seq_ids)
+        step = StepMetadata(self.k_cache, self.v_cache, positions, seq_ids)
         output = self.model(input_ids=input_ids[None], position_ids=positions[None],
                             attention_mask=placeholder, use_cache=False,
-                            **{_STEP_KWARG: step})
+                            **{STEP_KWARG: step})
         return output.logits[0]  # type: ignore[no-any-return]
 
 
 # -- the public object ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """What :meth:`CompiledCausalLM.generate` returns: ``sequences`` ``[batch, prompt + new]``
-    (prompts, then the greedy tokens) and, with ``output_logits=True``, one ``[batch, vocab]``
-    tensor of logits per generated token (as HF's ``generate(output_logits=True)``)."""
-
-    sequences: torch.Tensor
-    logits: tuple[torch.Tensor, ...] = ()
-
-
 _STEP_ARGS = ("input_ids", "positions", "seq_ids")
 
 
@@ -292,8 +174,9 @@ _STEP_FIXES = {
 
 
 class CompiledCausalLM:
-    """An HF causal LM compiled by :func:`compile`: greedy :meth:`generate`, the flat-token
-    :meth:`step` it is built on, and the parts (``compiled``, ``runner``, ``config``).
+    """An HF causal LM compiled by :func:`compile`: HF's :meth:`generate`, the continuous
+    :attr:`batcher` it runs on, the flat-token :meth:`step` under both, and the parts
+    (``compiled``, ``runner``, ``config``).
 
     ``compiled`` is the :class:`~freezeframe.compilation.CompiledModel` (its ``stats`` count
     traces, pieces, compilations and graphs captured); ``runner`` the
@@ -303,7 +186,7 @@ class CompiledCausalLM:
 
     def __init__(self, model: nn.Module, flat: _FlatCausalLM, compiled: CompiledModel,
                  runner: GraphRunner, config: CompilationConfig, max_batch_size: int,
-                 max_cache_len: int, num_layers: int) -> None:
+                 max_cache_len: int, num_layers: int, progress: bool) -> None:
         self.model = model
         self.compiled = compiled
         self.runner = runner
@@ -314,8 +197,11 @@ class CompiledCausalLM:
         self._num_layers = num_layers
         self._device: torch.device = flat.k_cache.device
         self._split_checked = False
+        self._progress = progress
         embeddings = getattr(model, "get_input_embeddings", lambda: None)()
         self._vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
+        #: Continuous batching over this model's cache rows (``generate`` runs on it too).
+        self.batcher = Batcher(self)
 
     @property
     def stats(self) -> Stats:
@@ -327,15 +213,50 @@ class CompiledCausalLM:
         """The most tokens one step takes (longer prefills are split into steps of this)."""
         return int(self.config.max_num_tokens)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The number of token ids the model embeds (None when it does not say)."""
+        return self._vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model, its cache and its logits live."""
+        return self._device
+
     def capture(self) -> CaptureReport:
-        """Trace (once) and capture a graph per capture size; idempotent. Without a graph
-        backend (``graph_backend="auto"`` on a CPU) it captures nothing and the first step
-        traces."""
+        """Compile (trace once, compile the pieces) and capture a graph per capture size;
+        idempotent. Reports both on stderr when ``ff.hf.compile(progress=True)`` (the default):
+        a line before and after compiling, then the runner's capture progress. Without a graph
+        backend (``graph_backend="auto"`` on a CPU) it captures nothing."""
         if self.runner.report is not None:
             return self.runner.report
+        self._compile_first()
         report = self.runner.capture()
         self._check_split()
         return report
+
+    def _compile_first(self) -> None:
+        """The first call of the compiled model, outside any graph: Dynamo traces (or the trace
+        is loaded from the compile cache) and the pieces compile, between two progress lines.
+        Two padding tokens (cache row -1: the sink row), since a trace needs a size >= 2."""
+        if self.compiled.traced or self.config.mode is CompilationMode.NONE:
+            return
+        name = type(self.model).__name__
+        self._say(f"ff.hf: compiling {name} (one Dynamo trace, split at {HF_ATTENTION_OP}, "
+                  f"{self.config.backend} compiler) ...")
+        started = time.perf_counter()
+        tokens = torch.zeros(2, dtype=torch.long, device=self._device)
+        self.compiled(input_ids=tokens, positions=torch.arange(2, device=self._device),
+                      seq_ids=tokens - 1)
+        stats = self.compiled.stats
+        how = "trace loaded from the compile cache" if stats.traces_loaded else "traced"
+        self._say(f"ff.hf: compiled {name} in {time.perf_counter() - started:.1f} s "
+                  f"({how}; {len(self.compiled.pieces)} pieces)")
+
+    def _say(self, line: str) -> None:
+        if self._progress:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
     def _check_split(self) -> None:
         """Once traced: every layer's attention must have gone through the op."""
@@ -352,7 +273,7 @@ class CompiledCausalLM:
                 "does not go through transformers.AttentionInterface with freezeframe's step "
                 "metadata (its forward must pass **kwargs on to the attention function; "
                 "GPT2LMHeadModel does from some 5.x release: 4.53.3, 4.57.1 and 5.0.0 do not, "
-                f"5.24 does; this is {transformers.__version__}), so its tokens would attend "
+                f"5.24 does; this is {_transformers_version()}), so its tokens would attend "
                 "across sequences; upgrade transformers, or serve this model without ff.hf")
 
     def step(self, input_ids: torch.Tensor | Sequence[int],
@@ -407,70 +328,36 @@ class CompiledCausalLM:
                                   f"{_STEP_FIXES[name][bad >= 0].format(bad + 1)}")
         return [t.to(self._device, torch.long, non_blocking=True) for t in tensors]
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, *,
+                 attention_mask: torch.Tensor | None = None, min_new_tokens: int = 0,
+                 do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: Any = MODEL_DEFAULT, pad_token_id: Any = MODEL_DEFAULT,
+                 generator: torch.Generator | None = None, streamer: Any = None,
                  output_logits: bool = False) -> Generation:
-        """Greedy decoding, as HF's ``model.generate(input_ids, do_sample=False,
-        max_new_tokens=...)`` without stopping tokens: ``input_ids`` is ``[batch, prompt]``
-        (every prompt the same length, no padding), ``batch <= max_batch_size`` and
-        ``prompt + max_new_tokens - 1 <= max_cache_len``. The prompts are prefilled in steps
-        of up to ``max_num_tokens`` tokens, then each new token is one decode step of
-        ``batch`` tokens (padded to a capture size)."""
-        batch, prompt = self._check_generate(input_ids, max_new_tokens)
-        device = self._device
-        ids = input_ids.to(device)
-        flat_ids = ids.reshape(-1)
-        positions = torch.arange(prompt, device=device).repeat(batch)
-        rows = torch.arange(batch, device=device)
-        seq_ids = rows.repeat_interleave(prompt)
-        last = [b * prompt + prompt - 1 for b in range(batch)]  # each row's last prompt token
-        picked: list[torch.Tensor] = []
-        budget = self.max_num_tokens
-        for start in range(0, batch * prompt, budget):
-            end = min(start + budget, batch * prompt)
-            logits = self._run(flat_ids[start:end], positions[start:end], seq_ids[start:end],
-                               False)
-            wanted = [i - start for i in last if start <= i < end]
-            if wanted:
-                picked.append(logits[torch.tensor(wanted, device=logits.device)])
-        next_logits = torch.cat(picked)
-        kept: list[torch.Tensor] = []
-        tokens = [ids]
-        for i in range(max_new_tokens):
-            if output_logits:
-                kept.append(next_logits.clone())
-            next_tokens = next_logits.argmax(dim=-1)
-            tokens.append(next_tokens[:, None])
-            if i + 1 == max_new_tokens:
-                break
-            position = torch.full((batch,), prompt + i, dtype=torch.long, device=device)
-            next_logits = self._run(next_tokens, position, rows, True)
-        return Generation(sequences=torch.cat(tokens, dim=1), logits=tuple(kept))
+        """HF's ``model.generate(input_ids, ...)`` for these arguments, on this model's graphs
+        (:mod:`~freezeframe.integrations.hf_generate` says what is HF's): ``input_ids`` is
+        ``[batch, width]`` with ``batch <= max_batch_size``, prompts padded on the left or
+        the right as ``attention_mask`` says; unset options come from
+        ``model.generation_config``; ``eos_token_id`` (one id, several, or None for none)
+        stops each row on its own; ``generator`` seeds sampling; ``streamer`` gets HF's
+        ``put``/``end`` calls. Each row's prompt plus ``max_new_tokens - 1`` must fit
+        ``max_cache_len``. Runs on :attr:`batcher` (which must be idle): the prompts are
+        prefilled together in steps of up to ``max_num_tokens`` tokens, then each step decodes
+        one token of every unfinished row."""
+        options = GenerateOptions(
+            max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+            min_new_tokens=min_new_tokens, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            generator=generator, streamer=streamer, output_logits=output_logits)
+        return _generate(self.batcher, getattr(self.model, "generation_config", None),
+                         self.max_batch_size, self._device, input_ids, options)
 
-    def _check_generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[int, int]:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
-                or input_ids.dtype != torch.long:
-            got = (f"a {input_ids.dim()}-d {input_ids.dtype} tensor"
-                   if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
-            raise ConfigError(f"generate: input_ids must be a 2-d torch.long tensor [batch, "
-                              f"prompt], got {got}")
-        batch, prompt = int(input_ids.shape[0]), int(input_ids.shape[1])
-        if not 1 <= batch <= self.max_batch_size:
-            raise ConfigError(
-                f"generate: input_ids has {batch} rows but max_batch_size is "
-                f"{self.max_batch_size}; pass at most that many prompts, or ff.hf.compile with "
-                f"max_batch_size={max(batch, 1)}")
-        if prompt < 1:
-            raise ConfigError("generate: input_ids has 0 prompt tokens; give at least 1")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
-            raise ConfigError(f"generate: max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        needed = prompt + max_new_tokens - 1  # the last token is sampled, never cached
-        if needed > self.max_cache_len:
-            raise ConfigError(
-                f"generate: a prompt of {prompt} tokens and max_new_tokens={max_new_tokens} "
-                f"need {needed} cache positions but max_cache_len is {self.max_cache_len}; "
-                f"ff.hf.compile with max_cache_len={needed}")
-        return batch, prompt
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 # -- the entry point -------------------------------------------------------------------------
@@ -505,6 +392,7 @@ def compile(
     graph_backend: str | None = None,
     cudagraph_mode: str | None = None,
     trace: bool = True,
+    progress: bool = True,
 ) -> CompiledCausalLM:
     """Serve the HF causal LM ``model`` (used in place, weights shared) on freezeframe.
 
@@ -526,13 +414,18 @@ def compile(
     ``trace=False`` builds the default config without a trace: mode NONE, the model's forward
     run as written, its PIECEWISE graphs captured breakable at the attention op (see
     :mod:`freezeframe.graphs.breakable`): no Dynamo and no compiler at startup, for a model
-    Dynamo cannot trace or a start that must be fast.
+    Dynamo cannot trace or a start that must be fast. A mixture-of-experts model is served on
+    graphs only so, with ``cudagraph_mode="piecewise"``: each expert module is a break.
+
+    ``progress=True`` reports the compile and the capture on stderr (plain lines, or the
+    runner's bar on a terminal) when they happen: at :meth:`CompiledCausalLM.capture` or the
+    first step.
     """
     shape = _cache_shape(model)
     check_causal_lm(model)
     max_batch_size = positive_int("max_batch_size", max_batch_size)
     max_cache_len = positive_int("max_cache_len", max_cache_len)
-    check_attention(model, max_cache_len)
+    check_attention(model)
     check_positions(model, max_cache_len)
     if config is None:
         config = _default_config(max_batch_size, max_num_tokens, capture_sizes, backend,
@@ -544,7 +437,7 @@ def compile(
              "backend": backend, "graph_backend": graph_backend,
              "cudagraph_mode": cudagraph_mode})
     check_experts(model, config)
-    return _serve(model, config, shape, max_batch_size, max_cache_len)
+    return _serve(model, config, shape, max_batch_size, max_cache_len, progress)
 
 
 def _default_config(max_batch_size: int, max_num_tokens: int | None,
@@ -565,7 +458,7 @@ def _default_config(max_batch_size: int, max_num_tokens: int | None,
 
 
 def _serve(model: nn.Module, config: CompilationConfig, shape: _CacheShape, max_batch_size: int,
-           max_cache_len: int) -> CompiledCausalLM:
+           max_cache_len: int, progress: bool) -> CompiledCausalLM:
     """Switch ``model`` to the ``"freezeframe"`` attention, wrap it with its static KV cache,
     compile that and put a runner around it."""
     parameter = next(model.parameters())
@@ -577,12 +470,14 @@ def _serve(model: nn.Module, config: CompilationConfig, shape: _CacheShape, max_
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     else:  # transformers before set_attn_implementation: every submodule reads the config
         hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
+    if breakable_capture(config):
+        break_at_experts(model)  # (check_experts let only breakable PIECEWISE graphs through)
     compiled = ff_compile(flat, config, model_key=f"ff.hf:{type(model).__qualname__}")
     runner = GraphRunner(
-        compiled, config, progress=False, device=parameter.device,
+        compiled, config, progress=progress, device=parameter.device,
         inputs={"input_ids": Tokens(dtype=torch.long, fill=0),
                 "positions": Tokens(dtype=torch.long, fill=0),
                 "seq_ids": Tokens(dtype=torch.long, fill=-1)})
     return CompiledCausalLM(model, flat, compiled, runner, config, max_batch_size,
-                            max_cache_len, shape.layers)
+                            max_cache_len, shape.layers, progress)
 

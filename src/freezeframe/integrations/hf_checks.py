@@ -4,19 +4,18 @@ correctly.
 
 Each is decided from the model's class, its transformers config and its modules, never by
 running it: attention that is not causal self-attention (encoders, encoder-decoders, heads that
-cannot generate, models whose attention bypasses ``transformers.AttentionInterface``); a
-sliding window that would apply within ``max_cache_len``; other layer types, logit
-soft-capping, attention sinks; a cache longer than the model's positions; a user's config that
-cannot serve the cache (no split at the attention op, too few sequences); and mixture-of-experts
-models while graphs are on. A model that gets past them and still routes some attention
-elsewhere is caught once it is traced (``CompiledCausalLM``'s split check).
+cannot generate, models whose attention bypasses ``transformers.AttentionInterface``); layer
+types other than full and sliding attention; a cache longer than the model's positions; a
+user's config that cannot serve the cache (no split at the attention op, too few sequences);
+and mixture-of-experts models under graphs that would freeze their routing. A model that gets
+past them and still routes some attention elsewhere is caught once it is traced
+(``CompiledCausalLM``'s split check).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 
 from freezeframe.config import (
@@ -74,36 +73,20 @@ def check_causal_lm(model: nn.Module) -> None:
             "(LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...)")
 
 
-def check_attention(model: nn.Module, max_cache_len: int) -> None:
-    """Refuse attention the op does not implement, decided from the config: sliding windows
-    that would apply within ``max_cache_len``, other layer types, soft-capping, sinks."""
+def check_attention(model: nn.Module) -> None:
+    """Refuse layer types the attention op does not implement: it serves full and sliding
+    causal attention (with soft-capping and sinks); chunked, linear, sparse or hybrid layers
+    are refused, decided from ``config.layer_types``."""
     name, config = type(model).__name__, model.config
     layer_types = list(getattr(config, "layer_types", None) or ())
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    other = sorted({t for t in layer_types if t not in _SERVED_LAYERS})
     if other:
-        raise ConfigError(f"ff.hf.compile: {name} has {other} layers (config.layer_types); only "
-                          "full causal attention is supported: serve it without ff.hf")
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False or (
-            layer_types and "sliding_attention" not in layer_types):
-        window = None  # configured but used by no layer
-    # A token at position p sees positions > p - window: all of them while p < window.
-    if window is not None and not (isinstance(window, int) and max_cache_len <= window):
-        raise ConfigError(
-            f"ff.hf.compile: {name} has sliding-window attention (config.sliding_window="
-            f"{window!r}) and max_cache_len={max_cache_len} is longer than the window, so it "
-            "would apply; sliding-window attention is not supported yet. Pass max_cache_len <= "
-            f"{window}, where the window never applies, or set config.sliding_window=None "
-            "(use_sliding_window=False for Qwen2) if the model tolerates full attention")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    sinks = next((f"attention sinks ({n}.sinks)" for n, m in model.named_modules()
-                  if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
-    if softcap is not None or sinks:
-        raise ConfigError(
-            f"ff.hf.compile: {name} uses " + (sinks or "attention logit soft-capping (config."
-                                              f"attn_logit_softcapping={softcap})")
-            + "; only plain causal attention is supported: serve it without ff.hf")
+        raise ConfigError(f"ff.hf.compile: {name} has {other} layers (config.layer_types); "
+                          f"only {list(_SERVED_LAYERS)} layers are supported: serve it "
+                          "without ff.hf")
 
+
+_SERVED_LAYERS = ("full_attention", "sliding_attention")
 
 
 def check_positions(model: nn.Module, max_cache_len: int) -> None:
@@ -146,11 +129,15 @@ _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_n
 
 
 def check_experts(model: nn.Module, config: CompilationConfig) -> None:
-    """Refuse a mixture-of-experts model when graphs are on: how many tokens each expert gets
-    is data, read back to the host (transformers' grouped-mm fallback calls ``offs.tolist()``)
-    or turned into shapes; a captured graph replays the routing of the step it captured."""
+    """Refuse a mixture-of-experts model when its routing would be captured: how many tokens
+    each expert gets is data, read back to the host (transformers' grouped-mm fallback calls
+    ``offs.tolist()``) or turned into shapes; a captured graph replays the routing of the step
+    it captured. Served: no graphs, or breakable PIECEWISE graphs only, whose expert modules
+    are breaks (:mod:`~freezeframe.integrations.hf_experts`)."""
     mode = config.cudagraph_mode
     if not isinstance(mode, CUDAGraphMode) or mode is CUDAGraphMode.NONE:
+        return
+    if breakable_capture(config) and not mode.has_full_cudagraphs():
         return
     counts = {f: getattr(model.config, f, None) for f in _EXPERT_FIELDS}
     found = [f"config.{f}={n}" for f, n in counts.items() if isinstance(n, int) and n > 1] + [
@@ -162,5 +149,6 @@ def check_experts(model: nn.Module, config: CompilationConfig) -> None:
             f"and cudagraph_mode={mode.name} captures graphs; expert routing is data-dependent "
             "(which tokens go to which expert is read back to the host or becomes a shape), so "
             "a captured graph would freeze the routing of the step it captured and every "
-            "replay would send tokens to the wrong experts. Pass cudagraph_mode='none' "
-            "(compiled, no graphs), or serve it without ff.hf")
+            "replay would send tokens to the wrong experts. Pass trace=False with "
+            "cudagraph_mode='piecewise' (breakable graphs; the experts run eagerly between "
+            "them), cudagraph_mode='none' (compiled, no graphs), or serve it without ff.hf")

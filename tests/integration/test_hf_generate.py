@@ -1,0 +1,236 @@
+"""``CompiledCausalLM.generate`` against Hugging Face's own ``generate``, token for token.
+
+One tiny Llama (2 layers, hidden 64, vocab 128, random weights, nothing downloaded) compiled
+once for the module (eager compiler, emulated PIECEWISE graphs for 1, 2, 4 and 8 tokens). HF
+runs first on each input (its SDPA attention, its dynamic cache); then ours. Greedy tokens must
+be identical, and so must seeded sampling: HF samples with ``torch.multinomial`` on the default
+generator after ``torch.manual_seed(s)``, ours draws the same noise from a
+``torch.Generator().manual_seed(s)``. Stop tokens are chosen from HF's own output so that rows
+stop at different steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="needs Hugging Face transformers: pip install 'freezeframe[hf]'")
+
+import freezeframe as ff  # noqa: E402
+from freezeframe.integrations import hf  # noqa: E402
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def lm(llama: Any) -> hf.CompiledCausalLM:
+    lm = ff.hf.compile(llama, max_batch_size=8, max_cache_len=40, max_num_tokens=64,
+                       capture_sizes=[1, 2, 4, 8], backend="eager", graph_backend="emulated",
+                       progress=False)
+    lm.capture()
+    return lm
+
+
+def _hf(model: Any, ids: torch.Tensor, seed: int | None = None, **kwargs: Any) -> Any:
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(ids, return_dict_in_generate=True, output_logits=True, **kwargs)
+
+
+def _prompts(batch: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, width), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_logits_close(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...],
+                         alive: torch.Tensor) -> None:
+    """Per column, the rows still generating (``alive[:, k]``) within 1e-5 of the largest
+    logit (float32); finished rows hold NaN here and HF's pad-token logits there."""
+    assert len(ours) == len(theirs)
+    for k, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        rows = alive[:, k]
+        assert torch.isnan(a[~rows]).all(), k
+        error = (a[rows] - b[rows].float()).abs().max().item()
+        assert error <= 1e-5 * b.abs().max().item(), (k, error)
+
+
+def _alive(new: torch.Tensor, stop: set[int]) -> torch.Tensor:
+    """``[batch, columns]``: whether each row was still generating at each new column."""
+    alive = torch.ones_like(new, dtype=torch.bool)
+    for row in range(new.shape[0]):
+        for k in range(1, new.shape[1]):
+            alive[row, k] = alive[row, k - 1] and int(new[row, k - 1]) not in stop
+    return alive
+
+
+def test_greedy_stops_each_row_at_its_stop_token_like_hf(llama: Any,
+                                                         lm: hf.CompiledCausalLM) -> None:
+    prompts = _prompts(4, 6, seed=1)
+    free = _hf(llama, prompts, max_new_tokens=10, do_sample=False).sequences[:, 6:]
+    # stop tokens that rows 0 and 2 make early (one id, then two), so rows finish apart
+    one = int(free[0, 2])
+    two = [int(free[2, 1]), one]
+    for eos, pad in ((one, None), (two, 0)):
+        expected = _hf(llama, prompts, max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                       pad_token_id=pad)
+        out = lm.generate(prompts, 10, eos_token_id=eos, pad_token_id=pad, output_logits=True)
+        assert torch.equal(out.sequences, expected.sequences), (eos, out.sequences)
+        stop = {eos} if isinstance(eos, int) else set(eos)
+        alive = _alive(out.sequences[:, 6:], stop)
+        assert not alive[0, 3:].any()  # row 0 made a stop token by its third new token
+        _assert_logits_close(out.logits, expected.logits, alive)
+    assert not lm.batcher.has_unfinished()
+
+
+def test_the_models_own_stop_token_is_the_default(llama: Any,
+                                                  lm: hf.CompiledCausalLM) -> None:
+    prompts = _prompts(3, 5, seed=2)
+    free = _hf(llama, prompts, max_new_tokens=8, do_sample=False).sequences[:, 5:]
+    llama.generation_config.eos_token_id = int(free[1, 3])
+    try:
+        expected = _hf(llama, prompts, max_new_tokens=8, do_sample=False).sequences
+        assert torch.equal(lm.generate(prompts, 8).sequences, expected)
+        # None: no stop token, whatever the model says
+        assert torch.equal(lm.generate(prompts, 8, eos_token_id=None).sequences[:, 5:], free)
+    finally:
+        llama.generation_config.eos_token_id = None
+
+
+def test_min_new_tokens_blocks_stop_tokens_like_hf(llama: Any, lm: hf.CompiledCausalLM) -> None:
+    prompts = _prompts(2, 5, seed=3)
+    free = _hf(llama, prompts, max_new_tokens=8, do_sample=False).sequences[:, 5:]
+    eos = int(free[0, 1])
+    expected = _hf(llama, prompts, max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                   min_new_tokens=4, pad_token_id=0)
+    out = lm.generate(prompts, 8, eos_token_id=eos, min_new_tokens=4, pad_token_id=0)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert int(free[0, 1]) not in out.sequences[0, 5:9].tolist()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_prompts_of_different_lengths_are_served_ragged(llama: Any, lm: hf.CompiledCausalLM,
+                                                        side: str) -> None:
+    lengths = [7, 3, 5, 1]
+    width = max(lengths)
+    prompts = _prompts(len(lengths), width, seed=4)
+    mask = torch.zeros_like(prompts)
+    for row, n in enumerate(lengths):
+        if side == "left":
+            mask[row, width - n:] = 1
+        else:
+            mask[row, :n] = 1
+    ids = prompts.masked_fill(mask == 0, 0)
+    # each row alone, by HF: the reference for both paddings
+    alone = [_hf(llama, ids[row][mask[row] == 1][None], max_new_tokens=6,
+                 do_sample=False).sequences[0, -6:] for row in range(len(lengths))]
+    steps = lm.stats.steps
+    out = lm.generate(ids, 6, attention_mask=mask)
+    assert torch.equal(out.sequences[:, :width], ids)
+    assert torch.equal(out.sequences[:, width:], torch.stack(alone))
+    # one ragged prefill step of 16 real tokens (no padding computed), then 5 decode steps
+    assert lm.stats.steps - steps == 6
+    if side == "left":  # HF's own left-padded batch gives the same tokens
+        expected = _hf(llama, ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(out.sequences, expected.sequences)
+
+
+def test_a_pad_token_in_the_prompts_is_read_as_padding_as_hf_does(
+        llama: Any, lm: hf.CompiledCausalLM) -> None:
+    prompts = _prompts(2, 6, seed=5)
+    prompts[1, :2] = 1  # left padding with pad_token_id=1 and no attention_mask
+    expected = _hf(llama, prompts, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    out = lm.generate(prompts, 4, pad_token_id=1)
+    assert torch.equal(out.sequences, expected.sequences)
+    with pytest.raises(ff.ConfigError, match=r"row 0 of attention_mask has a gap between "
+                                             r"prompt tokens; each row's prompt must be one run"):
+        lm.generate(prompts, 4, attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1]] * 2))
+
+
+@pytest.mark.parametrize(("options", "seed"), [
+    ({}, 11),  # HF's defaults when sampling: temperature 1, top_k 50
+    ({"temperature": 0.7, "top_k": 0}, 12),
+    ({"temperature": 1.3, "top_k": 20, "top_p": 0.9}, 13),
+    ({"top_k": 0, "top_p": 0.5}, 14),
+])
+def test_seeded_sampling_draws_the_tokens_hf_draws(llama: Any, lm: hf.CompiledCausalLM,
+                                                   options: dict[str, Any], seed: int) -> None:
+    prompts = _prompts(4, 5, seed=seed)
+    expected = _hf(llama, prompts, seed=seed, max_new_tokens=8, do_sample=True, **options)
+    out = lm.generate(prompts, 8, do_sample=True, generator=torch.Generator().manual_seed(seed),
+                      **options)
+    assert torch.equal(out.sequences, expected.sequences), options
+    # the default generator, seeded the same way, is the same stream
+    torch.manual_seed(seed)
+    assert torch.equal(lm.generate(prompts, 8, do_sample=True, **options).sequences,
+                       expected.sequences)
+
+
+def test_seeded_sampling_with_stop_tokens_and_ragged_prompts(llama: Any,
+                                                             lm: hf.CompiledCausalLM) -> None:
+    # finished rows still take their share of every draw, as in HF's loop
+    prompts = _prompts(3, 6, seed=21)
+    mask = torch.ones_like(prompts)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    free = _hf(llama, prompts, seed=21, attention_mask=mask, max_new_tokens=8, do_sample=True,
+               top_k=0).sequences[:, 6:]
+    eos = int(free[1, 2])
+    expected = _hf(llama, prompts, seed=21, attention_mask=mask, max_new_tokens=8,
+                   do_sample=True, top_k=0, eos_token_id=eos)
+    out = lm.generate(prompts, 8, attention_mask=mask, do_sample=True, top_k=0, eos_token_id=eos,
+                      generator=torch.Generator().manual_seed(21))
+    assert torch.equal(out.sequences, expected.sequences)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls.append(value.tolist())
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+def test_the_streamer_gets_what_hfs_streamer_gets(llama: Any, lm: hf.CompiledCausalLM) -> None:
+    prompts = _prompts(2, 4, seed=6)
+    free = _hf(llama, prompts, max_new_tokens=6, do_sample=False).sequences[:, 4:]
+    eos = int(free[0, 1])
+    theirs, ours = _Recorder(), _Recorder()
+    with torch.no_grad():
+        llama.generate(prompts, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                       streamer=theirs)
+    lm.generate(prompts, 6, eos_token_id=eos, streamer=ours)
+    assert ours.calls == theirs.calls
+    assert ours.calls[-1] == "end" and len(ours.calls) == 1 + 6 + 1
+
+
+def test_greedy_sampling_parameters_are_checked(lm: hf.CompiledCausalLM) -> None:
+    prompts = _prompts(1, 3, seed=7)
+    for kwargs, message in [
+        ({"temperature": 0.0}, "SamplingParams: temperature=0.0 must be a number > 0"),
+        ({"top_p": 1.5}, r"SamplingParams: top_p=1.5 must be a number in \(0, 1\]"),
+        ({"top_k": -1}, "SamplingParams: top_k=-1 must be an int >= 0"),
+        ({"eos_token_id": "x"}, "SamplingParams: eos_token_id='x' must be a token id"),
+        ({"min_new_tokens": -2}, "SamplingParams: min_new_tokens=-2 must be an int >= 0"),
+        ({"eos_token_id": 500}, "eos_token_id 500 is outside the vocabulary of 128 tokens"),
+        ({"attention_mask": torch.ones(2, 3)}, r"attention_mask must be a tensor shaped like "
+                                               r"input_ids \(1, 3\), got \(2, 3\)"),
+    ]:
+        with pytest.raises(ff.ConfigError, match=message):
+            lm.generate(prompts, 2, do_sample=True, **kwargs)
+    assert not lm.batcher.has_unfinished()
