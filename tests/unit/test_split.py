@@ -36,7 +36,9 @@ def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (torch.ops.aten.add.Tensor, ["aten::addmm"], False),
     (torch.ops.aten.add.Tensor, [], False),
     (operator.add, ["aten::add"], False),
-    (torch.add, ["aten::add"], False),
+    # a torch function binding an ATen op (as Dynamo records torch.add, F.sdpa) is its packet
+    (torch.add, ["aten::add"], True),
+    (torch.add, ["aten::add.Tensor"], False),
 ])
 def test_matches_splitting_op(target, names, want):
     assert matches_splitting_op(target, names) is want
@@ -121,3 +123,37 @@ def test_compiled_model_exposes_piece_records():
     assert [(p.index, p.is_splitting_op, p.capturable) for p in model.pieces] == [
         (0, False, True), (1, True, False), (2, False, True), (3, True, False),
         (4, False, True)]
+
+
+class _SdpaBlock(torch.nn.Module):
+    """An ordinary attention block: F.scaled_dot_product_attention, no custom op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, 2, 8).unbind(1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(a.reshape(x.shape[0], 16))
+
+
+def test_sdpa_called_through_torch_functional_is_split_at_its_aten_name() -> None:
+    # Dynamo records F.scaled_dot_product_attention as torch._C._nn's builtin, not an OpOverload
+    assert matches_splitting_op(torch.nn.functional.scaled_dot_product_attention,
+                                ["aten::scaled_dot_product_attention"])
+    assert not matches_splitting_op(torch.nn.functional.scaled_dot_product_attention,
+                                    ["aten::scaled_dot_product_attention.default"])
+    assert not matches_splitting_op(torch.matmul, ["aten::scaled_dot_product_attention"])
+    torch.manual_seed(0)
+    block = _SdpaBlock().eval()
+    cfg = ff.CompilationConfig(backend="eager", cudagraph_mode="piecewise",
+                               graph_backend="emulated", cudagraph_capture_sizes=[2, 4],
+                               splitting_ops=["aten::scaled_dot_product_attention"])
+    compiled = ff.compile(block, cfg)
+    for rows in (3, 4, 1):
+        x = torch.randn(rows, 16)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), block(x))
+    assert [p.is_splitting_op for p in compiled.pieces] == [False, True, False]

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import logging
 import operator
+import types
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -76,12 +77,26 @@ class SplitGraph:
         return tuple(p for p in self.pieces if p.capturable)
 
 
+# The modules of torch's C bindings of ATen ops, as Dynamo records them in a graph
+# (``F.scaled_dot_product_attention`` is ``torch._C._nn.scaled_dot_product_attention``)
+_ATEN_BINDINGS = ("torch", "torch._C._nn", "torch._C._VariableFunctions", "torch._C._linalg",
+                  "torch._C._fft", "torch._C._special")
+
+
 def _op_names(target: Any) -> tuple[str, str | None] | None:
-    """``(packet_name, overload_name)`` of an op registered with ``torch.library``, or None."""
+    """``(packet_name, overload_name)`` of an op registered with ``torch.library``, or None.
+    A builtin torch function that binds an ATen op (what Dynamo records for
+    ``F.scaled_dot_product_attention``) is that op's packet: ``aten::scaled_dot_product_attention``
+    matches it, so an ordinary module can be split at SDPA without a custom op."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name, target._overloadname
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name, None
+    if (isinstance(target, types.BuiltinFunctionType)
+            and getattr(target, "__module__", None) in _ATEN_BINDINGS
+            and isinstance(getattr(torch.ops.aten, target.__name__, None),
+                           torch._ops.OpOverloadPacket)):
+        return f"aten::{target.__name__}", None
     return None
 
 
