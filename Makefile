@@ -2,6 +2,7 @@
 #
 #   make bench   # the main job: freezeframe bench --preset tiny
 #   make test    # the tests: pytest -q
+#   make fuzz    # the full differential matrix (tests/matrix with FF_MATRIX=full): slow
 #
 # The first use creates a virtualenv in .venv, puts torch in it (scripts/install_torch.sh: a CPU
 # build where there is no GPU; a torch already in the venv is kept) and installs this checkout
@@ -10,7 +11,8 @@
 # torch script) is newer than the stamp.
 #
 # Knobs: PYTHON=python3.12 (the interpreter that creates the venv), VENV=path,
-# TESTS='tests/unit/test_cli.py' PYTEST_ARGS='-q -x' (what pytest runs), BENCH_ARGS='--preset tiny'.
+# TESTS='tests/unit/test_cli.py' PYTEST_ARGS='-q -x' (what pytest runs), BENCH_ARGS='--preset tiny',
+# FUZZ_SEEDS=400 (how many seeds make fuzz runs; FF_MATRIX_START=N starts elsewhere).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,6 +20,7 @@ EXTRAS ?= test,bench,hf
 TESTS ?=
 PYTEST_ARGS ?= -q
 BENCH_ARGS ?= --preset tiny
+FUZZ_SEEDS ?= 400
 
 VENV_BIN := $(abspath $(VENV))/bin
 VPY := $(VENV_BIN)/python
@@ -26,11 +29,12 @@ STAMP := $(VENV)/.freezeframe-installed
 IN_VENV := PATH="$(VENV_BIN):$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
 .DEFAULT_GOAL := help
-.PHONY: help bench test check-wheel venv clean-venv
+.PHONY: help bench test fuzz check-wheel venv clean-venv
 
 help:
 	@echo "make bench        the main job: freezeframe bench $(BENCH_ARGS) (results in bench_out/)"
 	@echo "make test         the tests (pytest $(PYTEST_ARGS) $(TESTS))"
+	@echo "make fuzz         the full differential matrix: $(FUZZ_SEEDS) seeds, Inductor and HF too"
 	@echo "make check-wheel  build the wheel, install it in a clean venv, run the demo from it"
 	@echo "make venv         only the set-up: $(VENV) with torch and freezeframe[$(EXTRAS)]"
 	@echo "make clean-venv   remove $(VENV)"
@@ -43,6 +47,12 @@ test: $(STAMP)
 	@$(IN_VENV) $(VPY) -m pytest $(PYTEST_ARGS) $(TESTS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
+
+# The differential matrix's full tier (tests/matrix/test_matrix.py): the fast slice runs in
+# make test; this adds Inductor, the Hugging Face models and warm starts in a fresh process.
+fuzz: $(STAMP)
+	$(IN_VENV) FF_MATRIX=full FF_MATRIX_SEEDS=$(FUZZ_SEEDS) $(VPY) -m pytest $(PYTEST_ARGS) \
+	    tests/matrix
 
 # Uses the venv's interpreter to build and as the base of the clean venv it installs into.
 check-wheel: $(STAMP)
