@@ -12,6 +12,7 @@ stops there.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from typing import Any
 
@@ -32,6 +33,25 @@ def _at(index: int, event: Any, failure: Failure) -> Failure:
 
 
 # -- the reference Llama ---------------------------------------------------------------------
+_REFUSED = object()
+
+
+def _attempt(call: Any, outcome: Outcome, index: int, event: Any) -> Any:
+    """``call()``'s answer (counted in ``outcome.calls``), or ``_REFUSED`` after a
+    FreezeframeError (counted and kept); any other exception is the case's failure."""
+    try:
+        got = call()
+    except FreezeframeError as exc:
+        outcome.refused += 1
+        outcome.refusals.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+        return _REFUSED
+    except Exception as exc:
+        raise _at(index, event, Failure("raw exception", f"{type(exc).__name__}: {exc}")
+                  ) from exc
+    outcome.calls += 1
+    return got
+
+
 def _requests(seed: int) -> list[Any]:
     from freezeframe.models.serving import Request
 
@@ -73,17 +93,11 @@ def serve_case(case: Case) -> Outcome:
         want = ServingDriver(reference, max_num_seqs=MAX_SEQS,
                              max_num_batched_tokens=MAX_TOKENS).run(requests)
         before = global_state()
-        try:
-            got = ServingDriver(model, forward, max_num_seqs=MAX_SEQS,
-                                max_num_batched_tokens=MAX_TOKENS).run(requests)
-        except FreezeframeError as exc:
-            outcome.refused += 1
-            outcome.refusals.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+        driver = ServingDriver(model, forward, max_num_seqs=MAX_SEQS,
+                               max_num_batched_tokens=MAX_TOKENS)
+        got = _attempt(functools.partial(driver.run, requests), outcome, index, event)
+        if got is _REFUSED:
             continue
-        except Exception as exc:
-            raise _at(index, event, Failure("raw exception", f"{type(exc).__name__}: {exc}")
-                      ) from exc
-        outcome.calls += 1
         if global_state() != before:
             raise _at(index, event, Failure("leak", f"{before} -> {global_state()}"))
         try:
@@ -136,16 +150,10 @@ def hf_case(case: Case) -> Outcome:
         with torch.no_grad():
             want = twin.generate(prompts, max_new_tokens=event.new, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-        try:
-            got = lm.generate(prompts, event.new, output_logits=True)
-        except FreezeframeError as exc:
-            outcome.refused += 1
-            outcome.refusals.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+        got = _attempt(functools.partial(lm.generate, prompts, event.new, output_logits=True),
+                       outcome, index, event)
+        if got is _REFUSED:
             continue
-        except Exception as exc:
-            raise _at(index, event, Failure("raw exception", f"{type(exc).__name__}: {exc}")
-                      ) from exc
-        outcome.calls += 1
         try:
             _same_generation(got, want, tol)
         except Failure as failure:
