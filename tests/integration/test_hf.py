@@ -9,9 +9,11 @@ logit's magnitude (float32), and the generated tokens identical.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +354,45 @@ def test_import_freezeframe_does_not_import_transformers() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300, check=True)
     assert proc.stdout.split() == ["True", "False"]
+
+
+_WARM_CHILD = textwrap.dedent("""
+    import json, sys, time
+    sys.path[:0] = [{src!r}]
+    import torch, transformers
+    import freezeframe as ff
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    prompts = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(4))
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="piecewise",
+                               splitting_ops=[ff.hf.HF_ATTENTION_OP], graph_backend="emulated",
+                               cudagraph_capture_sizes=[1, 2, 4, 8], max_num_tokens=64,
+                               max_num_seqs=8, cache_dir={cache_dir!r})
+    lm = ff.hf.compile(model, cfg, max_batch_size=8, max_cache_len=32, progress=False)
+    out = lm.generate(prompts, 4)
+    s = lm.compiled.stats
+    print(json.dumps({{"tokens": out.sequences.tolist(), "loaded": s.traces_loaded,
+                       "not_saved": s.traces_not_saved}}))
+""")
+
+
+def test_a_warm_start_in_a_fresh_process_loads_the_trace(tmp_path: Path) -> None:
+    # Before: never saved (transformers' output capturing stores constants on a module
+    # global under Dynamo; a namedtuple, torch and a dataclass __init__ reached through
+    # globals Dynamo installs per process), so every warm start traced with Dynamo again.
+    code = _WARM_CHILD.format(src=str(Path(__file__).resolve().parents[2] / "src"),
+                              cache_dir=str(tmp_path / "cache"))
+    env = {k: v for k, v in os.environ.items() if k != "FREEZEFRAME_DISABLE_CACHE"}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert (cold["loaded"], cold["not_saved"]) == (0, 0)
+    assert (warm["loaded"], warm["not_saved"]) == (1, 0)  # (its graph still counts as traced)
+    assert warm["tokens"] == cold["tokens"]

@@ -51,6 +51,7 @@ from freezeframe.cache.key import (
     traced_files_from_graph,
 )
 from freezeframe.compilation.compilers import config_passes, pass_sources
+from freezeframe.compilation.constant_stores import ConstantStore, stores_of_current_trace
 from freezeframe.compilation.direct_call import free_of_side_effects
 from freezeframe.compilation.guard_checks import (
     ValueCheck,
@@ -133,6 +134,8 @@ class ModelCache:
         self._sources: list[str] | None = None
         self._frame_kind: str | None = None
         self._not_saved: str | None = None  # why this trace cannot be saved, once known
+        # forward's side effects, when all are constant stores a saved trace can repeat
+        self._stores: tuple[ConstantStore, ...] | None = None
         self._run: Callable[..., Any] | None = None
         self.cache: CompileCache | None = None
         self.trace_loaded = False
@@ -150,6 +153,7 @@ class ModelCache:
                 self.cache.add_traced_code(code_digests(codes))
                 self._frame_kind = self._traced_frame_kind(codes)
                 self._keep_graph(gm)
+                self._stores = stores_of_current_trace()
             fn = backend(gm, example_inputs)
             if self.cache is not None and self._graph_blob is not None:
                 self._recorder = _OutputRecorder(fn)
@@ -254,10 +258,14 @@ class ModelCache:
         if self._frame_kind is None:
             self._not_saving("Dynamo traced a frame other than the forward")
             return
+        stores: tuple[ConstantStore, ...] = ()
         if self.trace is not None and not free_of_side_effects(self.trace):
             # Dynamo's code repeats forward's Python side effects on every call (a store such
             # as self.last_hidden = h); a saved trace calls the graph alone, so a warm start
-            # would skip them where a cold one makes them
+            # would skip them where a cold one makes them, unless they are constant stores
+            # it repeats itself (constant_stores.py)
+            stores = self._stores or ()
+        if self.trace is not None and not free_of_side_effects(self.trace) and not stores:
             self._not_saving("forward has Python side effects (it stores into the module or "
                              "elsewhere) that only Dynamo's code repeats")
             return
@@ -267,7 +275,7 @@ class ModelCache:
             return
         try:
             described, spec_text = _output_layout(out, rec.outputs)
-            checks = self._checks_holding_now(entries, self._frame_kind, args, kwargs)
+            checks, modules = self._checks_holding_now(entries, self._frame_kind, args, kwargs)
         except _NotSaved as exc:
             self._not_saving(str(exc))
             return
@@ -276,7 +284,9 @@ class ModelCache:
         payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
                                 "out_spec": spec_text, "out_leaves": described,
                                 "frame": self._frame_kind, "sizes": sizes.to_data(),
-                                "valued": self._valued})
+                                "valued": self._valued,
+                                "stores": [store.to_data() for store in stores],
+                                "modules": modules})
         try:
             cache.save_trace(payload, {"inputs": len(self._sources)},
                              [c.as_tuple() for c in checks])
@@ -286,14 +296,19 @@ class ModelCache:
             logger.warning("could not save the trace (%s: %s)", type(exc).__name__, exc)
 
     def _checks_holding_now(self, entries: Sequence[Any], frame_kind: str,
-                            args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[ValueCheck]:
+                            args: tuple[Any, ...], kwargs: dict[str, Any]
+                            ) -> tuple[list[ValueCheck], dict[str, str]]:
         """The value checks to save with the trace, built from its guards, each of which must
         hold right now, as the trace saw it: this proves the sources evaluate the same way
-        without Dynamo, and catches a forward that changed what it read. Raises
+        without Dynamo, and catches a forward that changed what it read; and the modules the
+        globals Dynamo installed by id hold (see ``_Frame.installed_modules``). Raises
         :class:`_NotSaved` when they cannot be built or one does not hold."""
         try:
             frame = _Frame(self._model.module, frame_kind)
             checks = value_checks(entries, frame)
+            modules = frame.installed_modules(
+                [c.source for c in checks] + [str(c.arg) for c in checks if c.arg is not None]
+                + list(self._sources or ()))
             why = failed_check(checks, frame, frame.locals_at_entry(args, kwargs))
         except _CannotCheck as exc:
             raise _NotSaved(f"the trace specialised on {exc}, which another process cannot "
@@ -302,7 +317,7 @@ class ModelCache:
             raise _NotSaved(f"its checks cannot be built ({type(exc).__name__}: {exc})") from None
         if why is not None:
             raise _NotSaved(f"a value the trace specialised on cannot be re-checked: {why}")
-        return checks
+        return checks, modules
 
     def _try_saved_trace(self, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Callable[..., Any] | None:
@@ -343,7 +358,7 @@ class ModelCache:
         checks = tuple(ValueCheck(*row) for row in saved.checks)
         try:
             data = pickle.loads(saved.payload)
-            frame = _Frame(module, data["frame"])
+            frame = _Frame(module, data["frame"], data.get("modules"))
         except Exception as exc:
             raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
         why = _specialised_values_differ(saved, checks, frame, args, kwargs)
@@ -358,7 +373,8 @@ class ModelCache:
             return why
         try:
             gm, example_inputs = _load_graph(data["graph"], data.get("valued"))
-            loaded = _LoadedTrace(frame, data["sources"], data["out_spec"], data["out_leaves"])
+            loaded = _LoadedTrace(frame, data["sources"], data["out_spec"], data["out_leaves"],
+                                  [ConstantStore.from_data(d) for d in data.get("stores", ())])
         except Exception as exc:
             raise CorruptArtifactError(f"{type(exc).__name__}: {exc}") from None
         try:

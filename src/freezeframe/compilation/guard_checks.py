@@ -163,6 +163,14 @@ def _guard_keyword(entry: Any, name: str) -> Any:
     return keywords[name]
 
 
+def _has_keyword(entry: Any, name: str) -> bool:
+    try:
+        _guard_keyword(entry, name)
+    except _CannotCheck:
+        return False
+    return True
+
+
 def _hasattr_name(entry: Any, source: str) -> str:
     """The attribute a HASATTR guard tests: its ``attr`` keyword, or, where Dynamo names it
     only in the guarded source (torch 2.11's guard on iterating a ModuleList reads
@@ -236,10 +244,15 @@ def _guard_checks(entry: Any, frame: _Frame) -> list[ValueCheck]:
         return [ValueCheck("contains", source, "NOT" not in kind, arg=key, guard=kind)]
     if kind == "HASATTR":
         attr = _hasattr_name(entry, source)
-        if not source.endswith("." + attr):
+        # the guarded source names the attribute (``obj.attr``) or, with its ``attr`` keyword
+        # (torch 2.13, reaching a submodule through ``_modules['model']``), the object
+        if source.endswith("." + attr):  # the guard's value is the attribute, if it exists
+            owner, present = source[: -len(attr) - 1], bool(entry.has_value)
+        elif _has_keyword(entry, "attr"):  # the guard's value is the object
+            owner, present = source, hasattr(_entry_value(entry), attr)
+        else:
             raise _CannotCheck(f"HASATTR guard on {source} for attribute {attr!r}")
-        return [ValueCheck("hasattr", source[: -len(attr) - 1], bool(entry.has_value),
-                           arg=attr, guard=kind)]
+        return [ValueCheck("hasattr", owner, present, arg=attr, guard=kind)]
     if kind == "NOT_PRESENT_IN_GENERIC_DICT":
         return [ValueCheck("in_dict", source, False, arg=_guard_keyword(entry, "attr"),
                            guard=kind)]
@@ -322,7 +335,8 @@ def failed_check(checks: Sequence[ValueCheck], frame: _Frame, locals_: Mapping[s
             return (f"{check.source} ({check.guard}) cannot be evaluated "
                     f"({type(exc).__name__}: {exc})")
         if got != check.expected:
-            return (f"{check.source} ({check.guard}) is {got!r}, the trace has "
+            what = f"{check.guard} {check.arg!r}" if check.arg is not None else check.guard
+            return (f"{check.source} ({what}) is {got!r}, the trace has "
                     f"{check.expected!r}")
     return None
 

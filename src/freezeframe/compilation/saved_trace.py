@@ -23,6 +23,8 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from freezeframe.compilation.constant_stores import ConstantStore, resolve
+from freezeframe.compilation.constant_stores import apply as apply_stores
 from freezeframe.compilation.signature import Signer, SizeGuards
 from freezeframe.errors import CacheError
 
@@ -32,7 +34,8 @@ __all__ = ["missing_values", "source_name", "valued_nodes"]
 _IMPORT_ALIAS = "__import_"
 # Dynamo names the globals it installs ``<prefix>_<n>`` with a dunder prefix; the numbers differ
 # between processes.
-_INSTALLED_RE = re.compile(r"^__\w*_\d+$")
+_INSTALLED_RE = re.compile(r"^__\w*_\d+$|^\w*_\d{6,}_c\d+$")  # (torch 2.13: <prefix>_<id>_c<n>)
+_GLOBAL_NAME_RE = re.compile(r"G\[['\"]([^'\"]+)['\"]\]")
 
 
 class _GlobalScope:
@@ -45,12 +48,19 @@ class _GlobalScope:
     refused, at save and at load alike, so a trace that needs one is never saved.
     """
 
-    __slots__ = ("_globals",)
+    __slots__ = ("_globals", "modules")
 
-    def __init__(self, globals_: Mapping[str, Any]) -> None:
+    def __init__(self, globals_: Mapping[str, Any],
+                 modules: Mapping[str, str] | None = None) -> None:
         self._globals = globals_
+        # installed globals that hold a module (torch 2.13 installs ``torch`` by id), by the
+        # module's name: recorded at save (:func:`installed_modules`), resolved at load
+        self.modules = dict(modules or {})
 
     def __getitem__(self, name: str) -> Any:
+        module_name = self.modules.get(name)
+        if module_name is not None:
+            return sys.modules.get(module_name) or importlib.import_module(module_name)
         if name.startswith(_IMPORT_ALIAS):
             module = name[len(_IMPORT_ALIAS):].replace("_dot_", ".")
             return sys.modules.get(module) or importlib.import_module(module)
@@ -83,7 +93,7 @@ class _Frame:
     by :meth:`function` take the module followed by the call's arguments.
     """
 
-    def __init__(self, module: Any, kind: str) -> None:
+    def __init__(self, module: Any, kind: str, modules: Mapping[str, str] | None = None) -> None:
         func: Any = module.forward.__func__
         self.kind = kind
         self.module = module
@@ -110,7 +120,22 @@ class _Frame:
             globals_ = vars(external_utils)
         else:
             raise CacheError(f"unknown traced frame kind {kind!r}")
-        self.globals = _GlobalScope(globals_)
+        self.globals = _GlobalScope(globals_, modules)
+        self._raw_globals = globals_
+
+    def installed_modules(self, sources: Sequence[str]) -> dict[str, str]:
+        """The globals Dynamo installed by id that ``sources`` read and that hold a module
+        (``G['_140619971177152_c0'].Tensor``: torch), by module name, so another process can
+        resolve them; installed globals holding anything else stay refused."""
+        found: dict[str, str] = {}
+        for text in sources:
+            for name in _GLOBAL_NAME_RE.findall(text):
+                value = self._raw_globals.get(name)
+                if _INSTALLED_RE.match(name) and isinstance(value, types.ModuleType) \
+                        and not name.startswith(_IMPORT_ALIAS):
+                    found[name] = value.__name__
+        self.globals.modules.update(found)
+        return found
 
     def function(self, body: str, lines: Sequence[str] = (), *, frame_locals: bool = True,
                  **names: Any) -> Callable[..., Any]:
@@ -185,7 +210,8 @@ class _LoadedTrace:
     outputs."""
 
     def __init__(self, frame: _Frame, sources: Sequence[str], out_spec: str,
-                 out_leaves: Sequence[tuple[str, Any]]) -> None:
+                 out_leaves: Sequence[tuple[str, Any]],
+                 stores: Sequence[ConstantStore] = ()) -> None:
         import torch.utils._pytree as pytree
 
         self._module = frame.module
@@ -195,6 +221,8 @@ class _LoadedTrace:
         self._leaves = list(out_leaves)
         self._unflatten = pytree.tree_unflatten
         self._single = self._spec.is_leaf() and self._leaves[0][0] == "out"
+        # forward's constant stores, repeated after each call as Dynamo's code did them
+        self._stores = resolve(stores)
 
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The graph inputs for a call, evaluated as Dynamo's bytecode would."""
@@ -202,6 +230,8 @@ class _LoadedTrace:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outs = self.fn(*self._bind(self._module, *args, **kwargs))  # type: ignore[misc]
+        if self._stores:
+            apply_stores(self._stores)
         if self._single:
             return outs[self._leaves[0][1]]
         leaves = [outs[v] if kind == "out" else v for kind, v in self._leaves]

@@ -20,7 +20,7 @@ attention: SDPA, or the model's eager attention where the layer asks for soft-ca
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,13 +50,20 @@ STEP_KWARG = "freezeframe_step"
 _GATHER_BUDGET = 1 << 22
 
 
-class StepMetadata(NamedTuple):
-    """What the attention of one step needs beyond q, k, v: the caches and where tokens go."""
+class StepMetadata:
+    """What the attention of one step needs beyond q, k, v: the caches and where tokens go.
 
-    k_cache: torch.Tensor  # [layers, rows + 1, max_cache_len, kv_heads, head_dim]
-    v_cache: torch.Tensor
-    positions: torch.Tensor  # [T] position of each token in its sequence
-    seq_ids: torch.Tensor  # [T] cache row of each token; -1: padding (the sink row)
+    A plain class, not a NamedTuple: Dynamo guards the globals of a namedtuple's generated
+    ``__new__`` by a name installed per process, which kept the trace out of the cache."""
+
+    __slots__ = ("k_cache", "positions", "seq_ids", "v_cache")
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                 seq_ids: torch.Tensor) -> None:
+        self.k_cache = k_cache  # [layers, rows + 1, max_cache_len, kv_heads, head_dim]
+        self.v_cache = v_cache
+        self.positions = positions  # [T] position of each token in its sequence
+        self.seq_ids = seq_ids  # [T] cache row of each token; -1: padding (the sink row)
 
 
 # -- the splitting op ------------------------------------------------------------------------
