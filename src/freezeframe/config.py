@@ -21,6 +21,7 @@ from typing import Any
 
 from freezeframe.config_fields import (
     as_tuple,
+    check_collective_splits,
     check_custom_ops,
     check_pass_config,
     normalise_keys,
@@ -338,6 +339,7 @@ class CompilationConfig:
                                "now FULL")
                 graph_mode = CUDAGraphMode.FULL
         check_piecewise_compilation(graph_mode, mode, ops)
+        check_collective_splits(ops or ())
         set_(self, "splitting_ops", ops if ops is None else tuple(ops))
         set_(self, "cudagraph_mode", graph_mode)
 

@@ -122,6 +122,29 @@ def normalise_op_name(op: Any) -> str:
         "'namespace::op.overload' (one overload), e.g. 'silly::attention'")
 
 
+# torch's functional collectives: each returns before its data is there; wait_tensor waits
+_FUNCTIONAL = "_c10d_functional::"
+_WAIT = _FUNCTIONAL + "wait_tensor"
+
+
+def check_collective_splits(ops: Sequence[str]) -> None:
+    """A functional collective (``_c10d_functional::all_reduce``, ...) as a splitting op runs
+    eagerly and returns a tensor whose data arrives later, at its ``wait_tensor``. If the wait
+    stays inside the next captured piece, the replay copies that tensor into the piece's
+    static input before anything waits for it: the piece reads a half-reduced buffer (found on
+    two gloo ranks: logits off by 12). So the wait must be a splitting op too."""
+    collectives = [op for op in ops if op.startswith(_FUNCTIONAL) and op != _WAIT
+                   and not op.startswith(_WAIT + ".")]
+    if collectives and not any(op == _WAIT or op.startswith(_WAIT + ".") for op in ops):
+        raise ConfigError(
+            f"splitting_ops: {collectives[0]!r} is an asynchronous collective whose result is "
+            f"only complete after its {_WAIT!r}; splitting at the collective alone would let "
+            f"the next captured piece read the result before the wait (a wrong answer). Add "
+            f"{_WAIT!r} to splitting_ops (the collective and its wait then both run eagerly "
+            "between the pieces), or remove the collective (it is then captured inside the "
+            "graphs, waits included)")
+
+
 def normalise_keys(data: Mapping[str, Any], valid: Collection[str]) -> dict[str, Any]:
     """Map aliases onto field names; reject unknown keys, listing the ``valid`` ones."""
     fields = set(valid)

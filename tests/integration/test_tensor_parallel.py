@@ -33,7 +33,8 @@ REQUESTS = [
     Request("c", (7, 8), max_new_tokens=8, arrival_step=2),
     Request("d", tuple(range(20)), max_new_tokens=3, arrival_step=3),  # > budget: chunked
 ]
-GRAPH_MODES = ("PIECEWISE", "FULL")
+# PIECEWISE_SPLIT: PIECEWISE graphs with every collective a splitting op (run between pieces)
+GRAPH_MODES = ("PIECEWISE", "FULL", "PIECEWISE_SPLIT")
 
 
 def _step_kind(step: Any) -> str:
@@ -62,10 +63,13 @@ def _serve(model: Any, forward: Any, kinds: list[str] | None = None) -> dict[str
 def _through_graphs(model: Any, mode: str) -> dict[str, Any]:
     import freezeframe as ff
     from freezeframe.models import ATTENTION_OP, LlamaModel
+    from freezeframe.models.parallel import COLLECTIVE_SPLITTING_OPS
     from freezeframe.models.serving import RunnerForward, llama_runner_inputs
 
+    split = mode == "PIECEWISE_SPLIT"
     cfg = ff.CompilationConfig(
-        mode="piecewise", backend="eager", splitting_ops=[ATTENTION_OP], cudagraph_mode=mode,
+        mode="piecewise", backend="eager", cudagraph_mode="PIECEWISE" if split else mode,
+        splitting_ops=[ATTENTION_OP, *(COLLECTIVE_SPLITTING_OPS if split else ())],
         cudagraph_capture_sizes=SIZES, graph_backend="emulated", max_num_seqs=MAX_SEQS,
         max_num_tokens=MAX_TOKENS)
     compiled = ff.compile(model, cfg, dynamic_arg_dims=dict(
@@ -146,6 +150,11 @@ def test_graphs_replayed_every_step(ranks: list[dict[str, Any]]) -> None:
         assert res["FULL"]["counts"] == {
             "graphs": 5, "traced": 1, "pieces": 3, "replays": 10, "steps_full": 10,
             "steps_piecewise": 0}
+        # split also at the collectives (the embedding's all-reduce and two per layer, each
+        # with its wait): 8 captured pieces between them, one replay each per step
+        assert res["PIECEWISE_SPLIT"]["counts"] == {
+            "graphs": 5, "traced": 1, "pieces": 8, "replays": 80, "steps_full": 0,
+            "steps_piecewise": 10}
 
 
 def test_sharding_refuses_what_does_not_divide() -> None:

@@ -763,3 +763,14 @@ def test_pass_config_switches_that_are_on_are_not_supported(key: str, value: Any
     assert fix in str(exc.value)
     with pytest.raises(ConfigError, match=r"pass_config: expected a mapping"):
         CompilationConfig(pass_config=["fuse_norm_quant"])  # type: ignore[arg-type]
+
+
+def test_a_collective_as_a_splitting_op_needs_its_wait_too() -> None:
+    # Splitting at all_reduce alone let the next piece copy the result before the wait: on
+    # two gloo ranks the tensor-parallel Llama's logits were off by 12
+    with pytest.raises(ConfigError, match=r"'_c10d_functional::all_reduce' is an asynchronous "
+                                          r"collective .* Add '_c10d_functional::wait_tensor'"):
+        CompilationConfig(splitting_ops=["silly::attention", "_c10d_functional::all_reduce"])
+    cfg = CompilationConfig(splitting_ops=["_c10d_functional.all_reduce",
+                                           "_c10d_functional::wait_tensor"])
+    assert cfg.splitting_ops == ("_c10d_functional::all_reduce", "_c10d_functional::wait_tensor")

@@ -33,6 +33,7 @@ from freezeframe.errors import ConfigError
 
 __all__ = [
     "RowParallelLinear",
+    "COLLECTIVE_SPLITTING_OPS",
     "TensorParallel",
     "VocabParallelEmbedding",
     "all_gather_last_dim",
@@ -40,6 +41,13 @@ __all__ = [
 ]
 
 _c10d = torch.ops._c10d_functional
+
+#: The collectives these layers call, with their wait, as splitting ops: add them to
+#: ``splitting_ops`` to run every collective eagerly between the captured pieces instead of
+#: inside the graphs (the wait must be among them: see ``config_fields.check_collective_splits``).
+COLLECTIVE_SPLITTING_OPS = ("_c10d_functional::all_reduce",
+                            "_c10d_functional::all_gather_into_tensor",
+                            "_c10d_functional::wait_tensor")
 
 
 @dataclasses.dataclass(frozen=True)
