@@ -28,12 +28,14 @@ def free_port() -> int:
 
 
 def _entry(worker: Callable[..., Any], rank: int, world: int, port: int, out: Any,
-           group_timeout_s: float, args: tuple[Any, ...]) -> None:
+           group_timeout_s: float, args: tuple[Any, ...], backend: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks share a small machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world,
                             timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
@@ -45,8 +47,9 @@ def _entry(worker: Callable[..., Any], rank: int, world: int, port: int, out: An
 
 
 def run_ranks(worker: Callable[..., Any], world: int, *args: Any, deadline_s: float = 90.0,
-              group_timeout_s: float = 60.0) -> list[Any]:
-    """``[worker(rank, world, *args) for rank in range(world)]``, each in its own process.
+              group_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
+    """``[worker(rank, world, *args) for rank in range(world)]``, each in its own process
+    (``backend="nccl"``: rank ``r`` on GPU ``r``, for the multi-GPU cuda tier).
 
     Raises AssertionError with every rank's traceback when a rank raised, or naming the ranks
     that reported nothing when the deadline passed."""
@@ -54,7 +57,7 @@ def run_ranks(worker: Callable[..., Any], world: int, *args: Any, deadline_s: fl
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(worker, rank, world, port, out, group_timeout_s, args))
+                         args=(worker, rank, world, port, out, group_timeout_s, args, backend))
              for rank in range(world)]
     for proc in procs:
         proc.start()
