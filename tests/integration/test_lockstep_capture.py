@@ -181,3 +181,30 @@ def test_lockstep_options_are_checked() -> None:
                             lockstep=True, progress=False)
     with pytest.raises(ConfigError, match=r"torch\.distributed is not initialised"):
         runner.capture()
+
+
+def _step_fault_worker(rank: int, world: int) -> dict[str, Any]:
+    """Both ranks capture; then rank 1's step fails before its all-reduce (an input the runner
+    refuses) and rank 1 leaves; rank 0's step waits in the all-reduce until the process group
+    gives up: an error within the group's timeout, never a hang."""
+    import torch.distributed as dist
+
+    runner = _runner(_Reducing(dist.group.WORLD.group_name), LADDER)
+    runner.capture()
+    t0 = time.monotonic()
+    try:
+        runner(torch.ones(3, 2) if rank == 0 else torch.ones(3, 5))
+        error = None
+    except Exception as exc:
+        error = type(exc).__name__
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.slow
+def test_a_rank_failing_a_step_leaves_the_others_an_error_within_the_group_timeout() -> None:
+    # Steps after capture are not in lockstep: the process group's own timeout bounds the wait
+    # (docs/distributed.md); here 10 s
+    ranks = run_ranks(_step_fault_worker, 2, deadline_s=120.0, group_timeout_s=10.0)
+    assert ranks[1]["error"] == "InputMismatchError"
+    assert ranks[0]["error"] == "RuntimeError"  # gloo's: the peer left or the wait timed out
+    assert ranks[0]["seconds"] < 10.0 + 5.0
