@@ -1,6 +1,7 @@
 """``GraphRunner(..., verify=N)``: the first N graph steps of each key are checked against the
 uncompiled module run eagerly; a difference is a VerifyError naming the key and the output, and
-the runner keeps serving with its state as the graph step left it."""
+the runner keeps serving with its state as the graph step left it. Every scenario runs on every
+graph backend present (the ``rig`` fixture)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import freezeframe as ff
 from freezeframe.errors import ConfigError, VerifyError
 from freezeframe.runtime import GraphRunner, Tokens
 from tests.helpers.silly import attention
+from tests.scenarios.conftest import Rig
 
 OFFSET = [1.0]  # a Python value an op reads: a captured graph keeps the value it saw
 
@@ -41,28 +43,25 @@ class Shifted(nn.Module):
         return torch.ops.verifytest.shift(h)
 
 
-def _runner(mode: str, **options: Any) -> tuple[Shifted, GraphRunner]:
-    module = Shifted()
-    cfg = ff.CompilationConfig(
-        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
-        cudagraph_mode=mode, graph_backend="emulated", cudagraph_capture_sizes=[1, 2, 4],
-        max_num_tokens=8, use_cache=False)
+def _runner(rig: Rig, mode: str, **options: Any) -> tuple[Shifted, GraphRunner]:
+    module = Shifted().to(rig.device)
+    cfg = rig.config(mode, cudagraph_capture_sizes=[1, 2, 4], max_num_tokens=8)
     runner = GraphRunner(ff.compile(module, cfg), cfg, inputs={"x": Tokens(4)},
-                         progress=False, **options)
+                         device=rig.device, progress=False, **options)
     runner.capture()
     return module, runner
 
 
 @pytest.mark.parametrize("mode", ["full", "piecewise", "full_and_piecewise"])
 def test_the_first_steps_of_each_key_are_checked_then_planned_steps_take_over(
-        mode: str) -> None:
-    module, runner = _runner(mode, verify=2)
+        rig: Rig, mode: str) -> None:
+    module, runner = _runner(rig, mode, verify=2)
     steps = float(module.steps)
     for n in (3, 3, 3, 1, 4, 3):
-        x = torch.randn(n, 4)
+        x = rig.randn(n, 4)
         with torch.no_grad():
-            want = Shifted()(x)
-        torch.testing.assert_close(runner(x), want)
+            want = rig.host(Shifted().to(rig.device)(x))
+        torch.testing.assert_close(rig.host(runner(x)), want)
     # keys: 4 (sizes 3, 3, 3, 4, 3: checked twice) and 1 (once)
     assert runner.stats.get("verified_steps") == 3
     assert runner.stats.get("verify_mismatches") == 0
@@ -70,10 +69,10 @@ def test_the_first_steps_of_each_key_are_checked_then_planned_steps_take_over(
     assert float(module.steps) == steps + 6
 
 
-def test_a_graph_that_no_longer_answers_like_eager_is_named() -> None:
-    module, runner = _runner("full", verify=1)
-    x = torch.randn(3, 4)
-    runner(torch.randn(1, 4))  # key 1 checked and found equal
+def test_a_graph_that_no_longer_answers_like_eager_is_named(rig: Rig) -> None:
+    module, runner = _runner(rig, "full", verify=1)
+    x = rig.randn(3, 4)
+    runner(rig.randn(1, 4))  # key 1 checked and found equal
     OFFSET[0] = 5.0  # the FULL graphs replay the 1.0 they captured; eager adds 5.0
     try:
         steps = float(module.steps)
@@ -97,6 +96,8 @@ def test_a_graph_that_no_longer_answers_like_eager_is_named() -> None:
                                              r"in \[0, 1\) or None"),
 ])
 def test_bad_verify_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
+    """The options are refused before any graph exists: no backend is involved, so this runs
+    once, without the rig."""
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none")
     with pytest.raises(ConfigError, match=message):
         GraphRunner(ff.compile(Shifted(), cfg), cfg, inputs={"x": Tokens(4)}, **options)
