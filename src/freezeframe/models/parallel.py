@@ -32,8 +32,8 @@ from torch import nn
 from freezeframe.errors import ConfigError
 
 __all__ = [
-    "RowParallelLinear",
     "COLLECTIVE_SPLITTING_OPS",
+    "RowParallelLinear",
     "TensorParallel",
     "VocabParallelEmbedding",
     "all_gather_last_dim",
