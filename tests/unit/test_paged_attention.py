@@ -184,6 +184,45 @@ def test_mixed_prefill_and_decode_batch_with_padding(dtype: torch.dtype) -> None
     assert torch.equal(k_cache[written], batch.k[:real])
 
 
+@pytest.mark.parametrize("splits", [2, 3, 6])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 1), (6, 2)])
+def test_split_kv_gives_the_one_pass_answer(splits: int, heads: int, kv_heads: int) -> None:
+    """Split-KV (flash-decoding: each token's context in ``splits`` parts, combined by a second
+    kernel) against the one-pass kernel and the float64 oracle: contexts shorter than a split
+    (empty splits), exactly a split, the whole table; a padded token gets zeros."""
+    from freezeframe.models.paged_attention_triton import paged_attention
+
+    gen = torch.Generator().manual_seed(splits * 100 + heads)
+    lengths = [1, BLOCK, 2 * BLOCK + 1, MAX_BLOCKS * BLOCK]
+    batch = make_batch(gen, heads, kv_heads, torch.float32, lengths, [1] * len(lengths),
+                       pad_tokens=1, pad_reqs=1)
+    one_pass, k_cache, v_cache = run_op(batch, "triton")  # writes this step's keys and values
+    n, real = batch.q.shape[0], batch.num_real_tokens
+    token_req = torch.tensor([*range(real), len(lengths)])  # the padded token: the padded row
+    valid = torch.arange(n) < real
+    out = torch.full((n, heads, HEAD_DIM), float("nan"), device=DEVICE)
+    paged_attention(batch.q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), out,
+                    batch.positions.to(DEVICE), token_req.to(DEVICE), valid.to(DEVICE),
+                    batch.block_tables.to(DEVICE), BLOCK, 1 / math.sqrt(HEAD_DIM),
+                    num_splits=splits)
+    got = out.cpu()
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    torch.testing.assert_close(got, one_pass, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[:real].double(), oracle(batch, k_cache, v_cache)[:real],
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_the_split_count_follows_the_shapes() -> None:
+    from freezeframe.models.paged_attention_triton import num_splits_for, paged_attention
+
+    # few programs and a long table: split; many programs or a short table: one pass
+    assert [num_splits_for(t, 8, 256) for t in (1, 4, 16, 32)] == [16, 4, 1, 1]
+    assert [num_splits_for(1, 8, b) for b in (4, 7, 8, 12, 64)] == [1, 1, 2, 3, 16]
+    with pytest.raises(ConfigError, match=r"num_splits=0 must be an int >= 1"):
+        paged_attention(*(torch.zeros(1, 1, 1),) * 4, *(torch.zeros(1),) * 3,
+                        torch.zeros(1, 1), BLOCK, 1.0, num_splits=0)
+
+
 def test_an_all_padding_batch_gives_zeros() -> None:
     gen = torch.Generator().manual_seed(3)
     batch = make_batch(gen, 4, 2, torch.float32, seq_lens=[], new_tokens=[], pad_tokens=4,

@@ -32,9 +32,10 @@ CHILD = textwrap.dedent("""
     done = []
     for capability in (80, 90):
         for dtype, heads, kv, dim, block in json.loads(sys.argv[1]):
-            kernel = compile_for_gpu(capability, dtype=getattr(torch, dtype), num_heads=heads,
-                                     num_kv_heads=kv, head_dim=dim, block_size=block)
-            done.append([capability, dtype, heads, kv, dim, block, len(kernel.asm["cubin"])])
+            kernels = compile_for_gpu(capability, dtype=getattr(torch, dtype), num_heads=heads,
+                                      num_kv_heads=kv, head_dim=dim, block_size=block)
+            done.append([capability, dtype, heads, kv, dim, block,
+                         {name: len(k.asm["cubin"]) for name, k in kernels.items()}])
     print(json.dumps(done))
 """)
 
@@ -46,13 +47,15 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def test_the_paged_attention_kernel_compiles_to_cubin_for_sm80_and_sm90() -> None:
+def test_the_paged_attention_kernels_compile_to_cubin_for_sm80_and_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(SHAPES)], cwd=ROOT,
                           env=_child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [row[:6] for row in done] == [[cap, *shape] for cap in (80, 90) for shape in SHAPES]
-    assert all(row[6] > 1000 for row in done)  # a real cubin, not an empty object
+    # the one-pass kernel and the split-KV pair, each a real cubin (not an empty object)
+    assert all(sorted(row[6]) == ["attention", "reduce", "split"] for row in done)
+    assert all(size > 1000 for row in done for size in row[6].values())
 
 
 def test_the_ahead_of_time_compile_catches_what_the_interpreter_lets_through(
