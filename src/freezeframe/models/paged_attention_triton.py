@@ -58,6 +58,46 @@ _NEG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _attend_blocks(
+    q, k_cache_ptr, v_cache_ptr, row, pos, kv_head, first, last,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+):
+    """The online softmax of one token's query heads (``q``, scaled, ``[GROUP_P2,
+    HEAD_DIM_P2]`` fp32) over the keys of blocks ``first .. last - 1`` of its block-table
+    ``row`` at positions ``<= pos``: its running max, sum and unnormalised output."""
+    d = tl.arange(0, HEAD_DIM_P2)
+    n = tl.arange(0, BLOCK_P2)
+    d_ok = d < HEAD_DIM
+    run_max = tl.full([GROUP_P2], _NEG, dtype=tl.float32)
+    run_sum = tl.zeros([GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], dtype=tl.float32)
+    for j in range(first, last):
+        block = tl.load(row + j).to(tl.int64)
+        key_pos = j * BLOCK_SIZE + n
+        visible = (n < BLOCK_SIZE) & (key_pos <= pos)
+        slots = block * BLOCK_SIZE + n
+        kv_mask = visible[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_P2, HEAD_DIM_P2]
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P2, BLOCK_P2]
+        scores = tl.where(visible[None, :], scores, _NEG)
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        rescale = tl.exp(run_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        run_sum = run_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
+        run_max = new_max
+    return run_max, run_sum, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     positions_ptr, token_req_ptr, token_valid_ptr, block_tables_ptr,
@@ -81,7 +121,6 @@ def _paged_attention_kernel(
 
     g = tl.arange(0, GROUP_P2)
     d = tl.arange(0, HEAD_DIM_P2)
-    n = tl.arange(0, BLOCK_P2)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
@@ -89,28 +128,10 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     q = q * scale
 
-    run_max = tl.full([GROUP_P2], _NEG, dtype=tl.float32)
-    run_sum = tl.zeros([GROUP_P2], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], dtype=tl.float32)
     row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
-    for j in range(0, num_blocks):
-        block = tl.load(row + j).to(tl.int64)
-        key_pos = j * BLOCK_SIZE + n
-        visible = (n < BLOCK_SIZE) & (key_pos <= pos)
-        slots = block * BLOCK_SIZE + n
-        kv_mask = visible[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_P2, HEAD_DIM_P2]
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P2, BLOCK_P2]
-        scores = tl.where(visible[None, :], scores, _NEG)
-        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-        rescale = tl.exp(run_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        run_sum = run_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-        run_max = new_max
+    _, run_sum, acc = _attend_blocks(
+        q, k_cache_ptr, v_cache_ptr, row, pos, kv_head, 0, num_blocks, stride_ks, stride_kh,
+        stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, GROUP_P2, HEAD_DIM_P2, BLOCK_P2)
 
     # run_sum >= 1 for a real token (its own key is visible); 0 for a padded one
     result = tl.where(run_sum[:, None] > 0, acc / tl.maximum(run_sum, 1e-30)[:, None], 0.0)
@@ -151,7 +172,6 @@ def _paged_attention_split_kernel(
 
     g = tl.arange(0, GROUP_P2)
     d = tl.arange(0, HEAD_DIM_P2)
-    n = tl.arange(0, BLOCK_P2)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
@@ -159,28 +179,10 @@ def _paged_attention_split_kernel(
     q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     q = q * scale
 
-    run_max = tl.full([GROUP_P2], _NEG, dtype=tl.float32)
-    run_sum = tl.zeros([GROUP_P2], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], dtype=tl.float32)
     row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
-    for j in range(first, last):
-        block = tl.load(row + j).to(tl.int64)
-        key_pos = j * BLOCK_SIZE + n
-        visible = (n < BLOCK_SIZE) & (key_pos <= pos)
-        slots = block * BLOCK_SIZE + n
-        kv_mask = visible[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        scores = tl.where(visible[None, :], scores, _NEG)
-        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-        rescale = tl.exp(run_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        run_sum = run_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-        run_max = new_max
+    run_max, run_sum, acc = _attend_blocks(
+        q, k_cache_ptr, v_cache_ptr, row, pos, kv_head, first, last, stride_ks, stride_kh,
+        stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, GROUP_P2, HEAD_DIM_P2, BLOCK_P2)
 
     # workspace rows: ((token * num_kv + kv_head) * num_splits + split) * GROUP_P2 + g
     base = ((token.to(tl.int64) * num_kv + kv_head) * num_splits + split) * GROUP_P2
