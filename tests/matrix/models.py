@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from freezeframe.runtime import InputSpec, Tokens
+from tests.helpers import global_flags
 from tests.helpers.silly import attention
 from tests.helpers.toy_models import (
     AttnSandwich,
@@ -199,6 +200,18 @@ class MakesOnes(nn.Module):
         return y
 
 
+class ResetsLibraryFlags(nn.Module):
+    """Calls a library function that sets constants on its module-level object every call, as
+    transformers' output capturing does: the side effect a saved trace repeats by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return global_flags.reset_flags(attention(self.lin(x), x, x))
+
+
 class Small(nn.Module):
     """The module the after-case health check compiles."""
 
@@ -286,6 +299,9 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in [
     ModelSpec("mixes_rows", MixesRows, _x, (SILLY,), row_independent=False,
               note="softmax, mean and cumsum over the batch"),
     ModelSpec("no_split", NoSplit, _x, (), runner_inputs=_x_spec, autograd=True),
+    ModelSpec("library_flags", ResetsLibraryFlags, _x, (SILLY,), runner_inputs=_x_spec,
+              note="a library function sets constants on its module object (saved and "
+                   "repeated by a warm start)"),
     ModelSpec("reads_attrs", ReadsAttrs, _x, (SILLY,), runner_inputs=_x_spec),
     ModelSpec("makes_ones", MakesOnes, _x, (MIX,), runner_inputs=_x_spec, autograd=True,
               note="torch.ones of the default dtype; writes into its input"),

@@ -33,7 +33,7 @@ from tests.matrix.harness import run_case
 from tests.matrix.models import SPECS
 
 TIER = os.environ.get("FF_MATRIX", "fast")
-FAST_SEEDS = 85
+FAST_SEEDS = 88
 FULL_SEEDS = 400
 
 # Open bugs the matrix found on the current code, by (tier, seed): strict xfails (not shrunk
