@@ -20,7 +20,7 @@ from torch import nn
 import freezeframe as ff
 from freezeframe import CUDAGraphMode
 from freezeframe.errors import CaptureError
-from tests.emulated.test_runner_faults import _assert_clean
+from tests.helpers.faults import _assert_clean
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 HIDDEN = 4
