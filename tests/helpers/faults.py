@@ -158,7 +158,8 @@ CLEAN = {"dispatch_modes": [], "gc_enabled": True, "forward_context": None,
          "ubatch_threads": []}
 
 
-def _assert_clean(frozen_before: int) -> None:
+def _assert_clean(frozen_before: int, clean: dict[str, Any] | None = None) -> None:
+    """The process's global state is ``clean`` (default CLEAN), the gc freeze count as before."""
     state = _global_state()
     assert state.pop("gc_frozen") == frozen_before
-    assert state == CLEAN
+    assert state == (CLEAN if clean is None else clean)

@@ -55,3 +55,12 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
         yield Rig("cuda", "cuda")
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+
+
+@pytest.fixture
+def clean(rig: Rig) -> dict[str, Any]:
+    """tests.helpers.faults.CLEAN with grad mode as the rig set it: the ``cuda`` rig runs every
+    test under ``no_grad``; on ``emulated`` grad is on, as CLEAN says."""
+    from tests.helpers.faults import CLEAN
+
+    return dict(CLEAN, grad=torch.is_grad_enabled())

@@ -20,14 +20,13 @@ from freezeframe.graphs import CaptureWindow, GraphWrapper
 from freezeframe.graphs.backend import resolve_backend
 from freezeframe.stats import Stats
 from tests.helpers.faults import (
-    CLEAN,
     FAULT_TYPES,
     FAULTS,
     FULL,
     NONE,
     PW,
     FaultyModel,
-    _global_state,
+    _assert_clean,
     _inputs,
 )
 from tests.scenarios.conftest import Rig
@@ -41,20 +40,6 @@ def _faults_disarmed() -> Iterator[None]:
     FAULTS.fired.clear()
     yield
     FAULTS.armed = None
-
-
-@pytest.fixture
-def clean(rig: Rig) -> dict[str, Any]:
-    """tests.helpers.faults.CLEAN with grad mode as the rig set it: the ``cuda`` rig runs every
-    test under ``no_grad``; on ``emulated`` grad is on, as CLEAN says."""
-    return dict(CLEAN, grad=torch.is_grad_enabled())
-
-
-def assert_clean(clean: dict[str, Any], frozen_before: int) -> None:
-    """tests.helpers.faults._assert_clean against ``clean``."""
-    state = _global_state()
-    assert state.pop("gc_frozen") == frozen_before
-    assert state == clean
 
 
 def inputs(rig: Rig, tokens: int, seed: int) -> torch.Tensor:
@@ -103,7 +88,7 @@ def test_a_fault_while_tracing(rig: Rig, clean: dict[str, Any]) -> None:
     FAULTS.armed = "trace"
     with pytest.raises(FAULT_TYPES, match="injected at trace"):
         model(inputs(rig, 3, 0))
-    assert_clean(clean, frozen)
+    _assert_clean(frozen, clean)
     assert model.num_traces == 0 and model.stats.graphs_traced == 0
     _assert_works(rig, model, PW)
     assert model.num_traces == 1
@@ -126,7 +111,7 @@ def test_a_fault_while_compiling_a_piece(rig: Rig, clean: dict[str, Any],
     with pytest.raises(CompileError, match=r"eager failed to compile piece \d for sizes "
                                            r"\[1, 8192\]: RuntimeError: injected at compile"):
         model(inputs(rig, 3, 0))
-    assert_clean(clean, frozen)
+    _assert_clean(frozen, clean)
     _assert_works(rig, model, PW)
 
 
@@ -169,7 +154,7 @@ def test_a_fault_during_a_capture_leaves_no_graph_and_the_next_call_captures(
     FAULTS.armed = "replay"  # the first call with this descriptor captures
     with pytest.raises(FAULT_TYPES, match="injected at replay"):
         _step(rig, model, mode, 3, buffer, 1)
-    assert_clean(clean, frozen)
+    _assert_clean(frozen, clean)
     # the piece before the op captured completely (a valid graph, replayed next time); the
     # graph that failed was not stored
     captured = [len(w.captured_descriptors) for w in model.graph_wrappers()]
@@ -191,7 +176,7 @@ def test_a_fault_during_a_replay_leaves_the_graphs_usable(rig: Rig,
     FAULTS.armed = "replay"  # the op runs between the piece replays
     with pytest.raises(FAULT_TYPES, match="injected at replay"):
         _step(rig, model, PW, 3, buffer, 2)
-    assert_clean(clean, frozen)
+    _assert_clean(frozen, clean)
     assert [list(w.captured_descriptors) for w in model.graph_wrappers()] == kept
     with model.stats.expect(graphs_captured=0):
         torch.testing.assert_close(_step(rig, model, PW, 4, buffer, 3),
@@ -218,7 +203,7 @@ def test_capture_while_autograd_records_is_one_clear_error(rig: Rig, clean: dict
         with pytest.raises(CaptureError, match=r"while autograd is recording .*call under "
                                                r"torch.no_grad\(\) or torch.inference_mode\(\)"):
             _step(rig, model, mode, 3, buffer, 1)
-    assert_clean(clean, frozen)
+    _assert_clean(frozen, clean)
     assert all(w.captured_descriptors == [] for w in model.graph_wrappers())
     with torch.no_grad():
         for seed, tokens in enumerate([3, 4, 3]):

@@ -18,14 +18,13 @@ import freezeframe as ff
 from freezeframe import CompilationConfig
 from freezeframe.runtime import GraphRunner, Tokens
 from tests.helpers.faults import (
-    CLEAN,
     FAULT_TYPES,
     FAULTS,
     HIDDEN,
     ClosureForwardModel,
     FaultyModel,
     InjectedFault,
-    _global_state,
+    _assert_clean,
     _inputs,
 )
 from tests.scenarios.conftest import Rig
@@ -51,20 +50,6 @@ def eager(rig: Rig, x: torch.Tensor) -> torch.Tensor:
 def same(rig: Rig, a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal`` of host copies (a replayed output is overwritten by the next replay)."""
     return torch.equal(rig.host(a), rig.host(b))
-
-
-@pytest.fixture
-def clean(rig: Rig) -> dict[str, Any]:
-    """tests.helpers.faults.CLEAN with grad mode as the rig set it: the ``cuda`` rig runs every
-    test under ``no_grad``; on ``emulated`` grad is on, as CLEAN says."""
-    return dict(CLEAN, grad=torch.is_grad_enabled())
-
-
-def assert_clean(clean: dict[str, Any], frozen_before: int) -> None:
-    """tests.helpers.faults._assert_clean against ``clean``."""
-    state = _global_state()
-    assert state.pop("gc_frozen") == frozen_before
-    assert state == clean
 
 
 # -- without micro-batching: warm-up, capture, replay ---------------------------------------------
@@ -113,7 +98,7 @@ def test_a_failed_capture_leaves_no_trace_and_a_retry_captures_everything(
     with pytest.raises(FAULT_TYPES, match=f"injected at {phase}"):
         runner.capture()
     assert FAULTS.fired == [phase]
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
     assert runner.report is None and runner.stats.capture_failures == 1
     assert not model.capture_window.is_open
     assert [w.captured_descriptors for w in model.graph_wrappers()] == (
@@ -130,7 +115,7 @@ def test_a_failed_capture_leaves_no_trace_and_a_retry_captures_everything(
     with model.stats.expect(graphs_captured=0):
         _check_steps(rig, runner, seed=100)
     _check_steps(rig, fresh, seed=200)
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
 
 
 @pytest.mark.parametrize(("phase", "tokens", "uniform"),
@@ -149,13 +134,13 @@ def test_a_fault_in_a_step_leaves_the_runner_working(rig: Rig, clean: dict[str, 
     with pytest.raises(InjectedFault, match=f"injected at {phase}"):
         runner(inputs(rig, tokens, seed=1), uniform_decode=uniform)
     assert FAULTS.fired == [phase]
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
     with model.stats.expect(graphs_captured=0):
         _check_steps(rig, runner, seed=300)
     fresh = _runner(rig, ff.compile(FaultyModel().to(rig.device), cfg), cfg)
     fresh.capture()
     _check_steps(rig, fresh, seed=400)
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
 
 
 # -- micro-batched ---------------------------------------------------------------------------------
@@ -201,7 +186,7 @@ def test_a_failed_micro_batched_capture_leaves_no_trace(rig: Rig, clean: dict[st
     with pytest.raises(FAULT_TYPES, match=f"injected at {phase}"):
         runner.capture()
     assert FAULTS.fired == [phase]
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
     assert runner.report is None and runner.micro_batches is not None
     assert runner.micro_batches.captured_descriptors == []
     assert not model.capture_window.is_open
@@ -215,7 +200,7 @@ def test_a_failed_micro_batched_capture_leaves_no_trace(rig: Rig, clean: dict[st
     fresh = _ubatch_runner(rig, ff.compile(FaultyModel().to(rig.device), cfg), cfg)
     fresh.capture()
     _check_ubatch_steps(rig, fresh, fresh.model, seed=600)
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
 
 
 def test_a_fault_in_a_micro_batched_step_leaves_the_runner_working(
@@ -228,9 +213,9 @@ def test_a_fault_in_a_micro_batched_step_leaves_the_runner_working(
     FAULTS.armed = "micro_batch_eager"
     with pytest.raises(InjectedFault, match="injected at micro_batch_eager"):
         runner(inputs(rig, 12, seed=3))
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
     _check_ubatch_steps(rig, runner, model, seed=700)
-    assert_clean(clean, frozen_before)
+    _assert_clean(frozen_before, clean)
 
 
 def test_micro_batch_threads_leave_the_compile_stance_alone(rig: Rig) -> None:
