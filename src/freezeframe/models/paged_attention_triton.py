@@ -58,6 +58,32 @@ _NEG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _token_context(positions_ptr, token_req_ptr, token_valid_ptr, block_tables_ptr, token,
+                   stride_bt_r, BLOCK_SIZE: tl.constexpr):
+    """A token's position, its block-table row and how many blocks it reads (0 for a padded
+    token, whose position may be anything)."""
+    pos = tl.load(positions_ptr + token)
+    req = tl.load(token_req_ptr + token)
+    valid = tl.load(token_valid_ptr + token)
+    num_blocks = tl.where(valid != 0, pos // BLOCK_SIZE + 1, 0)
+    return pos, block_tables_ptr + req.to(tl.int64) * stride_bt_r, num_blocks
+
+
+@triton.jit
+def _token_query(q_ptr, token, kv_head, stride_qt, stride_qh, scale,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_P2: tl.constexpr,
+                 HEAD_DIM_P2: tl.constexpr):
+    """The scaled fp32 queries ``[GROUP_P2, HEAD_DIM_P2]`` of the token's heads that share
+    ``kv_head`` (padding lanes 0)."""
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    heads = kv_head * GROUP + g
+    q_off = token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    return tl.load(q_ptr + q_off, mask=mask, other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
 def _attend_blocks(
     q, k_cache_ptr, v_cache_ptr, row, pos, kv_head, first, last,
     stride_ks, stride_kh, stride_vs, stride_vh,
@@ -113,28 +139,21 @@ def _paged_attention_kernel(
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
-    pos = tl.load(positions_ptr + token)
-    req = tl.load(token_req_ptr + token)
-    valid = tl.load(token_valid_ptr + token)
-    # a padded token loops zero times: its position may be anything
-    num_blocks = tl.where(valid != 0, pos // BLOCK_SIZE + 1, 0)
-
-    g = tl.arange(0, GROUP_P2)
-    d = tl.arange(0, HEAD_DIM_P2)
-    g_ok = g < GROUP
-    d_ok = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q_off = token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q = q * scale
-
-    row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
+    pos, row, num_blocks = _token_context(positions_ptr, token_req_ptr, token_valid_ptr,
+                                          block_tables_ptr, token, stride_bt_r, BLOCK_SIZE)
+    q = _token_query(q_ptr, token, kv_head, stride_qt, stride_qh, scale, GROUP, HEAD_DIM,
+                     GROUP_P2, HEAD_DIM_P2)
     _, run_sum, acc = _attend_blocks(
         q, k_cache_ptr, v_cache_ptr, row, pos, kv_head, 0, num_blocks, stride_ks, stride_kh,
         stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, GROUP_P2, HEAD_DIM_P2, BLOCK_P2)
 
     # run_sum >= 1 for a real token (its own key is visible); 0 for a padded one
     result = tl.where(run_sum[:, None] > 0, acc / tl.maximum(run_sum, 1e-30)[:, None], 0.0)
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
     o_off = token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, result.to(out_ptr.dtype.element_ty),
              mask=g_ok[:, None] & d_ok[None, :])
@@ -163,28 +182,19 @@ def _paged_attention_split_kernel(
     split = tl.program_id(2)
     num_kv = tl.num_programs(1)
     num_splits = tl.num_programs(2)
-    pos = tl.load(positions_ptr + token)
-    req = tl.load(token_req_ptr + token)
-    valid = tl.load(token_valid_ptr + token)
-    num_blocks = tl.where(valid != 0, pos // BLOCK_SIZE + 1, 0)
+    pos, row, num_blocks = _token_context(positions_ptr, token_req_ptr, token_valid_ptr,
+                                          block_tables_ptr, token, stride_bt_r, BLOCK_SIZE)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, num_blocks)
-
-    g = tl.arange(0, GROUP_P2)
-    d = tl.arange(0, HEAD_DIM_P2)
-    g_ok = g < GROUP
-    d_ok = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q_off = token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q = q * scale
-
-    row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
+    q = _token_query(q_ptr, token, kv_head, stride_qt, stride_qh, scale, GROUP, HEAD_DIM,
+                     GROUP_P2, HEAD_DIM_P2)
     run_max, run_sum, acc = _attend_blocks(
         q, k_cache_ptr, v_cache_ptr, row, pos, kv_head, first, last, stride_ks, stride_kh,
         stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, GROUP_P2, HEAD_DIM_P2, BLOCK_P2)
 
     # workspace rows: ((token * num_kv + kv_head) * num_splits + split) * GROUP_P2 + g
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
     base = ((token.to(tl.int64) * num_kv + kv_head) * num_splits + split) * GROUP_P2
     tl.store(m_ptr + base + g, run_max)
     tl.store(l_ptr + base + g, run_sum)
