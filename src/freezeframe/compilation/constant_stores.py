@@ -33,9 +33,17 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ConstantStore", "apply", "stores_of_current_trace"]
+__all__ = ["ConstantStore", "apply", "imported_module", "resolve", "stores_of_current_trace"]
 
 _IMPORT_PREFIX = "__import_"  # how Dynamo names an imported module among its globals
+
+
+def imported_module(global_name: str) -> str | None:
+    """The module a global Dynamo installed for an import names (``__import_a_dot_b``:
+    ``a.b``), or None for any other global."""
+    if not global_name.startswith(_IMPORT_PREFIX):
+        return None
+    return global_name[len(_IMPORT_PREFIX):].replace("_dot_", ".")
 _LITERALS = (type(None), bool, int, float, str)
 
 
@@ -83,10 +91,9 @@ def _module_path(source: Any) -> tuple[str, tuple[str, ...]] | None:
         source = source.base
     if type(source).__name__ != "GlobalSource":
         return None
-    name = str(source.global_name)
-    if not name.startswith(_IMPORT_PREFIX) or not names:
+    module = imported_module(str(source.global_name))
+    if module is None or not names:
         return None
-    module = name[len(_IMPORT_PREFIX):].replace("_dot_", ".")
     return module, tuple(reversed(names))
 
 

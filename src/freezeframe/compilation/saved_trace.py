@@ -23,7 +23,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from freezeframe.compilation.constant_stores import ConstantStore, resolve
+from freezeframe.compilation.constant_stores import ConstantStore, imported_module, resolve
 from freezeframe.compilation.constant_stores import apply as apply_stores
 from freezeframe.compilation.signature import Signer, SizeGuards
 from freezeframe.errors import CacheError
@@ -31,7 +31,6 @@ from freezeframe.errors import CacheError
 __all__ = ["missing_values", "source_name", "valued_nodes"]
 
 
-_IMPORT_ALIAS = "__import_"
 # Dynamo names the globals it installs ``<prefix>_<n>`` with a dunder prefix; the numbers differ
 # between processes.
 _INSTALLED_RE = re.compile(r"^__\w*_\d+$|^\w*_\d{6,}_c\d+$")  # (torch 2.13: <prefix>_<id>_c<n>)
@@ -61,8 +60,8 @@ class _GlobalScope:
         module_name = self.modules.get(name)
         if module_name is not None:
             return sys.modules.get(module_name) or importlib.import_module(module_name)
-        if name.startswith(_IMPORT_ALIAS):
-            module = name[len(_IMPORT_ALIAS):].replace("_dot_", ".")
+        module = imported_module(name)
+        if module is not None:
             return sys.modules.get(module) or importlib.import_module(module)
         if _INSTALLED_RE.match(name):
             if name.startswith("__builtins_dict__"):  # the frame's builtins, as a dict
@@ -132,7 +131,7 @@ class _Frame:
             for name in _GLOBAL_NAME_RE.findall(text):
                 value = self._raw_globals.get(name)
                 if _INSTALLED_RE.match(name) and isinstance(value, types.ModuleType) \
-                        and not name.startswith(_IMPORT_ALIAS):
+                        and imported_module(name) is None:
                     found[name] = value.__name__
         self.globals.modules.update(found)
         return found
