@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.gloo import run_ranks
+from tests.helpers.ranks import run_ranks
 from tests.integration.test_tensor_parallel import (
     CACHE,
     MAX_SEQS,

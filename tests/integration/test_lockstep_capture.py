@@ -24,7 +24,7 @@ from torch import nn
 
 from freezeframe.errors import ConfigError
 from freezeframe.runtime.lockstep import Lockstep, plan_difference
-from tests.helpers.gloo import run_ranks
+from tests.helpers.ranks import run_ranks
 
 TIMEOUT_S = 3.0
 LADDER = [1, 2, 4, 8]

@@ -22,7 +22,7 @@ from freezeframe.models import KVCacheConfig, LlamaConfig
 from freezeframe.models.llama_tp import local_config, shard_llama_state_dict
 from freezeframe.models.parallel import TensorParallel
 from freezeframe.models.serving import Request
-from tests.helpers.gloo import run_ranks
+from tests.helpers.ranks import run_ranks
 
 CACHE = KVCacheConfig(num_blocks=64, block_size=4, max_model_len=48)
 MAX_SEQS, MAX_TOKENS = 4, 16

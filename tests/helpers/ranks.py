@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (CPU, loopback only) and collect what each returned.
+"""Run a function on N ranks of a process group (gloo on the CPU over loopback; NCCL, one GPU
+per rank, for the multi-GPU tier) and collect what each returned.
 
 Each rank is a spawned process that joins a process group on 127.0.0.1, calls the worker and
 puts ``(rank, "ok", result)`` or ``(rank, "error", traceback)`` on a queue. The parent waits
