@@ -53,6 +53,10 @@ class ForwardContext:
     micro_batch: MicroBatchSlice | None = None
     micro_batch_index: int | None = None
     dp_metadata: DPMicroBatchMetadata | None = None
+    #: whose buffers the step's tensors are (a ``GraphRunner`` sets its static buffers; None
+    #: for a low-level call): a graph captured in the step is stamped with it, so a runner
+    #: replays only graphs captured on its own buffers
+    owner: object | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _RUNTIME_MODES:
@@ -88,6 +92,7 @@ def forward_context(
     capturing: bool = False,
     capture_error_mode: str = "global",
     micro_batches: Any = None,
+    owner: object | None = None,
     **extras: Any,
 ) -> Iterator[ForwardContext]:
     """Run the ``with`` block as one step with the given runtime mode and descriptor.
@@ -114,6 +119,7 @@ def forward_context(
         capturing=capturing,
         capture_error_mode=capture_error_mode,
         micro_batches=micro_batches,
+        owner=owner,
     )
     with entered(ctx):
         yield ctx

@@ -5,10 +5,12 @@ step. Once a size is captured, the model's Python (routing, Dynamo's bytecode, t
 of each replay) gives the same answer every time, so it is worked out once, here, and the
 runner keeps a zero-argument function:
 
-* FULL: :func:`full_replay` -- the FULL wrapper's planned replay for the descriptor;
+* FULL: :func:`full_replay` -- the FULL graph's :class:`~freezeframe.graphs.replay.Replay` on
+  the buffers it was captured reading, checked once;
 * PIECEWISE: :func:`piecewise_replay` -- the stitching graph called directly on the flat
-  inputs Dynamo's code passed it, each capturable piece a planned replay, the splitting ops
-  called as the graph calls them, the output rebuilt from the graph's outputs.
+  inputs Dynamo's code passed it, each capturable piece its graph's ``Replay`` (the same
+  argument checks a call through the wrapper makes), the splitting ops called as the graph
+  calls them, the output rebuilt from the graph's outputs.
 
 Both keep the module-state check of every call (``check``: parameters replaced since the plan
 drop every graph, and the replay then raises :class:`~freezeframe.graphs.StaleReplay`).
@@ -40,7 +42,7 @@ from freezeframe.config import CUDAGraphMode
 from freezeframe.context import ForwardContext
 from freezeframe.errors import CaptureError
 from freezeframe.graphs import GraphWrapper
-from freezeframe.graphs.wrapper import PieceReplay, StaleReplay
+from freezeframe.graphs.replay import Replay, StaleReplay
 from freezeframe.stats import Stats
 
 __all__ = ["drop_graphs", "full_replay", "piecewise_replay", "refuse_graphs_under_autograd"]
@@ -82,13 +84,16 @@ def full_replay(wrapper: GraphWrapper | None, descriptor: BatchDescriptor,
     """A zero-argument replay of ``wrapper``'s FULL graph for ``descriptor`` captured on these
     arguments, running ``check`` (the model's every-call state check) first; None when there is
     no such graph."""
-    replay = wrapper.replayer(descriptor, args, kwargs) if wrapper is not None else None
-    if replay is None or check is None:
-        return replay
+    replay = wrapper.replay_for(descriptor) if wrapper is not None else None
+    if replay is None or not replay.reads_captured(args, kwargs):
+        return None
+    on_captured = replay.on_captured
+    if check is None:
+        return on_captured
 
     def checked() -> Any:
         check()
-        return replay()
+        return on_captured()
 
     return checked
 
@@ -114,18 +119,16 @@ def piecewise_replay(variant: Variant, stitched: Stitched, descriptor: BatchDesc
     wrappers = [getattr(stitching, name) for name in names]
     if not all(isinstance(w, GraphWrapper) for w in wrappers):
         return None
-    replays = [w.piece_replayer(descriptor) for w in wrappers]
-    if any(r is None for r in replays):
+    found = [w.replay_for(descriptor) for w in wrappers]
+    if any(r is None or not r.positional for r in found):
         return None
-    forward = planned_stitching(stitching, dict(zip(names, replays, strict=True))).forward
-    pieces = cast(list[PieceReplay], replays)
+    pieces = cast(list[Replay], found)
+    forward = planned_stitching(stitching, dict(zip(names, pieces, strict=True))).forward
 
     def replay() -> Any:
         if check is not None:  # first: parameters replaced since the plan drop every graph
             check()
         if not all(piece.live for piece in pieces):
-            for piece in pieces:
-                piece.retire()
             raise StaleReplay(f"a PIECEWISE graph for {descriptor} was dropped")
         try:
             if inference:  # (the guard torch.inference_mode() enters, for less)
@@ -135,8 +138,8 @@ def piecewise_replay(variant: Variant, stitched: Stitched, descriptor: BatchDesc
                 flat = forward(*flat_args)
         except StaleReplay as exc:  # part of the step ran: it must not run again
             raise CaptureError(
-                f"{model_key}: a planned PIECEWISE step for {descriptor} met a piece "
-                f"argument unlike its capture halfway through ({exc})") from None
+                f"{model_key}: a PIECEWISE graph of the planned step for {descriptor} was "
+                f"dropped halfway through the step ({exc})") from None
         return rebuild(flat)
 
     return replay

@@ -10,25 +10,19 @@ holds the mechanism. Policy, as in the seeds:
   and the inner ones capture/replay;
 * the first sight of a descriptor captures, later sights replay and return the stored output
   (the same tensor objects every time, overwritten by each replay);
-* a replay reads the tensors the graph was captured with, so every replay checks its tensor
-  arguments against them (a few hundred nanoseconds per tensor): the same tensor or a view at
-  the same address with the same shape replays as is; a tensor at another address with the
-  same shape and dtype is *copied into* the captured one first (counted in
-  ``replay_input_copies``, logged once per wrapper, and copied back after the replay when the
-  graph writes into it) — or, with ``debug=True``, refused with an error, for callers who want
-  to prove that they always write into the captured buffers; another shape, dtype or set of
-  tensor arguments is an :class:`~freezeframe.errors.InputMismatchError` (a replay cannot
-  change the shape: pad the batch to the descriptor's size).
+* a replay goes through the graph's :class:`~freezeframe.graphs.replay.Replay`, which states
+  the rules for its arguments once (the captured tensors are read as they are, a new tensor of
+  the captured shape is copied in, anything else is refused): the wrapper's own replays and a
+  runner's planned steps (:meth:`GraphWrapper.replay_for`) take the same path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -36,25 +30,14 @@ from torch.utils import _pytree as pytree
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import get_forward_context
-from freezeframe.errors import CaptureError, ConfigError, InputMismatchError
+from freezeframe.errors import CaptureError, ConfigError
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend
+from freezeframe.graphs.replay import Replay, ReplayShared, layout_of, tensor_args
 from freezeframe.stats import Stats
 
-__all__ = ["INPUT_COPIES", "CaptureWindow", "GraphOptions", "GraphWrapper", "PieceReplay",
-           "StaleReplay"]
-
-# Called with the captured tensor before a replay copies a new argument into it. A GraphRunner
-# sets it for a step whose model runs hooks (runtime/plan.py): a forward pre-hook that returns
-# new inputs makes the replay copy them into the runner's static buffer, a write that is the
-# library's own and must not reach the caller's input.
-INPUT_COPIES: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = \
-    contextvars.ContextVar("freezeframe_input_copies", default=None)
+__all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper"]
 
 logger = logging.getLogger(__name__)
-
-
-class StaleReplay(Exception):
-    """A function from :meth:`GraphWrapper.replayer` was called after its graph was dropped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,44 +103,10 @@ class CaptureWindow:
 
 @dataclasses.dataclass
 class _Entry:
-    """What the wrapper keeps per descriptor."""
+    """What the wrapper keeps per descriptor: the warm-ups made, then the graph's replay."""
 
     warmups_done: int = 0
-    graph: CapturedGraph | None = None
-    output: Any = None
-    # the tensor arguments of the capturing call (held: the graph reads their memory)
-    inputs: tuple[_TensorArg, ...] = ()
-    # per input: whether the capturing call wrote into it (copied back after a replay that
-    # copied a new tensor in)
-    written: tuple[bool, ...] = ()
-    # which arguments were tensors, and the keyword names (see _layout)
-    layout: tuple[Any, ...] = ((), ())
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorArg:
-    """One tensor argument of the capturing call: where it was passed, and the tensor."""
-
-    name: int | str  # argument position, or keyword name
-    tensor: torch.Tensor
-
-    @property
-    def where(self) -> str:
-        return f"argument {self.name}" if isinstance(self.name, int) else f"keyword {self.name!r}"
-
-    def value(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if isinstance(self.name, int):
-            return args[self.name] if self.name < len(args) else None
-        return kwargs.get(self.name)
-
-
-def _reads_captured(now: Any, then: torch.Tensor) -> bool:
-    """Whether argument ``now`` is the captured tensor ``then``, or a view of its very memory
-    laid out the same way: a replay reads it as it is, with no copy."""
-    return now is then or (
-        isinstance(now, torch.Tensor) and now.shape == then.shape and now.dtype == then.dtype
-        and now.device == then.device and now.data_ptr() == then.data_ptr()
-        and now.stride() == then.stride())
+    replay: Replay | None = None
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -167,18 +116,6 @@ def _version(tensor: torch.Tensor) -> int | None:
         return int(tensor._version)
     except RuntimeError:
         return None
-
-
-def _layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Which positional arguments are tensors, and the keywords with whether each is one."""
-    return (tuple(isinstance(a, torch.Tensor) for a in args),
-            tuple((k, isinstance(v, torch.Tensor)) for k, v in kwargs.items()))
-
-
-def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_TensorArg, ...]:
-    named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-    return tuple(_TensorArg(name, value) for name, value in named
-                 if isinstance(value, torch.Tensor))
 
 
 class GraphWrapper:
@@ -226,10 +163,14 @@ class GraphWrapper:
         self.options = options if options is not None else GraphOptions()
         self.stats = stats
         self.window = window
-        self.debug = bool(debug)
         self.num_warmups = num_warmups
         self._entries: dict[BatchDescriptor, _Entry] = {}
-        self._copy_logged = False
+        self._shared = ReplayShared(mode.name, bool(debug), stats)
+
+    @property
+    def debug(self) -> bool:
+        """Whether a replay refuses a new tensor instead of copying it into the captured one."""
+        return self._shared.debug
 
     # -- introspection --------------------------------------------------------------------
     def unwrap(self) -> Callable[..., Any]:
@@ -239,12 +180,28 @@ class GraphWrapper:
     @property
     def captured_descriptors(self) -> list[BatchDescriptor]:
         """The keys that have a captured graph, in capture order."""
-        return [key for key, entry in self._entries.items() if entry.graph is not None]
+        return [key for key, entry in self._entries.items() if entry.replay is not None]
+
+    def replay_for(self, descriptor: BatchDescriptor) -> Replay | None:
+        """The :class:`~freezeframe.graphs.replay.Replay` of the graph captured for
+        ``descriptor`` (relaxed for PIECEWISE), or ``None``. A runner's planned step calls it
+        directly: a PIECEWISE step in place of the piece (with the piece's arguments), a FULL
+        step with :meth:`Replay.on_captured` once :meth:`Replay.reads_captured` holds for its
+        static buffers. It raises :class:`~freezeframe.graphs.StaleReplay` once the graph is
+        dropped (:meth:`clear`, a recapture): the caller goes back to calling the wrapper."""
+        entry = self._entries.get(self._key(descriptor))
+        return None if entry is None else entry.replay
+
+    def held_by_others(self, owner: object) -> bool:
+        """Whether a graph of this wrapper was captured in a step whose forward context named
+        another owner (or none: a low-level call on the caller's own tensors)."""
+        return any(entry.replay is not None and entry.replay.owner is not owner
+                   for entry in self._entries.values())
 
     def graph_for(self, descriptor: BatchDescriptor) -> CapturedGraph | None:
         """The captured graph for ``descriptor`` (relaxed for PIECEWISE), or ``None``."""
-        entry = self._entries.get(self._key(descriptor))
-        return None if entry is None else entry.graph
+        replay = self.replay_for(descriptor)
+        return None if replay is None else replay.graph
 
     def memory_bytes(self) -> int:
         """The graph memory this wrapper's graphs report holding, summed: each graph's
@@ -253,7 +210,8 @@ class GraphWrapper:
         which only the device's free memory shows)."""
         total = 0
         for entry in self._entries.values():
-            held = getattr(entry.graph, "memory_bytes", None) if entry.graph is not None else None
+            graph = entry.replay.graph if entry.replay is not None else None
+            held = getattr(graph, "memory_bytes", None) if graph is not None else None
             if isinstance(held, int):
                 total += held
         return total
@@ -262,60 +220,9 @@ class GraphWrapper:
         """Drop every captured graph and stored output so their memory can be freed; the next
         sight of a descriptor captures again (if the window is open)."""
         for entry in self._entries.values():
-            entry.graph = None  # a replayer made for it sees the drop (see replayer)
+            if entry.replay is not None:
+                entry.replay.drop()  # a planned step holding it sees the drop
         self._entries.clear()
-
-    def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Callable[[], Any] | None:
-        """A zero-argument function that replays the graph of ``descriptor`` and returns its
-        output, for a caller that always passes these very arguments (a runner's static
-        buffers): everything a replay checks per call is checked once, here.
-
-        ``None`` when there is no graph for ``descriptor`` or when ``args``/``kwargs`` are
-        not, tensor for tensor, the memory the graph was captured reading (same address,
-        shape, strides, dtype and device). The returned function raises
-        :class:`StaleReplay` once the graph is gone (:meth:`clear`, a recapture): the caller
-        goes back to calling the wrapper. Call it from one thread at a time (a runner calls it
-        under its lock): it counts its replays in a plain integer, a
-        :class:`~freezeframe.stats.Tally`."""
-        key = self._key(descriptor)
-        entry = self._entries.get(key)
-        if entry is None or entry.graph is None or _layout(args, kwargs) != entry.layout:
-            return None
-        for captured in entry.inputs:
-            if not _reads_captured(captured.value(args, kwargs), captured.tensor):
-                return None
-        graph, output, stats = entry.graph, entry.output, self.stats
-        replays = stats.tally("replays")
-
-        def replay() -> Any:
-            if entry.graph is not graph:
-                stats.retire(replays)
-                raise StaleReplay(f"the {self.runtime_mode.name} graph for {key} was dropped")
-            graph.replay()
-            replays.n += 1
-            return output
-
-        return replay
-
-    def piece_replayer(self, descriptor: BatchDescriptor) -> PieceReplay | None:
-        """The replay of this PIECEWISE wrapper's graph for ``descriptor``, for a caller that
-        calls the pieces of one step shape again and again in the same order (a runner's
-        planned step): the forward context, the key and the argument layout are looked up
-        once, here. Each call still takes the piece's arguments: those that are the captured
-        tensors are read as they are; a new tensor (a splitting op's fresh output) of the
-        captured shape, dtype and device is copied in first, as :meth:`__call__` does, and
-        copied back out if the graph writes into it. Anything else raises
-        :class:`StaleReplay` before the graph runs (the caller goes back to calling the
-        wrapper). ``None`` when there is no graph for ``descriptor`` or it was captured with
-        keyword arguments. Call it from one thread at a time."""
-        key = self._key(descriptor)
-        entry = self._entries.get(key)
-        if entry is None or entry.graph is None or entry.layout[1]:
-            return None
-        if not all(isinstance(c.name, int) for c in entry.inputs):
-            return None
-        return PieceReplay(self, key, entry)
 
     def __repr__(self) -> str:
         return (f"GraphWrapper({self.runtime_mode.name}, backend={self.backend.name}, "
@@ -335,8 +242,11 @@ class GraphWrapper:
 
         key = self._key(ctx.batch_descriptor)
         entry = self._entries.get(key)
-        if entry is not None and entry.graph is not None:
-            return self._replay(key, entry, entry.graph, args, kwargs)
+        if entry is not None and entry.replay is not None:
+            replay = entry.replay
+            if layout_of(args, kwargs) != replay.layout:
+                replay.refuse_arguments(args, kwargs)
+            return replay(*args, **kwargs)
 
         if not self.window.is_open:
             raise CaptureError(
@@ -362,7 +272,7 @@ class GraphWrapper:
         if self.options.log:
             logger.debug("capturing a %s graph for %s (%s backend)", self.runtime_mode.name,
                          key, self.backend.name)
-        inputs = _tensor_args(args, kwargs)
+        inputs = tensor_args(args, kwargs)
         grad = torch.is_grad_enabled()
         if grad:
             needs = next((a for a in inputs if a.tensor.requires_grad), None)
@@ -389,49 +299,12 @@ class GraphWrapper:
         if self.options.weak_ref_output:
             output = self.backend.weak_ref(output)
         # Stored strongly unless weak_ref_output: a later piece's graph reads this memory, so
-        # it must not return to the pool while the graph exists.
-        entry.output = output
-        entry.inputs = inputs
-        entry.written = written
-        entry.layout = _layout(args, kwargs)
-        entry.graph = graph
+        # it must not return to the pool while the graph exists. The Replay holds the tensor
+        # arguments too: the graph reads their memory.
+        entry.replay = Replay(graph, output, key, inputs, written, layout_of(args, kwargs),
+                              self._shared, ctx.owner if ctx is not None else None)
         self.stats.inc("graphs_captured")
         return output
-
-    def _replay(self, key: BatchDescriptor, entry: _Entry, graph: CapturedGraph,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _layout(args, kwargs) != entry.layout:
-            self._refuse_arguments(key, entry, args, kwargs)
-        copied: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for captured, written in zip(entry.inputs, entry.written, strict=True):
-            now = captured.value(args, kwargs)
-            then = captured.tensor
-            if _reads_captured(now, then):
-                continue
-            if now.shape != then.shape or now.dtype != then.dtype \
-                    or now.device != then.device:
-                self._refuse_shape(key, captured, now)
-            if self.debug:
-                self._refuse_address(key, captured, now)
-            watch = INPUT_COPIES.get()
-            if watch is not None:
-                watch(then)
-            then.copy_(now)
-            if written:
-                copied.append((now, then))
-            self.stats.inc("replay_input_copies")
-            if not self._copy_logged:
-                self._copy_logged = True
-                logger.info("%s of the %s graph for %s is a new tensor, not the captured one: "
-                            "it is copied into the captured buffer before each such replay "
-                            "(counted in stats.replay_input_copies); write into the captured "
-                            "buffer to avoid the copy", captured.where,
-                            self.runtime_mode.name, key)
-        graph.replay()
-        for now, then in copied:  # the graph wrote into its copy: the caller's tensor gets it
-            now.copy_(then)
-        self.stats.inc("replays")
-        return entry.output
 
     def _refuse_autograd(self, key: BatchDescriptor, why: str) -> None:
         raise CaptureError(
@@ -441,109 +314,3 @@ class GraphWrapper:
             "saved. Graphs are for inference: call under torch.no_grad() or "
             "torch.inference_mode(), or compile with ff.compile(..., inference_mode=True) (the "
             "default), which runs every call in inference mode")
-
-    def _refuse_arguments(self, key: BatchDescriptor, entry: _Entry,
-                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The call passes its arguments differently from the capturing call."""
-        def shown(layout: tuple[Any, ...]) -> str:
-            positional, keywords = layout
-            parts = ["tensor" if t else "other" for t in positional]
-            parts += [f"{k}={'tensor' if t else 'other'}" for k, t in keywords]
-            return f"({', '.join(parts)})"
-
-        raise InputMismatchError(
-            f"the {self.runtime_mode.name} graph for {key} was captured with arguments "
-            f"{shown(entry.layout)} but is replayed with {shown(_layout(args, kwargs))}; a "
-            "replay re-runs the captured work on the captured tensors, so call it with the "
-            "same arguments it was captured with")
-
-    def _refuse_shape(self, key: BatchDescriptor, captured: _TensorArg, now: Any) -> None:
-        then = captured.tensor
-        graph = f"the {self.runtime_mode.name} graph for {key}"
-        if not isinstance(now, torch.Tensor):
-            raise InputMismatchError(
-                f"{captured.where} of {graph} is {type(now).__name__}, but the graph was "
-                "captured with a tensor there; call it with the same arguments it was "
-                "captured with")
-        rows = ""
-        if now.dim() >= 1 and then.dim() == now.dim() and now.shape[1:] == then.shape[1:]:
-            rows = (f" — {now.shape[0]} rows where the graph was captured with "
-                    f"{then.shape[0]}: a replay would return {then.shape[0]} rows, some of "
-                    "them stale")
-        raise InputMismatchError(
-            f"{captured.where} of {graph} is {tuple(now.shape)} {now.dtype} on {now.device}, "
-            f"but the graph was captured with {tuple(then.shape)} {then.dtype} on "
-            f"{then.device}{rows}. A replay always works on the captured shape: pad the batch "
-            "to the descriptor's size (the dispatcher's padded num_tokens) and pass that many "
-            "rows")
-
-    def _refuse_address(self, key: BatchDescriptor, captured: _TensorArg,
-                        now: torch.Tensor) -> None:
-        then = captured.tensor
-        raise InputMismatchError(
-            f"{captured.where} of the {self.runtime_mode.name} graph for {key} has address "
-            f"{now.data_ptr():#x} (strides {now.stride()}), but the graph was captured reading "
-            f"address {then.data_ptr():#x} (strides {then.stride()}). debug=True refuses the "
-            "copy a replay would otherwise make: write the new data into the captured buffer "
-            "(captured.copy_(new), or a slice of a persistent buffer) instead of passing a new "
-            "tensor")
-
-
-class PieceReplay:
-    """One PIECEWISE graph's replay with its arguments, planned once (see
-    :meth:`GraphWrapper.piece_replayer`)."""
-
-    __slots__ = ("_copies", "_entry", "_graph", "_inputs", "_key", "_mode", "_nargs",
-                 "_output", "_replays", "_stats")
-
-    def __init__(self, wrapper: GraphWrapper, key: BatchDescriptor, entry: _Entry) -> None:
-        assert entry.graph is not None
-        self._key = key
-        self._mode = wrapper.runtime_mode.name
-        self._entry = entry
-        self._graph = entry.graph
-        self._output = entry.output
-        self._nargs = len(entry.layout[0])
-        # (position, the captured tensor, whether the capture wrote into it)
-        self._inputs = tuple((cast(int, c.name), c.tensor, written)
-                             for c, written in zip(entry.inputs, entry.written, strict=True))
-        self._stats = wrapper.stats
-        self._replays = wrapper.stats.tally("replays")
-        self._copies = wrapper.stats.tally("replay_input_copies")
-
-    @property
-    def live(self) -> bool:
-        """Whether the graph is still the one planned (not dropped by a clear or recapture)."""
-        return self._entry.graph is self._graph
-
-    def retire(self) -> None:
-        """Fold this replay's counts into the plain counters (its plan is forgotten)."""
-        self._stats.retire(self._replays)
-        self._stats.retire(self._copies)
-
-    def __call__(self, *args: Any) -> Any:
-        if self._entry.graph is not self._graph:
-            raise StaleReplay(f"the {self._mode} graph for {self._key} was dropped")
-        if len(args) != self._nargs:
-            raise StaleReplay(f"the {self._mode} graph for {self._key} got {len(args)} "
-                              f"arguments, its capture {self._nargs}")
-        copied: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        for i, then, written in self._inputs:
-            now = args[i]
-            if now is then or _reads_captured(now, then):
-                continue
-            if now.__class__ is not torch.Tensor or now.shape != then.shape \
-                    or now.dtype != then.dtype or now.device != then.device:
-                raise StaleReplay(f"argument {i} of the {self._mode} graph for {self._key} "
-                                  "does not fit the captured tensor")
-            then.copy_(now)
-            self._copies.n += 1
-            if written:
-                copied = [] if copied is None else copied
-                copied.append((now, then))
-        self._graph.replay()
-        if copied:
-            for now, then in copied:  # the graph wrote into its copy: the caller's tensor too
-                now.copy_(then)
-        self._replays.n += 1
-        return self._output

@@ -44,7 +44,6 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.errors import CaptureError, FreezeframeError, GraphMemoryBudgetError
 from freezeframe.graphs.breakable import BreakableGraph
 from freezeframe.graphs.capturable import Capturable
-from freezeframe.graphs.wrapper import GraphWrapper
 from freezeframe.runtime.buffers import SavedBuffers
 from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures
 from freezeframe.runtime.dispatcher import Dispatcher
@@ -103,12 +102,7 @@ class Capturer:
         # sizes and graph keys that ran eagerly before their first capture (see _num_warmups)
         self._primed_sizes: set[int] = set()
         self._primed_keys: set[GraphKey] = set()
-        # graph wrappers that held graphs before this runner existed (low-level calls on other
-        # tensors): capture() frees them; graphs this runner's steps captured are kept
         self._memory = GraphMemoryMeter(held, device, self._ubatch_bytes)
-        self._foreign: list[GraphWrapper] = [
-            w for w in held.graph_wrappers() if w.captured_descriptors] \
-            if held is not None else []
 
     # -- the eager policy -------------------------------------------------------------------
     def capture_all(self) -> CaptureReport:
@@ -433,11 +427,13 @@ class Capturer:
                        "be called again")
 
     def _drop_foreign_graphs(self) -> None:
-        """Free graphs the model captured before this runner existed: they read the caller's
-        tensors, not this runner's static buffers, so each replay would copy the step's
-        inputs into them."""
-        foreign = [w for w in self._foreign if w.captured_descriptors]
-        self._foreign = []
+        """Free graphs the model captured outside this runner's steps (low-level calls, before
+        or after the runner was made, or another runner): they read other tensors than this
+        runner's static buffers, so each replay would copy the step's inputs into them, which
+        are the caller's. Graphs this runner's own steps captured are kept."""
+        mine = self._forward.static
+        foreign = [w for w in self._held.graph_wrappers() if w.held_by_others(mine)] \
+            if self._held is not None else []
         if foreign:
             logger.warning("GraphRunner.capture: the model already held graphs captured outside "
                            "this runner (%d wrappers); they read other tensors, so they are "

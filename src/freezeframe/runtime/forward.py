@@ -49,7 +49,7 @@ class ModelForward:
         with torch.no_grad(), forward_context(
                 desc, mode=mode, num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs,
                 capturing=capturing, capture_error_mode=error_mode, micro_batches=plan,
-                **extras):
+                owner=self.static, **extras):
             if self.call_positional:
                 return model(*views.values())
             return model(**views)

@@ -53,7 +53,7 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import ForwardContext, entered
 from freezeframe.errors import FallbackError, InputMismatchError
 from freezeframe.graphs.capturable import Capturable
-from freezeframe.graphs.wrapper import INPUT_COPIES, StaleReplay
+from freezeframe.graphs.replay import INPUT_COPIES, StaleReplay
 from freezeframe.runtime.buffers import (
     Slot,
     Staging,
