@@ -1,18 +1,15 @@
-"""Faults in the graph machinery under a compiled model used directly (``ff.compile``, then
-calls inside ``ff.forward_context``), complementing the runner's fault tests: a signal that
-interrupts the main thread of a micro-batched step, and a replay of a captured graph that
-raises. After each, no global state is left behind (no micro-batch thread still running,
-dispatch modes, forward context, grad mode, compile stance, garbage collector), and the same
-model and a fresh one give eager's outputs."""
+"""Faults in the graph machinery that only the emulated backend, or a fake of torch.cuda, can
+inject on CPU: a replay of a captured graph that raises after running half of its recorded
+steps (an emulated graph's steps are Python; a CUDA graph replays as one launch), after which
+no global state is left behind (dispatch modes, forward context, grad mode, compile stance,
+garbage collector) and the same model and a fresh one give eager's outputs; and the cuda
+backend's handling of an error raised inside a capture, checked against the recording fake of
+torch.cuda. The backend-independent fault scenarios are in tests/scenarios (the interrupted
+micro-batched step: tests/scenarios/test_interrupted_micro_batch.py)."""
 
 from __future__ import annotations
 
 import gc
-import signal
-import threading
-import time
-from collections.abc import Iterator
-from types import FrameType
 
 import pytest
 import torch
@@ -22,8 +19,6 @@ import freezeframe as ff
 from freezeframe import CUDAGraphMode
 from freezeframe.graphs.cuda import CudaBackend, is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
-from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
-from freezeframe.runtime.ubatch.slicing import plan_micro_batches
 from tests.helpers.faults import _assert_clean
 from tests.unit.test_graph_backends import FakeCuda, FakeStream
 
@@ -32,44 +27,10 @@ HIDDEN = 4
 OP = "ffgraphfaults::comm"
 
 
-class Interrupted(BaseException):
-    """What a signal handler raises in the main thread (as SIGINT raises KeyboardInterrupt)."""
-
-
-class _Stall:
-    """While armed, micro-batch 0 signals the main thread at the comm point, and then every
-    micro-batch keeps passing the baton until ``release`` is set (or the step is aborted, which
-    raises out of the yield)."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.release = threading.Event()
-        self.signalled = 0
-
-    def comm_point(self) -> None:
-        if not self.armed or not ff.ubatch.in_micro_batch():
-            return
-        ctx = ff.ubatch.current_micro_batch()
-        assert ctx is not None
-        if ctx.index == 0 and self.signalled == 0:
-            self.signalled += 1
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
-        deadline = time.monotonic() + 60  # a bound, so a broken abort cannot hang the suite
-        while not self.release.is_set() and time.monotonic() < deadline:
-            ff.ubatch.yield_()
-
-
-STALL = _Stall()
-
-
 @torch.library.custom_op(OP, mutates_args=())
 def _comm(x: torch.Tensor) -> torch.Tensor:
-    """The communication of a micro-batch (``x * 2 + 1``), between yield points."""
-    ff.ubatch.yield_to_comm()
-    STALL.comm_point()
-    out = x * 2 + 1
-    ff.ubatch.yield_to_compute()
-    return out
+    """The splitting op (``x * 2 + 1``)."""
+    return x * 2 + 1
 
 
 @_comm.register_fake
@@ -100,89 +61,6 @@ def _inputs(tokens: int, seed: int) -> torch.Tensor:
 def _eager(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return Model()(x)
-
-
-@pytest.fixture(autouse=True)
-def _stall_disarmed() -> Iterator[None]:
-    STALL.armed, STALL.signalled = False, 0
-    STALL.release.clear()
-    yield
-    STALL.armed = False
-    STALL.release.set()  # whatever a failed test left waiting goes on
-
-
-@pytest.fixture
-def interrupt_handler() -> Iterator[None]:
-    def raise_interrupted(signum: int, frame: FrameType | None) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
-    yield
-    signal.signal(signal.SIGUSR1, previous)
-
-
-# -- a micro-batched step whose main thread is interrupted ----------------------------------------
-CAPTURE_SIZE = 8
-
-
-def _ubatch_config(graph_mode: str) -> ff.CompilationConfig:
-    return ff.CompilationConfig(
-        mode="dynamo_trace_once", backend="eager", cudagraph_mode=graph_mode,
-        graph_backend="emulated", cudagraph_capture_sizes=[CAPTURE_SIZE], max_num_tokens=16,
-        max_num_seqs=16, micro_batching=True, micro_batch_decode_threshold=2,
-        micro_batch_prefill_threshold=2, use_cache=False)
-
-
-class _Split:
-    """A compiled model behind a MicroBatchWrapper, driven the low-level way: a static buffer
-    of CAPTURE_SIZE rows, a plan of two 4-token requests, a forward context per step."""
-
-    def __init__(self, graph_mode: str) -> None:
-        self.config = _ubatch_config(graph_mode)
-        self.model = ff.compile(Model(), self.config)
-        self.wrapper = MicroBatchWrapper.for_runner(self.model, self.config)
-        self.wrapper.timeout_s = 60
-        self.mode = FULL if graph_mode == "full" else NONE
-        self.buffer = torch.zeros(CAPTURE_SIZE, HIDDEN)
-        self.model(_inputs(CAPTURE_SIZE, seed=0))  # the first call traces (unsplit)
-
-    def step(self, seed: int) -> torch.Tensor:
-        x = _inputs(CAPTURE_SIZE, seed)
-        self.buffer.copy_(x)
-        plan = plan_micro_batches(self.config, [4, 4], CAPTURE_SIZE, sync=False)
-        assert plan is not None and plan.num_micro_batches == 2
-        with ff.forward_context(ff.BatchDescriptor(num_tokens=CAPTURE_SIZE), mode=self.mode,
-                                micro_batches=plan):
-            return self.wrapper(self.buffer).clone()
-
-    def check(self, seeds: range) -> None:
-        for seed in seeds:
-            assert torch.equal(self.step(seed), _eager(_inputs(CAPTURE_SIZE, seed))), seed
-
-
-@pytest.mark.parametrize("graph_mode", ["none", "full"])
-@pytest.mark.usefixtures("interrupt_handler")
-def test_an_interrupted_micro_batched_step_leaves_no_thread_running(graph_mode: str) -> None:
-    """A signal (Ctrl-C, a deadline) raises in the main thread while it waits for the
-    micro-batch threads (``full``: inside the split capture). The threads must be unwound
-    before the exception leaves the call: a thread left running would go on writing into the
-    buffers the next step uses."""
-    frozen = gc.get_freeze_count()
-    split = _Split(graph_mode)
-    STALL.armed = True
-    with pytest.raises(Interrupted):
-        split.step(seed=1)
-    assert STALL.signalled == 1
-    _assert_clean(frozen)  # among others: no freezeframe-ubatch thread alive
-    STALL.armed = False
-    STALL.release.set()
-    assert split.wrapper.captured_descriptors == []
-    with split.model.stats.expect(graphs_captured=1 if graph_mode == "full" else 0):
-        split.check(range(2, 6))
-    assert [d.num_tokens for d in split.wrapper.captured_descriptors] == (
-        [CAPTURE_SIZE] if graph_mode == "full" else [])
-    _Split(graph_mode).check(range(6, 9))
-    _assert_clean(frozen)
 
 
 # -- a replay that raises -------------------------------------------------------------------------

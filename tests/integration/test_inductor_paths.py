@@ -17,11 +17,12 @@ from freezeframe.compilation.compilers import current_compile_range
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.sizes import Range
-from tests.emulated.test_runner import InPlaceWriter, _writer_inputs, writer_runner
-from tests.emulated.test_runner import config as runner_config
 from tests.helpers import silly
 from tests.helpers.configs import silly_config
 from tests.helpers.toy_models import AttnSandwich, SillyModel
+from tests.scenarios.conftest import Rig
+from tests.scenarios.test_runner_inputs import InPlaceWriter, writer_inputs, writer_runner
+from tests.scenarios.test_runner_inputs import config as runner_config
 from tests.unit.test_cache_faults import _run as run_cached_process
 from tests.unit.test_call_checks import RowNorm, grad_after_a_no_grad_call
 from tests.unit.test_call_checks import config as call_config
@@ -161,10 +162,11 @@ def test_inductor_in_a_root_with_spaces_and_a_damaged_kernel_cache(tmp_path: Pat
 def test_inputs_written_by_inductor_compiled_pieces_reach_the_caller() -> None:
     """Inductor's compiled code writes into its inputs and bumps their version counters, in
     eager steps and in emulated replays (which call the compiled piece again) alike."""
-    model, runner = writer_runner(runner_config("piecewise", backend="inductor", use_cache=False))
+    model, runner = writer_runner(runner_config(Rig("emulated", "cpu"), "piecewise",
+                                                 backend="inductor"))
     eager = InPlaceWriter()
     for step_no, (n, reqs) in enumerate([(3, 2), (11, 3)]):  # a replay, an eager step
-        mine = _writer_inputs(n, reqs, seed=step_no)
+        mine = writer_inputs(n, reqs, seed=step_no)
         theirs = tuple(t.clone() for t in mine)
         assert torch.equal(runner(*mine), eager(*theirs)), n
         for name, a, b in zip(("x", "slots", "seen", "cache"), mine, theirs, strict=True):
