@@ -169,18 +169,21 @@ def test_tiny_llama_prediction_error() -> None:
                          graph_memory_budget=2**30)
     report = runner.capture()
     graphs = {(g.mode, g.descriptor.num_tokens): g for g in report.graphs}
-    # PIECEWISE: 15228 bytes per token from 2 tokens on; at one token a copy after a transpose
-    # is a view (a dimension of one is contiguous), 256 bytes less: measured, off the line
-    assert [graphs[PW, n].memory_bytes for n in (1, 2, 4, 8)] == [14972, 30456, 60912, 121824]
-    assert graphs[PW, 8].predicted_bytes == 121824 and not graphs[PW, 8].probe
+    # PIECEWISE: about 15280 bytes per token from 2 tokens on; at one token a copy after a
+    # transpose is a view (a dimension of one is contiguous), 256 bytes less: measured, off the
+    # line. The first piece holds the step's token layout, whose tokens-by-requests comparison
+    # grows a little faster than the tokens while the requests grow with them
+    assert [graphs[PW, n].memory_bytes for n in (1, 2, 4, 8)] == [15026, 30560, 61128, 122312]
+    pw8 = graphs[PW, 8]
+    assert pw8.predicted_bytes == 122264 and not pw8.probe  # 48 bytes (0.04%) under
     # FULL (decode keys, attention inside): the one predicted graph within 0.05%
     full8 = graphs[FULL, 8]
     assert not full8.probe and full8.predicted_bytes is not None
     assert abs(full8.predicted_bytes - full8.memory_bytes) / full8.memory_bytes < 5e-4
     assert report.prediction_error is not None and abs(report.prediction_error) < 2e-4
-    # the total counts measured sizes as measured
+    # the total counts measured sizes as measured, and predicts the two sizes not measured
     assert report.predicted_bytes == report.memory_bytes - full8.memory_bytes \
-        + full8.predicted_bytes
+        + full8.predicted_bytes - pw8.memory_bytes + pw8.predicted_bytes
 
 
 # -- the budget -------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def _attention_kernel(
         return
     keys_cache, values_cache = k_cache[layer], v_cache[layer]
     sink_row = keys_cache.shape[0] - 1
-    rows = torch.where(seq_ids < 0, torch.full_like(seq_ids, sink_row), seq_ids)
+    rows = torch.where(seq_ids < 0, sink_row, seq_ids)
     # every token's key/value first, so a token sees the earlier tokens of the same step
     keys_cache.index_put_((rows, positions), k[0].transpose(0, 1).to(keys_cache.dtype))
     values_cache.index_put_((rows, positions), v[0].transpose(0, 1).to(values_cache.dtype))

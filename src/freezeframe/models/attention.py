@@ -13,6 +13,12 @@ Batch metadata (all tensors, all int64; ``T`` tokens, ``R`` request rows):
   The new tokens are the last ``qsl[r+1] - qsl[r]`` positions of the sequence.
 * ``block_tables [R, max_blocks]``: see :mod:`freezeframe.models.kv_cache`.
 
+The token layout (each token's request row, and whether it is a real token) follows from
+``query_start_loc``, ``seq_lens`` and ``slot_mapping``: :func:`token_layout` computes it. A model
+computes it once per forward and passes it to every layer's op (``token_req``,
+``token_valid``), so under PIECEWISE graphs it is captured in the first piece instead of run
+eagerly by the op of every layer (about 8 small kernels each); an op given none computes it.
+
 Real requests come first; rows with ``seq_lens == 0`` are padding, whatever their
 ``query_start_loc`` (so a runner may fill the tail of request-sized buffers with any value and
 a fixed ``R`` = max requests works for every step). Tokens at or past the last real request's
@@ -65,6 +71,7 @@ __all__ = [
     "attention",
     "check_attention_kernel",
     "resolve_attention_kernel",
+    "token_layout",
 ]
 
 #: The op's qualified name, for ``CompilationConfig(splitting_ops=[ATTENTION_OP])``.
@@ -126,15 +133,24 @@ def _attention(
     block_size: int,
     scale: float,
     kernel: str = "auto",
+    token_req: torch.Tensor | None = None,  # [T], token_layout(...)[0]
+    token_valid: torch.Tensor | None = None,  # [T], token_layout(...)[1]
 ) -> None:
     """Write this step's K/V into the cache, then attend each token over its request's context."""
     use_triton = resolve_attention_kernel(kernel, q.device) == "triton"
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    token_req, token_valid = _token_layout(query_start_loc, seq_lens, slot_mapping)
+    if token_req is None or token_valid is None:
+        token_req, token_valid = token_layout(query_start_loc, seq_lens, slot_mapping)
+    elif token_req.shape != slot_mapping.shape or token_valid.shape != slot_mapping.shape \
+            or token_valid.dtype != torch.bool:
+        raise ValueError(
+            f"freezeframe::attention: token_req {tuple(token_req.shape)} and token_valid "
+            f"{tuple(token_valid.shape)} {token_valid.dtype} must be token_layout(...) of this "
+            f"step: one entry per token ({tuple(slot_mapping.shape)}), token_valid bool")
     sink = k_cache.shape[0] - 1
-    write_slot = torch.where(token_valid, slot_mapping, torch.full_like(slot_mapping, sink))
+    write_slot = torch.where(token_valid, slot_mapping, sink)
     k_cache.index_copy_(0, write_slot, k.to(k_cache.dtype))
     v_cache.index_copy_(0, write_slot, v.to(v_cache.dtype))
     if use_triton:
@@ -179,6 +195,8 @@ def _attention_fake(
     block_size: int,
     scale: float,
     kernel: str = "auto",
+    token_req: torch.Tensor | None = None,
+    token_valid: torch.Tensor | None = None,
 ) -> None:
     return None
 
@@ -187,7 +205,8 @@ _LIBRARY = define_op(
     ATTENTION_OP,
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
     "Tensor positions, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor block_tables, int block_size, float scale, str kernel=\"auto\") -> ()",
+    "Tensor block_tables, int block_size, float scale, str kernel=\"auto\", "
+    "Tensor? token_req=None, Tensor? token_valid=None) -> ()",
     _attention, _attention_fake)
 attention = torch.ops.freezeframe.attention
 """The op (see :func:`_attention` for what it computes), as ``attention(q, k, v, out, ...)``."""
@@ -236,10 +255,11 @@ def _choose_path() -> AttentionHostMetadata | bool | None:
     return True
 
 
-def _token_layout(
+def token_layout(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: its request row (clamped into range) and whether it is a real token.
+    """Per token: its request row (clamped into range, int64) and whether it is a real token
+    (bool): the op's ``token_req`` and ``token_valid``.
 
     Computed from the metadata alone, without assuming anything about padded request rows
     beyond ``seq_lens == 0``: a request counts only if it is real, so the tail of

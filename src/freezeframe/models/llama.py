@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freezeframe.errors import ConfigError
-from freezeframe.models.attention import ATTENTION_OP, default_scale
+from freezeframe.models.attention import ATTENTION_OP, default_scale, token_layout
 from freezeframe.models.kv_cache import KVCacheConfig, allocate_layer_cache
 
 __all__ = ["ATTENTION_OP", "LlamaConfig", "LlamaModel", "build_llama"]
@@ -165,6 +165,8 @@ class Attention(nn.Module):
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        token_req: torch.Tensor | None = None,
+        token_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -179,7 +181,7 @@ class Attention(nn.Module):
         torch.ops.freezeframe.attention(
             q, k, v.contiguous(), out, self.k_cache, self.v_cache, positions, slot_mapping,
             query_start_loc, seq_lens, block_tables, self.block_size, self.scale,
-            self.attention_kernel,
+            self.attention_kernel, token_req, token_valid,
         )
         return self.o_proj(out.reshape(num_tokens, h * d))
 
@@ -263,8 +265,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope[positions]  # [T, head_dim]
+        # once per forward, not per layer (in the first piece's graph under PIECEWISE)
+        token_req, token_valid = token_layout(query_start_loc, seq_lens, slot_mapping)
         for layer in self.layers:
-            x = layer(x, rope, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
+            x = layer(x, rope, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+                      token_req, token_valid)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
