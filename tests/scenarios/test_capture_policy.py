@@ -239,3 +239,45 @@ def test_the_runner_keeps_a_histogram_of_real_step_sizes(rig: Rig) -> None:
     with pytest.raises(ff.errors.InputMismatchError):
         runner(torch.ones(3, 4, device=rig.device))  # refused steps are not counted
     assert runner.size_histogram == {1: 1, 3: 3, 5: 1, 8: 2}
+
+
+class CountsCalls(nn.Module):
+    """Counts its calls in a buffer, as a running statistic (or a KV cache write) does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x * 2 + self.calls
+
+
+def test_a_lazy_capture_keeps_its_buffer_copies_on_the_device_where_they_fit(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dummy steps of a lazy capture write the model's buffers, which are restored after
+    it. capture() keeps its copies on the host beyond DEVICE_LIMIT (0 here); one lazy key on a
+    GPU keeps them on the device while they fit in half its free memory, not copying a whole KV
+    cache to the host and back per key. On the CPU both are host copies."""
+    from freezeframe.runtime import buffers, capture
+
+    where: list[bool] = []
+
+    class Recorded(buffers.SavedBuffers):
+        def __init__(self, model: Any, device_room: int = 0) -> None:
+            super().__init__(model, device_room)
+            where.append(self.on_device)
+
+    monkeypatch.setattr(buffers.SavedBuffers, "DEVICE_LIMIT", 0)
+    monkeypatch.setattr(capture, "SavedBuffers", Recorded)
+    cfg = config(rig, "full", mode="dynamo_trace_once", splitting_ops=None)
+    module = CountsCalls().to(rig.device)
+    runner = GraphRunner(ff.compile(module, cfg), cfg, inputs={"x": Tokens(3)},
+                         device=rig.device, progress=False, capture_policy="lazy",
+                         lazy_warmups=0)
+    runner.capture()
+    assert where == [False]  # capture(): the two probe steps, copies on the host
+    out = rig.host(runner(torch.ones(2, 3, device=rig.device)))  # captures key 2 lazily
+    assert where == [False, rig.backend == "cuda"]
+    assert torch.equal(out, torch.full((2, 3), 3.0))  # the first real call: calls == 1
+    assert rig.host(module.calls).item() == 1.0

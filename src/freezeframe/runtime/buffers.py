@@ -279,16 +279,20 @@ def detach_from_written(out: Any, values: Mapping[str, torch.Tensor],
 
 class SavedBuffers:
     """The model's buffers as they were before ``capture()``, to undo what its dummy steps
-    write into them (a running count, a KV cache). A copy on the device up to
-    ``DEVICE_LIMIT`` bytes in all, on the host beyond that; restored in place (graphs keep the
-    addresses), and only where the version counter moved."""
+    write into them (a running count, a KV cache). A copy on the device when the buffers fit
+    in ``DEVICE_LIMIT`` bytes, or in ``device_room`` (a lazy or background capture of one key
+    passes half the device's free memory: a whole KV cache copied to the host and back per key
+    would cost about a second per 10 GiB), on the host otherwise; restored in place (graphs
+    keep the addresses), and only where the version counter moved."""
 
     DEVICE_LIMIT = 256 << 20
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, device_room: int = 0) -> None:
         named = model.named_buffers() if isinstance(model, torch.nn.Module) else ()
         buffers = [b for _, b in named]
-        on_device = sum(b.numel() * b.element_size() for b in buffers) <= self.DEVICE_LIMIT
+        total = sum(b.numel() * b.element_size() for b in buffers)
+        on_device = total <= max(self.DEVICE_LIMIT, device_room)
+        self.on_device = on_device
         self.saved: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
         with torch.no_grad():
             for buf in buffers:

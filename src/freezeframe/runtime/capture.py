@@ -199,7 +199,11 @@ class Capturer:
         window = self._held.capture_window if self._held is not None else None
         # Copied aside before the clock and the memory baseline start: the report measures
         # graphs, not the copies.
-        saved = SavedBuffers(self.model)
+        # one key (lazy, background) while serving: on the device where half the free memory
+        # holds the copy; capture() of every key keeps its memory for the graphs
+        room = 0 if frozen_gc or not self._on_cuda \
+            else torch.cuda.mem_get_info(self._device)[0] // 2
+        saved = SavedBuffers(self.model, device_room=room)
         self._started = time.perf_counter()
         if frozen_gc and self._on_cuda:
             torch.cuda.synchronize(self._device)
