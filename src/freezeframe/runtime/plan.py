@@ -19,7 +19,8 @@ devices and on the step options, so it is kept as a :class:`StepPlan`::
     module-state check                            module-state check
     FULL: replay the graph                        replay the graph
     PIECEWISE: Dynamo's code, the stitching       the stitching graph on the recorded flat
-      graph, each piece's wrapper and checks        inputs, each piece a planned replay, the
+      graph, each piece's wrapper, which calls      inputs, each piece's Replay called
+      the piece's Replay                            directly (the same argument checks), the
                                                     splitting ops called as before
     which inputs were written?                    FULL: none (a replay repeats the writes of
                                                     the step that made the plan, which wrote
