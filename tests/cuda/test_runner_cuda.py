@@ -61,3 +61,51 @@ def test_a_step_before_capture_warms_its_key_up_before_capturing_it() -> None:
     assert report.num_graphs == len(SIZES)
     assert runner.stats.warmups == len(SIZES)  # one per key: key 4 was warmed by the step
     torch.testing.assert_close(runner(x), want)
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer (cuBLAS) split by the silly attention, on one device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tests.helpers.silly import attention
+
+        h = self.proj(x)
+        return self.proj(attention(h, h, h)) * 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("policy", ["eager", "background"])
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_runner_on_the_second_gpu_captures_there_whatever_device_is_current(
+        mode: str, policy: str) -> None:
+    """A cuda:1 runner called from a thread whose current device is 0 (every thread starts
+    there, the background capture's too): its captures must record on cuda:1's stream, or the
+    graphs are empty, the kernels run eagerly while capturing, and replays return stale
+    outputs. Two inputs in a row at the same size tell a working replay from a stale one."""
+    cfg = ff.CompilationConfig(
+        mode="piecewise", backend="eager", splitting_ops=["silly::attention"],
+        cudagraph_mode=mode, graph_backend="cuda", cudagraph_capture_sizes=[2, 4],
+        max_num_tokens=4, max_num_seqs=4, cudagraph_num_of_warmups=1)
+    module = _Scaled().to("cuda:1")
+    eager = _Scaled().to("cuda:1")
+    eager.load_state_dict(module.state_dict())
+    with torch.cuda.device(0):
+        runner = GraphRunner(ff.compile(module, cfg), cfg, inputs={"x": Tokens(64)},
+                             device="cuda:1", progress=False, capture_policy=policy)
+        report = runner.capture()
+        if policy == "background":
+            report = runner.wait_for_capture(timeout=120)
+        assert report.num_graphs == 2
+        for seed in range(3):
+            x = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)).to("cuda:1")
+            with torch.no_grad():
+                want = eager(x)
+            got = runner(x)
+            torch.cuda.synchronize(1)
+            torch.testing.assert_close(got, want)
+        assert torch.cuda.current_device() == 0
+    assert runner.stats.steps_eager == 0

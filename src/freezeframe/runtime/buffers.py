@@ -67,6 +67,7 @@ class StaticBuffers:
     def __init__(self, specs: Mapping[str, InputSpec], config: CompilationConfig,
                  device: torch.device, stats: Stats) -> None:
         self.specs = specs
+        self.device = device
         self._stats = stats
         # Always normal tensors (not inference tensors, even when the runner is built under
         # inference_mode): the runner writes into them outside inference mode, and their

@@ -47,7 +47,7 @@ from freezeframe.graphs.capturable import Capturable
 from freezeframe.runtime.buffers import SavedBuffers
 from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures
 from freezeframe.runtime.dispatcher import Dispatcher
-from freezeframe.runtime.forward import ModelForward
+from freezeframe.runtime.forward import ModelForward, device_current
 from freezeframe.runtime.graph_memory import GraphMemoryPrediction, measurement_plan
 from freezeframe.runtime.lock import StepLock
 from freezeframe.runtime.lockstep import Lockstep, in_lockstep, lockstep_session
@@ -196,6 +196,14 @@ class Capturer:
         open, the garbage collector frozen (or paused), and, whatever happens, the dummy
         steps undone; a failure frees every graph it made. Yields the graph memory in use at
         the start (see :class:`GraphMemoryMeter`)."""
+        # the runner's device current: the backend captures on the current device's stream
+        with device_current(self._device), \
+                self._transaction_on_device(frozen_gc, key) as used_before:
+            yield used_before
+
+    @contextlib.contextmanager
+    def _transaction_on_device(self, frozen_gc: bool, key: GraphKey | None) -> Iterator[int]:
+        """The transaction of :meth:`_transaction`, the runner's device current."""
         window = self._held.capture_window if self._held is not None else None
         # Copied aside before the clock and the memory baseline start: the report measures
         # graphs, not the copies.

@@ -5,10 +5,16 @@ call: the buffer views of the padded size, the forward context that tells the gr
 which graph to capture or replay (mode and padded descriptor, the real token and request
 counts, the micro-batch split), the model called by name or by position. This object makes
 that call; the runner's steps and its capture transaction both use it.
+
+On CUDA the call runs with the runner's device current (:func:`device_current`): a capture
+records the kernels launched on the current device's capture stream, so a ``cuda:1`` runner
+called from a thread whose current device is 0 (any thread starts there, the background
+capture's too) would otherwise capture an empty graph while its kernels ran eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +27,18 @@ from freezeframe.runtime.buffers import StaticBuffers
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_for_step
 
-__all__ = ["ModelForward"]
+__all__ = ["ModelForward", "device_current"]
+
+
+def device_current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made the current CUDA device for the ``with`` block when it is not already
+    (nothing to do for a CPU device, or when it is current)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 class ModelForward:
@@ -46,7 +63,7 @@ class ModelForward:
         views = self.static.views(padded_tokens, padded_reqs)
         model = self.ubatch if self.ubatch is not None else self.model
         # Inference only: no autograd graph may hang on the static buffers or graph outputs.
-        with torch.no_grad(), forward_context(
+        with device_current(self.static.device), torch.no_grad(), forward_context(
                 desc, mode=mode, num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs,
                 capturing=capturing, capture_error_mode=error_mode, micro_batches=plan,
                 owner=self.static, **extras):
