@@ -20,6 +20,7 @@ from freezeframe import CUDAGraphMode
 from freezeframe.graphs.cuda import CudaBackend, is_capture_violation
 from freezeframe.graphs.emulated import EmulatedGraph
 from tests.helpers.faults import _assert_clean
+from tests.helpers.toy_models import IntegerWeights
 from tests.unit.test_graph_backends import FakeCuda, FakeStream
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
@@ -38,16 +39,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-class Model(nn.Module):
+class Model(IntegerWeights):
     """Token-wise and integer-valued (exact results): linear, the comm op, relu(linear)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.w1 = nn.Parameter(torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
-                               requires_grad=False)
-        self.w2 = nn.Parameter(torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
-                               requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(_comm(x @ self.w1) @ self.w2)

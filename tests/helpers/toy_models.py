@@ -270,3 +270,17 @@ class OuterWithTwoInner(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = attention(x + 1, x, x)
         return self.inner_two(self.inner_one(x))
+
+
+
+class IntegerWeights(nn.Module):
+    """Two integer-valued ``hidden x hidden`` weights ``w1``, ``w2`` drawn from seed 0, for
+    models whose every result is exact in any order (a subclass's forward uses them)."""
+
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randint(-3, 4, (hidden, hidden), generator=g).float(),
+                               requires_grad=False)
+        self.w2 = nn.Parameter(torch.randint(-3, 4, (hidden, hidden), generator=g).float(),
+                               requires_grad=False)

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import freezeframe as ff
 from freezeframe import CUDAGraphMode
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import plan_micro_batches
 from tests.helpers.faults import _assert_clean
+from tests.helpers.toy_models import IntegerWeights
 from tests.scenarios.conftest import Rig
 
 NONE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -77,16 +77,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-class Model(nn.Module):
+class Model(IntegerWeights):
     """Token-wise and integer-valued (exact results): linear, the comm op, relu(linear)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.w1 = nn.Parameter(torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
-                               requires_grad=False)
-        self.w2 = nn.Parameter(torch.randint(-3, 4, (HIDDEN, HIDDEN), generator=g).float(),
-                               requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(_comm(x @ self.w1) @ self.w2)

@@ -20,18 +20,10 @@ from freezeframe.errors import ConfigError, InputMismatchError, ShapeOutOfRangeE
 from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
 from tests.helpers.silly import attention
 from tests.scenarios.conftest import Rig
+from tests.scenarios.runners import SIZES, config
 from tests.scenarios.test_runner_modes import CAPTURES, Recorder
 
 FULL = CUDAGraphMode.FULL
-SIZES = [1, 2, 4, 8]
-MAX_TOKENS = 12
-
-
-def config(rig: Rig, graph_mode: str, **kw: Any) -> CompilationConfig:
-    fields: dict[str, Any] = dict(cudagraph_capture_sizes=SIZES, max_num_tokens=MAX_TOKENS,
-                                  max_num_seqs=8)
-    fields.update(kw)
-    return rig.config(graph_mode, **fields)
 
 
 def whole_model_config(rig: Rig, graph_mode: str, **kw: Any) -> CompilationConfig:

@@ -22,29 +22,9 @@ from freezeframe.runtime import GraphRunner, Requests, Tokens
 from tests.helpers.silly import get_counter, reset_counter
 from tests.helpers.toy_models import SillyModel
 from tests.scenarios.conftest import Rig
+from tests.scenarios.runners import MAX_TOKENS, SIZES, config, same, silly_runner
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
-SIZES = [1, 2, 4, 8]
-MAX_TOKENS = 12
-
-
-def config(rig: Rig, graph_mode: str, **kw: Any) -> CompilationConfig:
-    fields: dict[str, Any] = dict(cudagraph_capture_sizes=SIZES, max_num_tokens=MAX_TOKENS,
-                                  max_num_seqs=8)
-    fields.update(kw)
-    return rig.config(graph_mode, **fields)
-
-
-def same(rig: Rig, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal`` of host copies (a replayed output is overwritten by the next replay)."""
-    return torch.equal(rig.host(a), rig.host(b))
-
-
-def silly_runner(rig: Rig, mode: str, **kw: Any) -> tuple[Any, GraphRunner]:
-    cfg = config(rig, mode, **kw)
-    model = ff.compile(SillyModel().to(rig.device), cfg)
-    return model, GraphRunner(model, cfg, inputs={"x": Tokens(3)}, device=rig.device,
-                              progress=False)
 
 
 # -- every mode, every size ------------------------------------------------------------------

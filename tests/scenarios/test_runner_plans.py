@@ -23,26 +23,12 @@ from freezeframe.runtime import GraphRunner, Tokens
 from tests.helpers.silly import attention, get_counter, reset_counter
 from tests.helpers.toy_models import KeepsLast, SillyModel
 from tests.scenarios.conftest import Rig
-
-SIZES = [1, 2, 4, 8]
-MAX_TOKENS = 12
-
-
-def config(rig: Rig, graph_mode: str, **kw: Any) -> CompilationConfig:
-    fields: dict[str, Any] = dict(cudagraph_capture_sizes=SIZES, max_num_tokens=MAX_TOKENS,
-                                  max_num_seqs=8)
-    fields.update(kw)
-    return rig.config(graph_mode, **fields)
+from tests.scenarios.runners import SIZES, config, same
 
 
 def traced_once_config(rig: Rig, graph_mode: str) -> CompilationConfig:
     """Traced once by Dynamo and not split: the whole forward in one graph."""
     return config(rig, graph_mode, mode="dynamo_trace_once", splitting_ops=None)
-
-
-def same(rig: Rig, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal`` of host copies (a replayed output is overwritten by the next replay)."""
-    return torch.equal(rig.host(a), rig.host(b))
 
 
 def randn(rig: Rig, n: int, seed: int) -> torch.Tensor:
