@@ -107,3 +107,23 @@ def test_a_layout_of_another_step_is_refused() -> None:
         attention_module._attention(*args, token_req[:3], token_valid[:3])
     with pytest.raises(ValueError, match="token_valid bool"):
         attention_module._attention(*args, token_req, token_valid.long())
+    with pytest.raises(ValueError, match="token_req int64"):
+        attention_module._attention(*args, token_req.float(), token_valid)
+    with pytest.raises(ValueError, match="on cpu"):
+        attention_module._attention(*args, token_req.to("meta"), token_valid)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["static", "varlen"])
+def test_a_strided_layout_gives_the_same_answer(full: bool) -> None:
+    """A layout passed as views of one [T, 2] tensor (stride 2): the op reads it as the values
+    it holds, as the contiguous one (the Triton kernel reads flat arrays)."""
+    args = step_args()
+    token_req, token_valid = token_layout(args[8], args[9], args[7])
+    both = torch.stack([token_req, token_req], dim=1)
+    flags = torch.stack([token_valid, token_valid], dim=1)
+    strided = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    mode = ff.CUDAGraphMode.FULL if full else ff.CUDAGraphMode.PIECEWISE
+    with ff.forward_context(ff.BatchDescriptor(num_tokens=5), mode=mode):
+        attention_module._attention(*strided, both[:, 0], flags[:, 0])
+    want = call(args, layout=True, full=full)
+    assert torch.equal(strided[3], want[0]) and torch.equal(strided[4], want[1])

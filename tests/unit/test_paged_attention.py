@@ -295,3 +295,33 @@ def test_llama_on_full_graphs_with_the_triton_kernel_matches_eager() -> None:
     # every step (contexts 2 .. 8) replayed one of the graphs captured up front
     assert runner.stats.steps == runner.stats.steps_full == eager.num_steps == 6
     assert compiled.stats.graphs_captured == report.num_graphs
+
+
+def test_the_triton_kernel_reads_a_strided_token_layout_as_its_values() -> None:
+    """token_req/token_valid given as stride-2 views: the kernel reads flat arrays, so the op
+    makes them contiguous (a strided one read as flat gave wrong rows, or reads past the block
+    table)."""
+    from freezeframe.models.attention import token_layout
+
+    gen = torch.Generator().manual_seed(7)
+    batch = make_batch(gen, 4, 2, torch.float32, [5, 9], [5, 1], pad_tokens=2, pad_reqs=1)
+    token_req, token_valid = token_layout(batch.query_start_loc.to(DEVICE),
+                                          batch.seq_lens.to(DEVICE),
+                                          batch.slot_mapping.to(DEVICE))
+    layouts = {"contiguous": (token_req, token_valid),
+               "strided": (torch.stack([token_req, token_req.flip(0)], 1)[:, 0],
+                           torch.stack([token_valid, token_valid.flip(0)], 1)[:, 0])}
+    assert layouts["strided"][0].stride() == (2,)
+    outs = {}
+    for name, (req, valid) in layouts.items():
+        out = torch.full_like(batch.q, float("nan")).to(DEVICE)
+        k_cache, v_cache = batch.k_cache.clone().to(DEVICE), batch.v_cache.clone().to(DEVICE)
+        torch.ops.freezeframe.attention(
+            batch.q.to(DEVICE), batch.k.to(DEVICE), batch.v.to(DEVICE), out, k_cache, v_cache,
+            batch.positions.to(DEVICE), batch.slot_mapping.to(DEVICE),
+            batch.query_start_loc.to(DEVICE), batch.seq_lens.to(DEVICE),
+            batch.block_tables.to(DEVICE), BLOCK, 1 / math.sqrt(HEAD_DIM), "triton", req,
+            valid)
+        outs[name] = out.cpu()
+    assert torch.equal(outs["strided"], outs["contiguous"])
+    assert not outs["contiguous"][: batch.num_real_tokens].isnan().any()

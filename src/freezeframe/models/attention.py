@@ -143,12 +143,10 @@ def _attention(
         return
     if token_req is None or token_valid is None:
         token_req, token_valid = token_layout(query_start_loc, seq_lens, slot_mapping)
-    elif token_req.shape != slot_mapping.shape or token_valid.shape != slot_mapping.shape \
-            or token_valid.dtype != torch.bool:
-        raise ValueError(
-            f"freezeframe::attention: token_req {tuple(token_req.shape)} and token_valid "
-            f"{tuple(token_valid.shape)} {token_valid.dtype} must be token_layout(...) of this "
-            f"step: one entry per token ({tuple(slot_mapping.shape)}), token_valid bool")
+    else:
+        _check_layout(token_req, token_valid, slot_mapping)
+        # the Triton kernel reads them as flat arrays
+        token_req, token_valid = token_req.contiguous(), token_valid.contiguous()
     sink = k_cache.shape[0] - 1
     write_slot = torch.where(token_valid, slot_mapping, sink)
     k_cache.index_copy_(0, write_slot, k.to(k_cache.dtype))
@@ -178,6 +176,22 @@ def _attention(
         host, q, k_cache, v_cache, out, positions, token_req, token_valid, block_tables,
         block_size, scale,
     )
+
+
+def _check_layout(token_req: torch.Tensor, token_valid: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """A given layout must be :func:`token_layout`'s for this step: one int64 row index and one
+    bool per token, on the metadata's device."""
+    if token_req.shape != slot_mapping.shape or token_valid.shape != slot_mapping.shape \
+            or token_req.dtype != torch.int64 or token_valid.dtype != torch.bool \
+            or token_req.device != slot_mapping.device \
+            or token_valid.device != slot_mapping.device:
+        raise ValueError(
+            f"freezeframe::attention: token_req {tuple(token_req.shape)} {token_req.dtype} on "
+            f"{token_req.device} and token_valid {tuple(token_valid.shape)} "
+            f"{token_valid.dtype} on {token_valid.device} must be token_layout(...) of this "
+            f"step: one entry per token ({tuple(slot_mapping.shape)}), token_req int64 and "
+            f"token_valid bool, on {slot_mapping.device}")
 
 
 def _attention_fake(
