@@ -259,6 +259,21 @@ def test_without_debug_a_new_tensor_is_copied_into_the_captured_one(rig: Rig) ->
         assert rig.host(w(strided)).item() == 30.0 and w.stats.replay_input_copies == 2
 
 
+def test_its_own_output_passed_in_again_gives_the_next_answer(rig: Rig) -> None:
+    """``y = w(y)`` with inference tensors, which have no version counter: the capture cannot
+    tell whether the graph writes its input, so a copied-in argument is copied back after the
+    replay. Into the graph's own output memory that copy-back overwrote the answer with the
+    input (f(y) came back as y)."""
+    w = make(rig, lambda a: a * 2 + 1, mode=FULL)
+    with torch.inference_mode(), step(1, FULL):
+        y = w(tensor(rig, [1.0]))  # captures: 3
+        assert rig.host(y).item() == 3.0
+        for want in (7.0, 15.0, 31.0):
+            y = w(y)
+            assert rig.host(y).item() == want
+        assert w.stats.replay_input_copies == 3
+
+
 def test_a_replay_with_other_arguments_is_an_error(rig: Rig) -> None:
     # ``a * 1``, not ``a``: a graph that records no kernel is an empty CUDA graph
     w = make(rig, lambda a, b=None: a * 1 if b is None else a + b)

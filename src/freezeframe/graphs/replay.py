@@ -11,7 +11,10 @@ So the rules for the arguments are stated here, once:
   is read as it is (a few hundred nanoseconds of checks per tensor);
 * a tensor of the captured shape, dtype and device at another address is copied into the
   captured one first (counted in ``replay_input_copies``, logged once per wrapper; refused with
-  ``debug=True``), and copied back after the replay when the capturing call wrote into it;
+  ``debug=True``), and copied back after the replay when the capturing call wrote into it
+  (or may have: an inference tensor has no version counter to tell) — unless it is the
+  graph's own output memory (its last output passed in again, ``y = f(y)``), which the replay
+  has just filled with the answer;
 * anything else is an :class:`~freezeframe.errors.InputMismatchError` naming the argument: a
   replay cannot change a shape. The graph does not run.
 
@@ -37,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.errors import InputMismatchError
@@ -98,6 +102,19 @@ def _reads_captured(now: Any, then: torch.Tensor) -> bool:
         and now.stride() == then.stride())
 
 
+def _storages(output: Any) -> frozenset[int]:
+    """The addresses of the storages of ``output``'s tensors (one without a plain storage, a
+    sparse tensor, is left out)."""
+    found = set()
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                found.add(leaf.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+    return frozenset(found)
+
+
 class ReplayShared:
     """What every :class:`Replay` of one wrapper shares: its mode's name (for messages), the
     ``debug`` switch, the two tallies it counts into (``replays``, ``replay_input_copies``),
@@ -120,7 +137,8 @@ class Replay:
     returns the captured output (the same objects every time, overwritten by each replay).
     :meth:`drop` forgets the graph: a later call raises :class:`StaleReplay`."""
 
-    __slots__ = ("_inputs", "_shared", "graph", "key", "layout", "output", "owner")
+    __slots__ = ("_inputs", "_output_memory", "_shared", "graph", "key", "layout", "output",
+                 "owner")
 
     def __init__(self, graph: CapturedGraph, output: Any, key: BatchDescriptor,
                  inputs: tuple[TensorArg, ...], written: tuple[bool, ...],
@@ -133,6 +151,8 @@ class Replay:
         # (where it was passed, the captured tensor, whether the capturing call wrote into it)
         self._inputs = tuple((c.name, c.tensor, w)
                              for c, w in zip(inputs, written, strict=True))
+        # the storages of the output: an argument in one of them gets no copy-back
+        self._output_memory = _storages(output)
         self._shared = shared
 
     @property
@@ -174,7 +194,8 @@ class Replay:
         graph.replay()
         if copied is not None:
             for now, then in copied:  # the graph wrote into its copy: the caller's tensor too
-                now.copy_(then)
+                if now.untyped_storage().data_ptr() not in self._output_memory:
+                    now.copy_(then)
         self._shared.replays.n += 1
         return self.output
 
