@@ -19,7 +19,7 @@ import freezeframe as ff
 from freezeframe import BatchDescriptor, CompilationConfig, CUDAGraphMode
 from freezeframe.errors import CaptureError, ConfigError, FallbackError
 from freezeframe.runtime import GraphRunner, Requests, Tokens
-from tests.helpers.silly import get_counter, reset_counter
+from tests.helpers.silly import attention, get_counter, reset_counter
 from tests.helpers.toy_models import SillyModel
 from tests.scenarios.conftest import Rig
 from tests.scenarios.runners import MAX_TOKENS, SIZES, config, same, silly_runner
@@ -116,6 +116,67 @@ def test_graphs_captured_outside_the_runner_after_it_was_made_are_freed_too(rig:
     x = torch.full((2, 3), 5.0, device=rig.device)
     assert same(rig, runner(x), 9 * x + 19)
     assert same(rig, mine, torch.zeros(2, 3, device=rig.device))  # the caller's, untouched
+
+
+class RowSum(nn.Module):
+    """Every row plus the sum of the rows: padding rows (fill 0) add nothing, so a padding row
+    holding anything else shows in every output row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention(x, x, x) + x.sum(0, keepdim=True)
+
+
+def rows(rig: Rig, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-4, 5, (n, 3), generator=g).float().to(rig.device)
+
+
+@pytest.mark.parametrize("policy", ["eager", "lazy"])
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_two_runners_on_one_model_each_replay_their_own_graphs(rig: Rig, mode: str,
+                                                               policy: str) -> None:
+    """Graphs are kept per owner. A second runner's capture() freed the first runner's graphs,
+    whose window was closed, so every step of the first raised; and a runner replayed the
+    other's graphs, copying its inputs into the other's buffers, whose next step of the same
+    shape read them as padding."""
+    cfg = config(rig, mode)
+    model = ff.compile(RowSum().to(rig.device), cfg)
+
+    def runner(**kw: Any) -> GraphRunner:
+        return GraphRunner(model, cfg, inputs={"x": Tokens(3)}, device=rig.device,
+                           progress=False, **kw)
+
+    first, second = runner(), runner(capture_policy=policy)
+    first.capture()
+    assert same(rig, first(rows(rig, 3, 0)), RowSum()(rows(rig, 3, 0)))
+    second.capture()
+    assert same(rig, first(rows(rig, 3, 1)), RowSum()(rows(rig, 3, 1)))
+    third = runner()
+    third.capture()
+    # 4 real rows from one runner, then 3 from another: only its own padding row may be read
+    order = ((third, 3), (second, 4), (third, 3), (first, 4), (third, 3), (second, 3),
+             (first, 4), (second, 3))
+    for step, (who, n) in enumerate(order):
+        x = rows(rig, n, step)
+        assert same(rig, who(x), RowSum()(x)), step
+    assert first.stats.foreign_graphs_dropped == 0 and third.stats.steps_eager == 0
+
+
+def test_a_low_level_call_after_capture_never_replays_the_runners_graphs(rig: Rig) -> None:
+    """A low-level forward_context call at a captured size used to replay the runner's graph,
+    copying its 4 rows into the runner's static buffer, whose next 3-row step then read the
+    4th as padding. Now it finds no graph of its own and, the window being closed, raises."""
+    cfg = config(rig, "piecewise")
+    model = ff.compile(RowSum().to(rig.device), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, device=rig.device,
+                         progress=False)
+    runner.capture()
+    x = rows(rig, 3, 1)
+    assert same(rig, runner(x), RowSum()(x))
+    with ff.forward_context(BatchDescriptor(num_tokens=4), mode=PW), \
+            pytest.raises(CaptureError, match="the capture window is closed"):
+        model(torch.full((4, 3), 100.0, device=rig.device))
+    assert same(rig, runner(x), RowSum()(x))
 
 
 def test_graphs_the_runner_captured_in_steps_before_capture_are_kept(rig: Rig) -> None:

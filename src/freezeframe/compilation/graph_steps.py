@@ -80,11 +80,11 @@ def drop_graphs(wrappers: list[Any], moved: list[str], model_key: str, stats: St
 
 def full_replay(wrapper: GraphWrapper | None, descriptor: BatchDescriptor,
                 args: tuple[Any, ...], kwargs: dict[str, Any],
-                check: Callable[[], None] | None) -> Callable[[], Any] | None:
-    """A zero-argument replay of ``wrapper``'s FULL graph for ``descriptor`` captured on these
-    arguments, running ``check`` (the model's every-call state check) first; None when there is
-    no such graph."""
-    replay = wrapper.replay_for(descriptor) if wrapper is not None else None
+                check: Callable[[], None] | None, owner: object) -> Callable[[], Any] | None:
+    """A zero-argument replay of ``wrapper``'s FULL graph that ``owner`` captured for
+    ``descriptor`` on these arguments, running ``check`` (the model's every-call state check)
+    first; None when there is no such graph."""
+    replay = wrapper.replay_for(descriptor, owner) if wrapper is not None else None
     if replay is None or not replay.reads_captured(args, kwargs):
         return None
     on_captured = replay.on_captured
@@ -101,8 +101,9 @@ def full_replay(wrapper: GraphWrapper | None, descriptor: BatchDescriptor,
 def piecewise_replay(variant: Variant, stitched: Stitched, descriptor: BatchDescriptor,
                      calls: list[tuple[tuple[Any, ...], Any]], out: Any,
                      check: Callable[[], None] | None, inference: bool,
-                     model_key: str) -> Callable[[], Any] | None:
-    """The PIECEWISE step of ``variant`` for ``descriptor``, repeated without the model's
+                     model_key: str, owner: object) -> Callable[[], Any] | None:
+    """The PIECEWISE step of ``variant`` for ``descriptor`` (its graphs those ``owner``
+    captured), repeated without the model's
     Python: ``calls`` is what one watched call passed to the stitching graph and got back,
     ``out`` what it returned. None when anything about it is not plannable (Python side
     effects in the generated code, an output that is not the graph's own, a piece without a
@@ -119,7 +120,7 @@ def piecewise_replay(variant: Variant, stitched: Stitched, descriptor: BatchDesc
     wrappers = [getattr(stitching, name) for name in names]
     if not all(isinstance(w, GraphWrapper) for w in wrappers):
         return None
-    found = [w.replay_for(descriptor) for w in wrappers]
+    found = [w.replay_for(descriptor, owner) for w in wrappers]
     if any(r is None or not r.positional for r in found):
         return None
     pieces = cast(list[Replay], found)

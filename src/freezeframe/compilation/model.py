@@ -348,12 +348,14 @@ class CompiledModel(nn.Module):
 
     # -- graph steps a runner repeats (see graph_steps) ---------------------------------------
     def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+                 kwargs: dict[str, Any], owner: object) -> Callable[[], Any] | None:
         """A zero-argument function that replays this model's FULL graph for ``descriptor``,
         captured on exactly these arguments (a runner's static buffers), for callers that
         pass them again and again: the call-structure routing and the replay's input checks
         are done once, here; each call keeps the module-state check of every call (the cheap
-        tier, or the full one with ``debug``). ``None`` when there is no such graph.
+        tier, or the full one with ``debug``). ``owner`` is the forward context's owner the
+        graph was captured under (the runner's static buffers). ``None`` when there is no such
+        graph.
 
         Call it under no autograd recording (the runner calls under ``torch.no_grad()``); it
         raises :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped."""
@@ -364,10 +366,11 @@ class CompiledModel(nn.Module):
         else:
             variant = self._router.routed(args, kwargs)
             wrapper = variant.full_wrapper if variant is not None else None
-        return graph_steps.full_replay(wrapper, descriptor, args, kwargs, self._state_check())
+        return graph_steps.full_replay(wrapper, descriptor, args, kwargs, self._state_check(),
+                                       owner)
 
     def plan_piecewise(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], run: Callable[[], Any]
+                       kwargs: dict[str, Any], run: Callable[[], Any], owner: object
                        ) -> tuple[Any, Callable[[], Any] | None]:
         """Call ``run()`` (this model on ``args``/``kwargs``, a runner's static buffers, inside
         a PIECEWISE forward context for ``descriptor``) and watch it: the flat inputs Dynamo's
@@ -378,7 +381,7 @@ class CompiledModel(nn.Module):
         if self._untraced is not None and self._untraced.breakable is not None:
             out = run()  # breakable: the whole forward is one wrapper's replay
             return out, graph_steps.full_replay(self._untraced.breakable, descriptor, args,
-                                                kwargs, self._state_check())
+                                                kwargs, self._state_check(), owner)
         variant = self._router.routed(args, kwargs) if self._router is not None else None
         stitched = variant.stitched if variant is not None else None
         if variant is None or stitched is None:
@@ -391,7 +394,7 @@ class CompiledModel(nn.Module):
             stitched.recording = None
         return out, graph_steps.piecewise_replay(variant, stitched, descriptor, calls, out,
                                                  self._state_check(), self.inference_mode,
-                                                 self.model_key)
+                                                 self.model_key, owner)
 
     # -- public surface --------------------------------------------------------------------
     @property

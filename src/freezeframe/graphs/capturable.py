@@ -55,12 +55,13 @@ class Capturable(Protocol):
         cannot serve); returns :attr:`graph_generation`."""
 
     def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Callable[[], Any] | None:
-        """A zero-argument replay of the model's FULL graph for ``descriptor`` on exactly these
-        arguments, or None (see :meth:`~freezeframe.compilation.CompiledModel.replayer`)."""
+                 kwargs: dict[str, Any], owner: object) -> Callable[[], Any] | None:
+        """A zero-argument replay of the model's FULL graph that ``owner`` (the runner's
+        forward-context owner) captured for ``descriptor`` on exactly these arguments, or None
+        (see :meth:`~freezeframe.compilation.CompiledModel.replayer`)."""
 
     def plan_piecewise(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], run: Callable[[], Any]
+                       kwargs: dict[str, Any], run: Callable[[], Any], owner: object
                        ) -> tuple[Any, Callable[[], Any] | None]:
         """Call ``run()`` (this model on these arguments inside a PIECEWISE forward context for
         ``descriptor``) and return its output with, when the call can be repeated without the

@@ -10,6 +10,10 @@ holds the mechanism. Policy, as in the seeds:
   and the inner ones capture/replay;
 * the first sight of a descriptor captures, later sights replay and return the stored output
   (the same tensor objects every time, overwritten by each replay);
+* graphs are kept per owner as well: the forward context's ``owner`` (a runner's static
+  buffers, or None for a low-level call). A graph reads the tensors it was captured on, so one
+  owner never replays another's: two runners on one model, or a low-level call beside a
+  runner, each capture and replay their own;
 * a replay goes through the graph's :class:`~freezeframe.graphs.replay.Replay`, which states
   the rules for its arguments once (the captured tensors are read as they are, a new tensor of
   the captured shape is copied in, anything else is refused): the wrapper's own replays and a
@@ -38,6 +42,9 @@ from freezeframe.stats import Stats
 __all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper"]
 
 logger = logging.getLogger(__name__)
+
+# graph_for's and replay_for's default owner: a graph of any owner
+ANY_OWNER = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +171,8 @@ class GraphWrapper:
         self.stats = stats
         self.window = window
         self.num_warmups = num_warmups
-        self._entries: dict[BatchDescriptor, _Entry] = {}
+        # (owner, key) -> what is kept for it; see the module docstring for the owner
+        self._entries: dict[tuple[object | None, BatchDescriptor], _Entry] = {}
         self._shared = ReplayShared(mode.name, bool(debug), stats)
 
     @property
@@ -179,29 +187,42 @@ class GraphWrapper:
 
     @property
     def captured_descriptors(self) -> list[BatchDescriptor]:
-        """The keys that have a captured graph, in capture order."""
-        return [key for key, entry in self._entries.items() if entry.replay is not None]
+        """The keys that have a captured graph (of any owner), in capture order."""
+        keys = [key for (_, key), entry in self._entries.items() if entry.replay is not None]
+        return list(dict.fromkeys(keys))
 
-    def replay_for(self, descriptor: BatchDescriptor) -> Replay | None:
-        """The :class:`~freezeframe.graphs.replay.Replay` of the graph captured for
-        ``descriptor`` (relaxed for PIECEWISE), or ``None``. A runner's planned step calls it
-        directly: a PIECEWISE step in place of the piece (with the piece's arguments), a FULL
-        step with :meth:`Replay.on_captured` once :meth:`Replay.reads_captured` holds for its
-        static buffers. It raises :class:`~freezeframe.graphs.StaleReplay` once the graph is
-        dropped (:meth:`clear`, a recapture): the caller goes back to calling the wrapper."""
-        entry = self._entries.get(self._key(descriptor))
+    def replay_for(self, descriptor: BatchDescriptor,
+                   owner: object | None = ANY_OWNER) -> Replay | None:
+        """The :class:`~freezeframe.graphs.replay.Replay` of the graph ``owner`` captured for
+        ``descriptor`` (relaxed for PIECEWISE; by default the first of any owner), or
+        ``None``. A runner's planned step calls it directly: a PIECEWISE step in place of the
+        piece (with the piece's arguments), a FULL step with :meth:`Replay.on_captured` once
+        :meth:`Replay.reads_captured` holds for its static buffers. It raises
+        :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped (:meth:`clear`, a
+        recapture): the caller goes back to calling the wrapper."""
+        key = self._key(descriptor)
+        if owner is ANY_OWNER:
+            return next((entry.replay for (_, k), entry in self._entries.items()
+                         if k == key and entry.replay is not None), None)
+        entry = self._entries.get((owner, key))
         return None if entry is None else entry.replay
 
-    def held_by_others(self, owner: object) -> bool:
-        """Whether a graph of this wrapper was captured in a step whose forward context named
-        another owner (or none: a low-level call on the caller's own tensors)."""
-        return any(entry.replay is not None and entry.replay.owner is not owner
-                   for entry in self._entries.values())
-
-    def graph_for(self, descriptor: BatchDescriptor) -> CapturedGraph | None:
-        """The captured graph for ``descriptor`` (relaxed for PIECEWISE), or ``None``."""
-        replay = self.replay_for(descriptor)
+    def graph_for(self, descriptor: BatchDescriptor,
+                  owner: object | None = ANY_OWNER) -> CapturedGraph | None:
+        """The captured graph for ``descriptor`` (relaxed for PIECEWISE), or ``None``; see
+        :meth:`replay_for` for ``owner``."""
+        replay = self.replay_for(descriptor, owner)
         return None if replay is None else replay.graph
+
+    def drop_owned_by(self, owner: object | None) -> int:
+        """Drop the graphs ``owner`` captured (None: low-level calls); how many there were."""
+        mine = [(o, key) for (o, key), entry in self._entries.items()
+                if o is owner and entry.replay is not None]
+        for found in mine:
+            replay = self._entries.pop(found).replay
+            assert replay is not None
+            replay.drop()
+        return len(mine)
 
     def memory_bytes(self) -> int:
         """The graph memory this wrapper's graphs report holding, summed: each graph's
@@ -241,7 +262,7 @@ class GraphWrapper:
             return self.runnable(*args, **kwargs)
 
         key = self._key(ctx.batch_descriptor)
-        entry = self._entries.get(key)
+        entry = self._entries.get((ctx.owner, key))
         if entry is not None and entry.replay is not None:
             replay = entry.replay
             if layout_of(args, kwargs) != replay.layout:
@@ -257,7 +278,7 @@ class GraphWrapper:
                 "cudagraph_capture_sizes — or open the window explicitly with "
                 "`with window.opened():`")
         if entry is None:
-            entry = self._entries[key] = _Entry()
+            entry = self._entries[(ctx.owner, key)] = _Entry()
         if entry.warmups_done < self.num_warmups:
             if self.options.log:
                 logger.debug("warm-up %d/%d of the %s graph for %s", entry.warmups_done + 1,

@@ -127,7 +127,7 @@ class Capturer:
             self.report = CaptureReport(device=device_name)
             return self.report
         self._refuse_if_compiling_is_off()
-        self._drop_foreign_graphs()
+        _drop_low_level_graphs(self._held, self._stats)
         keys = [(mode, desc) for mode, descs in groups for desc in descs]
         if self._options.policy is not CapturePolicy.EAGER:
             return self._defer(keys, device_name)
@@ -430,29 +430,13 @@ class Capturer:
         self.graph_writes.clear()
         if self._held is not None:
             for wrapper in self._held.graph_wrappers():
-                wrapper.clear()
+                wrapper.drop_owned_by(self._forward.static)  # another runner's stay
         if self._forward.ubatch is not None:
             self._forward.ubatch.clear()
         if stream is not None:
             torch.cuda.set_stream(stream)
         logger.warning("GraphRunner.capture failed; its graphs were freed, and capture() may "
                        "be called again")
-
-    def _drop_foreign_graphs(self) -> None:
-        """Free graphs the model captured outside this runner's steps (low-level calls, before
-        or after the runner was made, or another runner): they read other tensors than this
-        runner's static buffers, so each replay would copy the step's inputs into them, which
-        are the caller's. Graphs this runner's own steps captured are kept."""
-        mine = self._forward.static
-        foreign = [w for w in self._held.graph_wrappers() if w.held_by_others(mine)] \
-            if self._held is not None else []
-        if foreign:
-            logger.warning("GraphRunner.capture: the model already held graphs captured outside "
-                           "this runner (%d wrappers); they read other tensors, so they are "
-                           "freed and captured again on the runner's buffers", len(foreign))
-            for wrapper in foreign:
-                wrapper.clear()
-            self._stats.inc("foreign_graphs_dropped", len(foreign))
 
     def _num_warmups(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> int:
         """The configured warm-ups, but at least one eager pass before the very first capture
@@ -499,6 +483,19 @@ def _breaks_of(held: Capturable | None, mode: CUDAGraphMode,
             if isinstance(graph, BreakableGraph):
                 return graph.num_segments, tuple(graph.breaks)
     return 0, ()
+
+
+def _drop_low_level_graphs(held: Capturable | None, stats: Stats) -> None:
+    """Free the graphs low-level calls captured (before or after the runner was made): a runner
+    never replays them (graphs are kept per owner, see :mod:`freezeframe.graphs.wrapper`), so
+    they would only hold memory. Another runner's graphs are that runner's, and stay."""
+    wrappers = held.graph_wrappers() if held is not None else []
+    dropped = [w for w in wrappers if w.drop_owned_by(None)]
+    if dropped:
+        logger.warning("GraphRunner.capture: the model held graphs captured by low-level calls "
+                       "(%d wrappers); the runner captures its own on its buffers, so they "
+                       "were freed", len(dropped))
+        stats.inc("foreign_graphs_dropped", len(dropped))
 
 
 @contextlib.contextmanager

@@ -400,7 +400,8 @@ class Stepper:
             args, kwargs = self._forward.arguments(padded_tokens, padded_reqs)
             return self._held.plan_piecewise(
                 desc, args, kwargs, lambda: self._forward(
-                    _PIECEWISE, desc, padded_tokens, padded_reqs, num_tokens, reqs, {}, None))
+                    _PIECEWISE, desc, padded_tokens, padded_reqs, num_tokens, reqs, {}, None),
+                self._static)
         out = self._forward(mode, desc, padded_tokens, padded_reqs, num_tokens, reqs,
                             extras, split)
         return out, None
@@ -501,7 +502,7 @@ class Stepper:
             return known[1]
         args, kwargs = self._forward.arguments(padded_tokens, padded_reqs)
         with torch.no_grad():
-            replay = self._held.replayer(desc, args, kwargs)
+            replay = self._held.replayer(desc, args, kwargs, self._static)
         self._replays[key] = (captured, replay)  # a miss is retried once more graphs exist
         return replay
 
