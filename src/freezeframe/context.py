@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -103,6 +104,14 @@ def forward_context(
     back.
     """
     desc: BatchDescriptor | None
+    if owner is not None:
+        try:
+            weakref.ref(owner)
+        except TypeError:
+            raise TypeError(
+                f"owner: the graph wrappers hold it weakly, but {type(owner).__name__} "
+                "objects cannot be weakly referenced; pass an instance of a plain class (a "
+                "runner passes its static buffers) or None") from None
     if isinstance(batch_descriptor, bool):
         raise TypeError(
             f"batch_descriptor: expected a BatchDescriptor or int, got {batch_descriptor!r}")

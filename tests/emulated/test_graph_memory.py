@@ -104,6 +104,32 @@ def test_runner_reports_each_graphs_exact_emulated_memory() -> None:
                   for w in model.graph_wrappers() if w.runtime_mode is PW) == [96, 288, 288]
 
 
+def test_graphs_of_a_dropped_runner_are_freed() -> None:
+    """Graphs are kept per owner (each runner its own), and an owner is held weakly: runners
+    made, captured and dropped one after another on one model leave the graph memory of one
+    runner, not of all of them. Two live runners hold twice that."""
+    cfg = silly_config("full_and_piecewise")
+    model = ff.compile(SillyModel(), cfg)
+
+    def held() -> int:
+        return sum(w.memory_bytes() for w in model.graph_wrappers())
+
+    for _ in range(4):
+        runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+        runner.capture()
+        x = torch.ones(3, 3)
+        assert torch.equal(runner(x), SillyModel()(x))
+        del runner
+        gc.collect()
+        assert held() == 0  # the runner's graphs went with it
+    first = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    second = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    first.capture()
+    second.capture()
+    assert held() == 2 * 3240
+    assert (first.stats.foreign_graphs_dropped, second.stats.foreign_graphs_dropped) == (0, 0)
+
+
 def test_without_a_budget_the_order_is_largest_first_and_predicted_after() -> None:
     _, runner = silly_runner()
     report = runner.capture()

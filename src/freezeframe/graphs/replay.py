@@ -137,16 +137,14 @@ class Replay:
     returns the captured output (the same objects every time, overwritten by each replay).
     :meth:`drop` forgets the graph: a later call raises :class:`StaleReplay`."""
 
-    __slots__ = ("_inputs", "_output_memory", "_shared", "graph", "key", "layout", "output",
-                 "owner")
+    __slots__ = ("_inputs", "_output_memory", "_shared", "graph", "key", "layout", "output")
 
     def __init__(self, graph: CapturedGraph, output: Any, key: BatchDescriptor,
                  inputs: tuple[TensorArg, ...], written: tuple[bool, ...],
-                 layout: tuple[Any, ...], shared: ReplayShared, owner: object | None) -> None:
+                 layout: tuple[Any, ...], shared: ReplayShared) -> None:
         self.graph: CapturedGraph | None = graph
         self.output = output
         self.key = key
-        self.owner = owner  # the capturing step's ForwardContext.owner (a runner's buffers)
         self.layout = layout  # which arguments were tensors, and the keyword names
         # (where it was passed, the captured tensor, whether the capturing call wrote into it)
         self._inputs = tuple((c.name, c.tensor, w)

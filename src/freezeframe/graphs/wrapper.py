@@ -13,7 +13,9 @@ holds the mechanism. Policy, as in the seeds:
 * graphs are kept per owner as well: the forward context's ``owner`` (a runner's static
   buffers, or None for a low-level call). A graph reads the tensors it was captured on, so one
   owner never replays another's: two runners on one model, or a low-level call beside a
-  runner, each capture and replay their own;
+  runner, each capture and replay their own. The wrapper holds an owner weakly: once the owner
+  is garbage (a runner dropped), its graphs are dropped at the wrapper's next capture or
+  inspection, so runners made and dropped on one model do not pile up graph memory;
 * a replay goes through the graph's :class:`~freezeframe.graphs.replay.Replay`, which states
   the rules for its arguments once (the captured tensors are read as they are, a new tensor of
   the captured shape is copied in, anything else is refused): the wrapper's own replays and a
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,6 +111,18 @@ class CaptureWindow:
         return f"CaptureWindow({'open' if self._open else 'closed'})"
 
 
+def _ident(owner: object | None) -> int | None:
+    """The key an owner's graphs are kept under: its id (the wrapper holds it weakly)."""
+    return None if owner is None else id(owner)
+
+
+def _owner_gone(wrapper_ref: weakref.ref[GraphWrapper], ident: int) -> None:
+    """An owner was collected: its graphs go at the wrapper's next purge."""
+    wrapper = wrapper_ref()
+    if wrapper is not None:
+        wrapper._gone.append(ident)
+
+
 @dataclasses.dataclass
 class _Entry:
     """What the wrapper keeps per descriptor: the warm-ups made, then the graph's replay."""
@@ -171,8 +186,10 @@ class GraphWrapper:
         self.stats = stats
         self.window = window
         self.num_warmups = num_warmups
-        # (owner, key) -> what is kept for it; see the module docstring for the owner
-        self._entries: dict[tuple[object | None, BatchDescriptor], _Entry] = {}
+        # (the owner's id or None, key) -> what is kept for it (see the module docstring)
+        self._entries: dict[tuple[int | None, BatchDescriptor], _Entry] = {}
+        self._watched: set[int] = set()  # owners whose collection is watched
+        self._gone: list[int] = []  # owners collected since the last purge
         self._shared = ReplayShared(mode.name, bool(debug), stats)
 
     @property
@@ -188,6 +205,7 @@ class GraphWrapper:
     @property
     def captured_descriptors(self) -> list[BatchDescriptor]:
         """The keys that have a captured graph (of any owner), in capture order."""
+        self._purge()
         keys = [key for (_, key), entry in self._entries.items() if entry.replay is not None]
         return list(dict.fromkeys(keys))
 
@@ -201,10 +219,11 @@ class GraphWrapper:
         :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped (:meth:`clear`, a
         recapture): the caller goes back to calling the wrapper."""
         key = self._key(descriptor)
+        self._purge()  # first: a new owner may have a collected one's id
         if owner is ANY_OWNER:
             return next((entry.replay for (_, k), entry in self._entries.items()
                          if k == key and entry.replay is not None), None)
-        entry = self._entries.get((owner, key))
+        entry = self._entries.get((_ident(owner), key))
         return None if entry is None else entry.replay
 
     def graph_for(self, descriptor: BatchDescriptor,
@@ -216,19 +235,38 @@ class GraphWrapper:
 
     def drop_owned_by(self, owner: object | None) -> int:
         """Drop the graphs ``owner`` captured (None: low-level calls); how many there were."""
-        mine = [(o, key) for (o, key), entry in self._entries.items()
-                if o is owner and entry.replay is not None]
-        for found in mine:
+        self._purge()
+        return self._drop(_ident(owner))
+
+    def _drop(self, ident: int | None) -> int:
+        dropped = 0
+        for found in [found for found in self._entries if found[0] == ident]:
             replay = self._entries.pop(found).replay
-            assert replay is not None
-            replay.drop()
-        return len(mine)
+            if replay is not None:
+                replay.drop()
+                dropped += 1
+        return dropped
+
+    def _watch(self, owner: object | None) -> None:
+        """Drop ``owner``'s graphs once it is garbage (at the next purge: a collection may run
+        in any thread, in the middle of a call)."""
+        if owner is None or id(owner) in self._watched:
+            return
+        self._watched.add(id(owner))
+        weakref.finalize(owner, _owner_gone, weakref.ref(self), id(owner))
+
+    def _purge(self) -> None:
+        while self._gone:
+            ident = self._gone.pop()
+            self._watched.discard(ident)
+            self._drop(ident)
 
     def memory_bytes(self) -> int:
         """The graph memory this wrapper's graphs report holding, summed: each graph's
         ``memory_bytes`` where its type has one (an emulated graph counts the tensors it keeps
         alive), 0 for a graph that does not (a CUDA graph's memory lives in the shared pool,
         which only the device's free memory shows)."""
+        self._purge()
         total = 0
         for entry in self._entries.values():
             graph = entry.replay.graph if entry.replay is not None else None
@@ -262,7 +300,10 @@ class GraphWrapper:
             return self.runnable(*args, **kwargs)
 
         key = self._key(ctx.batch_descriptor)
-        entry = self._entries.get((ctx.owner, key))
+        owner = ctx.owner
+        if self._gone:  # first: a new owner may have a collected one's id
+            self._purge()
+        entry = self._entries.get((None if owner is None else id(owner), key))
         if entry is not None and entry.replay is not None:
             replay = entry.replay
             if layout_of(args, kwargs) != replay.layout:
@@ -278,7 +319,8 @@ class GraphWrapper:
                 "cudagraph_capture_sizes — or open the window explicitly with "
                 "`with window.opened():`")
         if entry is None:
-            entry = self._entries[(ctx.owner, key)] = _Entry()
+            self._watch(owner)
+            entry = self._entries[(_ident(owner), key)] = _Entry()
         if entry.warmups_done < self.num_warmups:
             if self.options.log:
                 logger.debug("warm-up %d/%d of the %s graph for %s", entry.warmups_done + 1,
@@ -323,7 +365,7 @@ class GraphWrapper:
         # it must not return to the pool while the graph exists. The Replay holds the tensor
         # arguments too: the graph reads their memory.
         entry.replay = Replay(graph, output, key, inputs, written, layout_of(args, kwargs),
-                              self._shared, ctx.owner if ctx is not None else None)
+                              self._shared)
         self.stats.inc("graphs_captured")
         return output
 
