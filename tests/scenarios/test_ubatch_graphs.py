@@ -21,6 +21,7 @@ from torch import nn
 import freezeframe as ff
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import get_forward_context
+from freezeframe.graphs import CaptureWindow
 from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.runtime import GraphRunner, Tokens
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
@@ -162,11 +163,8 @@ def test_unsplit_step_at_a_split_captured_size_falls_back_eagerly(rig: Rig,
 
 
 def test_capture_outside_window_is_refused(rig: Rig, model: CommModel) -> None:
-    class Closed:
-        is_open = False
-
-    wrapper = MicroBatchWrapper(model, backend=graph_backend(rig), window=Closed(),
-                                timeout_s=30)
+    wrapper = MicroBatchWrapper(model, backend=graph_backend(rig),
+                                window=CaptureWindow(is_open=False), timeout_s=30)
     with pytest.raises(ff.CaptureError, match="capture window is closed"):
         step(wrapper, inputs(rig, 8), make_plan([4, 4], 8), FULL)
     assert wrapper.captured_descriptors == []

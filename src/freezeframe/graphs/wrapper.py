@@ -79,17 +79,30 @@ class CaptureWindow:
 
     Open by default so the low-level API (a forward context around a direct call) just works.
     A runner closes it after its ``capture()`` so that a descriptor nobody captured cannot
-    trigger a slow, memory-hungry capture in the middle of serving: it raises instead.
+    trigger a slow, memory-hungry capture in the middle of serving: it raises instead. A runner
+    made later keeps it open for its own steps (:meth:`open_for` its owner) until its own
+    ``capture()``: its steps before that capture on its buffers, as the first runner's did.
     """
 
-    __slots__ = ("_open",)
+    __slots__ = ("_open", "_open_for")
 
     def __init__(self, is_open: bool = True) -> None:
         self._open = bool(is_open)
+        self._open_for: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @property
     def is_open(self) -> bool:
         return self._open
+
+    def is_open_for(self, owner: object | None) -> bool:
+        """Whether a step of ``owner`` (its forward context's owner) may capture."""
+        return self._open or (owner is not None and owner in self._open_for)
+
+    def open_for(self, owner: object) -> None:
+        self._open_for.add(owner)
+
+    def close_for(self, owner: object) -> None:
+        self._open_for.discard(owner)
 
     def open(self) -> None:
         self._open = True
@@ -206,7 +219,7 @@ class GraphWrapper:
     def captured_descriptors(self) -> list[BatchDescriptor]:
         """The keys that have a captured graph (of any owner), in capture order."""
         self._purge()
-        keys = [key for (_, key), entry in self._entries.items() if entry.replay is not None]
+        keys = [key for (_, key), entry in list(self._entries.items()) if entry.replay is not None]
         return list(dict.fromkeys(keys))
 
     def replay_for(self, descriptor: BatchDescriptor,
@@ -221,7 +234,7 @@ class GraphWrapper:
         key = self._key(descriptor)
         self._purge()  # first: a new owner may have a collected one's id
         if owner is ANY_OWNER:
-            return next((entry.replay for (_, k), entry in self._entries.items()
+            return next((entry.replay for (_, k), entry in list(self._entries.items())
                          if k == key and entry.replay is not None), None)
         entry = self._entries.get((_ident(owner), key))
         return None if entry is None else entry.replay
@@ -240,7 +253,7 @@ class GraphWrapper:
 
     def _drop(self, ident: int | None) -> int:
         dropped = 0
-        for found in [found for found in self._entries if found[0] == ident]:
+        for found in [found for found in list(self._entries) if found[0] == ident]:
             replay = self._entries.pop(found).replay
             if replay is not None:
                 replay.drop()
@@ -268,7 +281,7 @@ class GraphWrapper:
         which only the device's free memory shows)."""
         self._purge()
         total = 0
-        for entry in self._entries.values():
+        for entry in list(self._entries.values()):
             graph = entry.replay.graph if entry.replay is not None else None
             held = getattr(graph, "memory_bytes", None) if graph is not None else None
             if isinstance(held, int):
@@ -278,7 +291,7 @@ class GraphWrapper:
     def clear(self) -> None:
         """Drop every captured graph and stored output so their memory can be freed; the next
         sight of a descriptor captures again (if the window is open)."""
-        for entry in self._entries.values():
+        for entry in list(self._entries.values()):
             if entry.replay is not None:
                 entry.replay.drop()  # a planned step holding it sees the drop
         self._entries.clear()
@@ -310,7 +323,7 @@ class GraphWrapper:
                 replay.refuse_arguments(args, kwargs)
             return replay(*args, **kwargs)
 
-        if not self.window.is_open:
+        if not self.window.is_open_for(owner):
             raise CaptureError(
                 f"no {self.runtime_mode.name} graph was captured for {key}, and capturing now "
                 "is not allowed: the capture window is closed. The runner's capture() is the "

@@ -103,6 +103,8 @@ class Capturer:
         self._primed_sizes: set[int] = set()
         self._primed_keys: set[GraphKey] = set()
         self._memory = GraphMemoryMeter(held, device, self._ubatch_bytes)
+        if held is not None:  # steps before capture() capture, whoever closed the window
+            held.capture_window.open_for(forward.static)
 
     # -- the eager policy -------------------------------------------------------------------
     def capture_all(self) -> CaptureReport:
@@ -127,6 +129,8 @@ class Capturer:
             self.report = CaptureReport(device=device_name)
             return self.report
         self._refuse_if_compiling_is_off()
+        if self._held is not None:
+            self._held.capture_window.close_for(self._forward.static)
         _drop_low_level_graphs(self._held, self._stats)
         keys = [(mode, desc) for mode, descs in groups for desc in descs]
         if self._options.policy is not CapturePolicy.EAGER:
