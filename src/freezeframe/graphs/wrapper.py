@@ -138,7 +138,8 @@ def _owner_gone(wrapper_ref: weakref.ref[GraphWrapper], ident: int) -> None:
 
 @dataclasses.dataclass
 class _Entry:
-    """What the wrapper keeps per descriptor: the warm-ups made, then the graph's replay."""
+    """What the wrapper keeps per owner and descriptor: the warm-ups made, then the graph's
+    replay."""
 
     warmups_done: int = 0
     replay: Replay | None = None
@@ -154,7 +155,8 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 class GraphWrapper:
-    """Captures ``runnable`` once per batch descriptor in ``runtime_mode`` and replays it.
+    """Captures ``runnable`` once per owner and batch descriptor in ``runtime_mode`` and
+    replays it (the owner: see the module docstring).
 
     ``runtime_mode`` is PIECEWISE (one piece of a split model; keyed by
     ``descriptor.relax_for_piecewise()``) or FULL (the whole forward; keyed by the full
@@ -270,7 +272,10 @@ class GraphWrapper:
 
     def _purge(self) -> None:
         while self._gone:
-            ident = self._gone.pop()
+            try:
+                ident = self._gone.pop()
+            except IndexError:  # another thread took the last one
+                return
             self._watched.discard(ident)
             self._drop(ident)
 
