@@ -9,6 +9,10 @@ place, the module's state) equals eager's on the same inputs and the same (chang
 the compiled path raises a ``FreezeframeError``. Nothing else: not a different answer, not a raw
 exception from inside torch, not a process that cannot compile afterwards.
 
+A call may also go another way than the case's path (``Call.via``): a plain call between runner
+steps, a forward-context call, or a second runner on the same compiled model (made and captured
+at its first call), whose graphs are its own.
+
 Two tiers: ``fast`` (the slice ``make test`` runs: eager compiler, emulated graphs, in-process
 warm starts) and ``full`` (``make fuzz``: also Inductor, Hugging Face models, warm starts in a
 fresh subprocess). ``generate(seed, tier)`` is deterministic; ``describe(case)`` says what a case
@@ -33,6 +37,9 @@ PATHS = ("plain", "context", "runner", "microbatch", "torch_compile", "torch_com
          "serve", "hf")
 FF_PATHS = ("plain", "context", "runner", "microbatch")
 RUNNER_PATHS = ("runner", "microbatch")
+# how a call may go: a path, or a second runner on the same compiled model (made and captured
+# at its first call; graphs are kept per runner)
+RUNNER_VIAS = (*RUNNER_PATHS, "second_runner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +271,12 @@ def _call(rng: random.Random, case: Case, *, first: bool) -> Call:
     size = 1 if first and rng.random() < 0.35 else rng.randint(1, 12)
     grads = ["no_grad", "inference", "grad"]
     via = ""
-    if case.path in ("runner", "microbatch", "context") and rng.random() < 0.15:
-        via = "plain"
+    if case.path in ("runner", "microbatch", "context"):
+        draw = rng.random()
+        if draw < 0.15:
+            via = "plain"
+        elif case.path in RUNNER_PATHS and draw < 0.27:
+            via = "second_runner"
     if case.path.startswith("torch_compile") and case.graph_mode != "none" and \
             rng.random() < 0.6:
         via = "context"

@@ -37,7 +37,7 @@ import freezeframe as ff
 from freezeframe.errors import FreezeframeError
 from tests.matrix import models
 from tests.matrix.cases import (
-    RUNNER_PATHS,
+    RUNNER_VIAS,
     Call,
     Case,
     Change,
@@ -169,6 +169,7 @@ class Harness:
         self.compiled = self._compile()
         self.changer = Changer(self.module, self.compiled, case.seed)
         self.runner: ff.GraphRunner | None = None
+        self.second_runner: ff.GraphRunner | None = None
         self.answers: list[torch.Tensor] = []  # every tensor handed out, kept alive
         self.buffers: dict[str, torch.Tensor] = {}  # the context path's persistent inputs
         self.outcome = Outcome()
@@ -194,14 +195,19 @@ class Harness:
         return self.outcome
 
     # -- the paths --------------------------------------------------------------------------
-    def _runner(self) -> ff.GraphRunner:
-        if self.runner is None:
-            self.runner = ff.GraphRunner(self.compiled, self.cfg,
-                                         inputs=self.spec.runner_inputs(),  # type: ignore[misc]
-                                         progress=False, capture_policy=self.case.policy)
+    def _runner(self, second: bool = False) -> ff.GraphRunner:
+        runner = self.second_runner if second else self.runner
+        if runner is None:
+            runner = ff.GraphRunner(self.compiled, self.cfg,
+                                    inputs=self.spec.runner_inputs(),  # type: ignore[misc]
+                                    progress=False, capture_policy=self.case.policy)
             with torch.no_grad():
-                self.runner.capture()
-        return self.runner
+                runner.capture()
+            if second:
+                self.second_runner = runner
+            else:
+                self.runner = runner
+        return runner
 
     def _context_mode(self, index: int) -> ff.CUDAGraphMode:
         mode = self.case.graph_mode
@@ -213,7 +219,7 @@ class Harness:
     def _inputs(self, call: Call, rows: int, index: int, via: str) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(self.case.seed * 1000 + index)
         args = self.spec.inputs(rows, gen, self.changer.dtype, call.opt)  # type: ignore[misc]
-        if via in RUNNER_PATHS:
+        if via in RUNNER_VIAS:
             names = self.spec.runner_inputs()  # type: ignore[misc]
             args = {k: v for k, v in args.items() if k in names}
         return args
@@ -236,8 +242,8 @@ class Harness:
     def _invoke(self, via: str, call: Call, args: dict[str, Any], kwargs: dict[str, Any],
                 mode: ff.CUDAGraphMode, rows: int) -> Any:
         target = self.compiled
-        if via in RUNNER_PATHS:
-            runner = self._runner()
+        if via in RUNNER_VIAS:
+            runner = self._runner(second=via == "second_runner")
             extra: dict[str, Any] = {"uniform_decode": call.uniform}
             if call.uniform:
                 extra["num_reqs"] = call.size
@@ -266,7 +272,7 @@ class Harness:
                 rows = padded
         args = self._inputs(call, rows, index, via)
         kwargs = dict([self.spec.kwargs[call.kwarg]]) \
-            if call.kwarg >= 0 and via not in RUNNER_PATHS else {}
+            if call.kwarg >= 0 and via not in RUNNER_VIAS else {}
         theirs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         mine = self._stage(args, call.fresh) if via == "context" else \
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
@@ -313,7 +319,7 @@ class Harness:
         for key, value in theirs.items():
             if isinstance(value, torch.Tensor):
                 compare(mine[key], value, tol, f"input {key!r} after the call")
-        attrs = via not in RUNNER_PATHS  # a runner's forward sees the padded batch
+        attrs = via not in RUNNER_VIAS  # a runner's forward sees the padded batch
         ours, eager = state_of(self.module, attrs), state_of(reference, attrs)
         if set(ours) != set(eager):
             raise Failure("state", f"module state names {sorted(set(ours) ^ set(eager))} "
@@ -362,7 +368,7 @@ class Harness:
             return (2e-2, 2e-2)
         if self.case.compiler == "inductor":
             return (1e-4, 1e-4)
-        if via in RUNNER_PATHS:
+        if via in RUNNER_VIAS:
             return (1e-5, 1e-5)  # padded to a capture size: a matmul may round otherwise
         return None
 

@@ -277,6 +277,7 @@ def test_the_fast_slice_covers_every_path_graph_mode_model_and_change() -> None:
                 seen["change"].add(event.kind)
             elif isinstance(event, Call):
                 seen["grad"].add(event.grad)
+                seen["via"].add(event.via)
                 seen["first size"].add(case.events[0].size if isinstance(case.events[0], Call)
                                        else 0)
     from tests.matrix.cases import CHANGES
@@ -289,4 +290,5 @@ def test_the_fast_slice_covers_every_path_graph_mode_model_and_change() -> None:
     assert seen["warm"] == {"", "inproc"}
     assert seen["change"] == set(CHANGES)
     assert seen["grad"] == {"grad", "no_grad", "inference"}
+    assert seen["via"] == {"", "plain", "context", "second_runner"}
     assert 1 in seen["first size"]
