@@ -5,13 +5,17 @@ wrapper's policy on every graph backend is tests/scenarios/test_graph_wrapper.py
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
 
 import freezeframe as ff
+from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
+from freezeframe.context import forward_context
 from freezeframe.graphs import CaptureWindow, GraphWrapper
+from freezeframe.graphs.backend import resolve_backend
 from freezeframe.graphs.cuda import CudaBackend, weak_ref_tensor, weak_ref_tensors
 from freezeframe.graphs.emulated import EmulatedBackend
 from freezeframe.stats import Stats
@@ -66,3 +70,36 @@ def test_a_backend_that_only_records_is_replayed_once_so_the_capturing_call_is_r
         x.copy_(torch.tensor([5.0, 7.0]))
         assert w(x).tolist() == [15.0, 21.0]
     assert (stats.graphs_captured, stats.replays) == (1, 1)  # the capture's own run is no replay
+
+
+def test_a_graph_of_a_collected_owner_is_never_served_to_one_with_its_id() -> None:
+    """Graphs are kept by the owner's id and purged once the owner is collected; between the
+    two (another thread purging), a new owner may get the collected one's id. Its lookup checks
+    the very owner, so it captures its own graph instead of replaying the dead owner's (the
+    recycled id is simulated by moving the entry under the new owner's id)."""
+    class Owner:
+        pass
+
+    calls: list[int] = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * 2 + 1
+
+    backend = resolve_backend("emulated")
+    assert backend is not None
+    wrapper = GraphWrapper(double, "full", backend, stats=Stats(), window=CaptureWindow())
+    desc = BatchDescriptor(4)
+    first, second = Owner(), Owner()
+    with torch.no_grad(), forward_context(desc, mode="full", owner=first):
+        wrapper(torch.ones(4))
+    dead = wrapper._entries.pop((id(first), desc))  # as if ``second`` had ``first``'s id
+    wrapper._entries[(id(second), desc)] = dead
+    del first
+    gc.collect()
+    wrapper._gone.clear()  # ... and another thread had taken the purge
+    with torch.no_grad(), forward_context(desc, mode="full", owner=second):
+        out = wrapper(torch.full((4,), 5.0))
+    assert len(calls) == 2 and torch.equal(out, torch.full((4,), 11.0))
+    assert wrapper.stats.replays == 0 and wrapper.stats.graphs_captured == 2
+

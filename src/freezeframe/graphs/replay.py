@@ -28,7 +28,8 @@ After::
 
 A ``Replay`` counts into tallies its wrapper owns, so call it from one thread at a time (a
 runner holds its lock; two threads replaying one graph at once would race on its memory
-anyway).
+anyway). The tallies are the wrapper's, shared by its owners: two runners on one model stepping
+at the same moment may lose a count, never an answer.
 """
 
 from __future__ import annotations

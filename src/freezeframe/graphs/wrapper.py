@@ -14,8 +14,9 @@ holds the mechanism. Policy, as in the seeds:
   buffers, or None for a low-level call). A graph reads the tensors it was captured on, so one
   owner never replays another's: two runners on one model, or a low-level call beside a
   runner, each capture and replay their own. The wrapper holds an owner weakly: once the owner
-  is garbage (a runner dropped), its graphs are dropped at the wrapper's next capture or
-  inspection, so runners made and dropped on one model do not pile up graph memory;
+  is collected (a runner dropped, after a garbage collection), its graphs are dropped at the
+  wrapper's next call, capture or inspection, so runners made and dropped on one model do not
+  pile up graph memory;
 * a replay goes through the graph's :class:`~freezeframe.graphs.replay.Replay`, which states
   the rules for its arguments once (the captured tensors are read as they are, a new tensor of
   the captured shape is copied in, anything else is refused): the wrapper's own replays and a
@@ -143,6 +144,12 @@ class _Entry:
 
     warmups_done: int = 0
     replay: Replay | None = None
+    # the owner, held weakly: a lookup by id also checks the very object, so an entry of a
+    # collected owner is never served to a new one that got its id before the purge
+    owner: weakref.ref[Any] | None = None
+
+    def owned_by(self, owner: object | None) -> bool:
+        return owner is None if self.owner is None else self.owner() is owner
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -164,7 +171,7 @@ class GraphWrapper:
     ``window`` is the :class:`CaptureWindow` a runner closes after capturing. ``num_warmups``
     eager calls (in the wrapper's mode) precede the capture of each descriptor. A replay with a
     tensor argument at a new address copies it into the captured one; ``debug=True`` raises
-    instead (see the module docstring).
+    instead (see :mod:`freezeframe.graphs.replay`).
 
     The capturing call returns real results on every backend: where the backend only records
     the work (``cuda``), the wrapper replays the new graph once before returning.
@@ -230,7 +237,7 @@ class GraphWrapper:
         ``descriptor`` (relaxed for PIECEWISE; by default the first of any owner), or
         ``None``. A runner's planned step calls it directly: a PIECEWISE step in place of the
         piece (with the piece's arguments), a FULL step with :meth:`Replay.on_captured` once
-        :meth:`Replay.reads_captured` holds for its static buffers. It raises
+        :meth:`Replay.reads_captured` holds for its static buffers. The ``Replay`` raises
         :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped (:meth:`clear`, a
         recapture): the caller goes back to calling the wrapper."""
         key = self._key(descriptor)
@@ -239,7 +246,7 @@ class GraphWrapper:
             return next((entry.replay for (_, k), entry in list(self._entries.items())
                          if k == key and entry.replay is not None), None)
         entry = self._entries.get((_ident(owner), key))
-        return None if entry is None else entry.replay
+        return None if entry is None or not entry.owned_by(owner) else entry.replay
 
     def graph_for(self, descriptor: BatchDescriptor,
                   owner: object | None = ANY_OWNER) -> CapturedGraph | None:
@@ -321,7 +328,12 @@ class GraphWrapper:
         owner = ctx.owner
         if self._gone:  # first: a new owner may have a collected one's id
             self._purge()
-        entry = self._entries.get((None if owner is None else id(owner), key))
+        found = (None if owner is None else id(owner), key)
+        entry = self._entries.get(found)
+        if entry is not None and owner is not None and entry.owner is not None \
+                and entry.owner() is not owner:
+            self._entries.pop(found, None)  # a collected owner's, not purged yet
+            entry = None
         if entry is not None and entry.replay is not None:
             replay = entry.replay
             if layout_of(args, kwargs) != replay.layout:
@@ -338,7 +350,8 @@ class GraphWrapper:
                 "`with window.opened():`")
         if entry is None:
             self._watch(owner)
-            entry = self._entries[(_ident(owner), key)] = _Entry()
+            entry = self._entries[found] = _Entry(
+                owner=None if owner is None else weakref.ref(owner))
         if entry.warmups_done < self.num_warmups:
             if self.options.log:
                 logger.debug("warm-up %d/%d of the %s graph for %s", entry.warmups_done + 1,

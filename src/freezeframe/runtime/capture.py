@@ -211,12 +211,10 @@ class Capturer:
         window = self._held.capture_window if self._held is not None else None
         # Copied aside before the clock and the memory baseline start: the report measures
         # graphs, not the copies.
-        # one key (lazy, background) while serving: on the device where half the free memory
-        # holds the copy; capture() of every key keeps its memory for the graphs
-        room = 0 if frozen_gc or not self._on_cuda \
-            else torch.cuda.mem_get_info(self._device)[0] // 2
-        saved = SavedBuffers(self.model, device_room=room)
+        saved = SavedBuffers(self.model, device_room=_device_room(self._device, frozen_gc))
         self._started = time.perf_counter()
+        if frozen_gc:
+            gc.collect()  # a dropped runner's graphs go before the baseline, not inside it
         if frozen_gc and self._on_cuda:
             torch.cuda.synchronize(self._device)
             torch.cuda.empty_cache()
@@ -229,13 +227,8 @@ class Capturer:
             self._cut.forget()
         try:
             with contextlib.ExitStack() as stack:
-                if window is not None and frozen_gc:
-                    # capture(): open now and closed after, so that a later step reaching an
-                    # uncaptured key raises instead of capturing mid-serving
-                    window.open()
-                    stack.callback(window.close)
-                elif window is not None:
-                    stack.enter_context(window.opened())  # one lazy capture: as it was after
+                if window is not None:
+                    _open_window(stack, window, self._forward.static, frozen_gc)
                 stack.enter_context(_gc_frozen() if frozen_gc else _gc_paused())
                 yield used_before
         except BaseException:
@@ -275,7 +268,7 @@ class Capturer:
             if buf._version != before)
         self._stats.inc("captures")
         seconds = time.perf_counter() - t0
-        segments, breaks = _breaks_of(self._held, mode, desc)
+        segments, breaks = _breaks_of(self._held, mode, desc, self._forward.static)
         return GraphCapture(mode=mode, descriptor=desc, seconds=seconds,
                             memory_bytes=max(0, self._memory.in_use() - used_before),
                             segments=segments, breaks=breaks)
@@ -476,14 +469,36 @@ class Capturer:
             self._stats.inc("buffers_restored", restored)
 
 
-def _breaks_of(held: Capturable | None, mode: CUDAGraphMode,
-               desc: BatchDescriptor) -> tuple[int, tuple[str, ...]]:
-    """The segments and breaks of the breakable graph captured for the key, if it is one."""
+def _device_room(device: torch.device, every_key: bool) -> int:
+    """Where a transaction may keep its buffer copies on the device: one key (lazy,
+    background) while serving, in half the free memory; capture() of every key keeps its
+    memory for the graphs (0: the 256 MiB rule of :class:`SavedBuffers`)."""
+    if every_key or device.type != "cuda":
+        return 0
+    return int(torch.cuda.mem_get_info(device)[0] // 2)
+
+
+def _open_window(stack: contextlib.ExitStack, window: Any, owner: object,
+                 every_key: bool) -> None:
+    """The capture window open for ``owner``'s steps only (another runner's capture may run
+    at the same time) and closed after; capture() of every key also closes it for low-level
+    calls, so that a later step reaching an uncaptured key raises instead of capturing
+    mid-serving."""
+    window.open_for(owner)
+    stack.callback(window.close_for, owner)
+    if every_key:
+        stack.callback(window.close)
+
+
+def _breaks_of(held: Capturable | None, mode: CUDAGraphMode, desc: BatchDescriptor,
+               owner: object) -> tuple[int, tuple[str, ...]]:
+    """The segments and breaks of the breakable graph ``owner`` captured for the key, if it
+    is one."""
     if held is None:
         return 0, ()
     for wrapper in held.graph_wrappers():
         if wrapper.runtime_mode is mode:
-            graph = wrapper.graph_for(desc)
+            graph = wrapper.graph_for(desc, owner)
             if isinstance(graph, BreakableGraph):
                 return graph.num_segments, tuple(graph.breaks)
     return 0, ()

@@ -66,7 +66,7 @@ from freezeframe.runtime.buffers import (
 from freezeframe.runtime.capture import Capturer
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.dist import agree_across_ranks
-from freezeframe.runtime.forward import ModelForward
+from freezeframe.runtime.forward import ModelForward, device_current
 from freezeframe.runtime.inputs import InputChecker
 from freezeframe.runtime.outputs import OutputCut
 from freezeframe.runtime.report import FALLBACK_REASONS
@@ -282,7 +282,9 @@ class Stepper:
         Python, so the inputs' version counters are compared around it."""
         versions = self._static.versions()
         try:
-            with entered(context):
+            # the splitting ops run eagerly: on the runner's device (a Triton launch goes to
+            # the current one)
+            with device_current(self._static.device), entered(context):
                 out = plan.replay()
         except StaleReplay:
             return self._stale_plan(key, plan)
@@ -376,8 +378,8 @@ class Stepper:
             verifier.finish((mode, desc), before, out, held.module,
                             lambda: self._eagerly(values, num_tokens, extras))
         if replay is not None and not slots and plannable:
-            context = ForwardContext(mode=mode, batch_descriptor=desc,
-                                     num_tokens_unpadded=num_tokens, num_reqs_unpadded=reqs) \
+            context = ForwardContext(mode, desc, num_tokens_unpadded=num_tokens,
+                                     num_reqs_unpadded=reqs, owner=self._static) \
                 if mode is _PIECEWISE else None
             self._keep_plan(call, replay, (desc, padded_reqs), out, counters, num_tokens,
                             reqs, padded_tokens, padded_reqs, context)
