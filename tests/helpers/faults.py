@@ -163,3 +163,9 @@ def _assert_clean(frozen_before: int, clean: dict[str, Any] | None = None) -> No
     state = _global_state()
     assert state.pop("gc_frozen") == frozen_before
     assert state == (CLEAN if clean is None else clean)
+
+
+def rig_inputs(rig: Any, tokens: int, seed: int) -> torch.Tensor:
+    """:func:`_inputs` on the scenario rig's device."""
+    return _inputs(tokens, seed).to(rig.device)
+

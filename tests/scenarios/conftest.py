@@ -64,3 +64,16 @@ def clean(rig: Rig) -> dict[str, Any]:
     from tests.helpers.faults import CLEAN
 
     return dict(CLEAN, grad=torch.is_grad_enabled())
+
+
+@pytest.fixture
+def faults_disarmed() -> Iterator[None]:
+    """No fault of tests.helpers.faults armed before or after the test, none recorded as
+    fired (the fault files use it for every test)."""
+    from tests.helpers.faults import FAULTS
+
+    FAULTS.armed = None
+    FAULTS.fired.clear()
+    yield
+    FAULTS.armed = None
+

@@ -7,7 +7,6 @@ on every graph backend present (the ``rig`` fixture)."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,21 +24,12 @@ from tests.helpers.faults import (
     FaultyModel,
     InjectedFault,
     _assert_clean,
-    _inputs,
+    rig_inputs,
 )
 from tests.scenarios.conftest import Rig
 
-
-@pytest.fixture(autouse=True)
-def _faults_disarmed() -> Iterator[None]:
-    FAULTS.armed = None
-    FAULTS.fired.clear()
-    yield
-    FAULTS.armed = None
-
-
-def inputs(rig: Rig, tokens: int, seed: int) -> torch.Tensor:
-    return _inputs(tokens, seed).to(rig.device)
+pytestmark = pytest.mark.usefixtures("faults_disarmed")
+inputs = rig_inputs
 
 
 def eager(rig: Rig, x: torch.Tensor) -> torch.Tensor:
