@@ -6,7 +6,7 @@ Capturing a key is one transaction (:meth:`Capturer.capture_key`)::
     warm up: the configured passes without a graph; at least one before the first capture,
         before each concrete compile size, and, where the backend only records (cuda),
         before every key's first capture (lazy set-up never happens inside a capture)
-    capture: the same pass in the key's mode, the model's capture window open
+    capture: the same pass in the key's mode, the model's capture window open for this runner
     note which inputs the capture wrote (a CUDA replay writes without moving version counters)
     and the output leaves' dim 0 at this size (the output cut learns what follows the size)
 
@@ -197,9 +197,9 @@ class Capturer:
     @contextlib.contextmanager
     def _transaction(self, frozen_gc: bool, key: GraphKey | None = None) -> Iterator[int]:
         """Around one capture (eager: all keys; lazy and background: one): the model's window
-        open, the garbage collector frozen (or paused), and, whatever happens, the dummy
-        steps undone; a failure frees every graph it made. Yields the graph memory in use at
-        the start (see :class:`GraphMemoryMeter`)."""
+        open for this runner, the garbage collector frozen (or paused), and, whatever happens,
+        the dummy steps undone; a failure frees every graph it made. Yields the graph memory in
+        use at the start (see :class:`GraphMemoryMeter`)."""
         # the runner's device current: the backend captures on the current device's stream
         with device_current(self._device), \
                 self._transaction_on_device(frozen_gc, key) as used_before:
