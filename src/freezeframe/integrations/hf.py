@@ -85,6 +85,7 @@ from freezeframe.integrations.hf_experts import break_at_experts
 from freezeframe.integrations.hf_generate import GenerateCall
 from freezeframe.integrations.hf_generate import generate as _generate
 from freezeframe.integrations.hf_sampling import SamplingParams
+from freezeframe.integrations.hf_serving import AsyncFront
 from freezeframe.runtime import GraphRunner, Tokens
 from freezeframe.runtime.runner import CaptureReport
 from freezeframe.stats import Stats
@@ -92,6 +93,7 @@ from freezeframe.stats import Stats
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HF_ATTENTION_OP",
+    "AsyncFront",
     "Batcher",
     "CompiledCausalLM",
     "Finished",

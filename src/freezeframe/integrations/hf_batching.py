@@ -146,6 +146,7 @@ class _Live:
     keep_logits: bool = False
     keep_scores: bool = False
     proposer: Proposer | None = None
+    stopped: bool = False  # a criterion ended it, but its call's other rows go on (HF's rule)
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt, then new tokens
     row: int = -1  # its cache row once admitted
     computed: int = 0  # tokens whose keys and values are in the cache
@@ -274,8 +275,9 @@ class Batcher:
                 self._shared[share] = shared
             shared = shared if shared[0] is not None else None
         decoder = Decoder(resolved, row, self._model.device, capacity, shared)
-        return _Live(rid, tuple(tokens), resolved, decoder, owner, noise, member, keep_logits,
-                     keep_scores, proposer, list(tokens))
+        return _Live(rid, tuple(tokens), resolved, decoder, owner, noise=noise, member=member,
+                     keep_logits=keep_logits, keep_scores=keep_scores, proposer=proposer,
+                     tokens=list(tokens))
 
     def _spec_width(self, resolved: Settings) -> int:
         spec = resolved.speculation
@@ -524,13 +526,28 @@ class Batcher:
             except Exception as exc:
                 self._fail(live, exc)
                 return False
-        made = NewToken(live.request_id, token, live.new_tokens - 1, reason is not None, reason)
+        going = reason == "stop" and live.owner is not None and not settings_.stop_ids
+        if going:  # HF keeps decoding such a row until its whole batch is done
+            live.stopped = True
+        made = NewToken(live.request_id, token, live.new_tokens - 1,
+                        reason is not None and not going, reason)
         (live.owner.tokens if live.owner is not None else self._outbox).append(made)
-        if reason is not None:
+        if reason is not None and not going:
             self._running.remove(live)
             self._finish(live, reason)
-            return False
-        return True
+        if live.owner is not None and reason is not None:
+            self._end_if_all_stopped(live.owner)
+        return reason is None or going
+
+    def _end_if_all_stopped(self, owner: Owner) -> None:
+        """Finish a call's rows once each of them was stopped (HF's loop ends there)."""
+        rows = [x for x in (*self._waiting, *self._running) if x.owner is owner]
+        if rows and all(x.stopped for x in rows):
+            for x in rows:
+                (self._waiting if x in self._waiting else self._running).remove(x)
+                owner.tokens.append(NewToken(x.request_id, x.tokens[-1], x.new_tokens - 1,
+                                             True, "stop"))
+                self._finish(x, "stop")
 
     def _fail(self, live: _Live, error: BaseException) -> None:
         if live in self._running:

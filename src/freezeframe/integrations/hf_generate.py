@@ -82,7 +82,7 @@ def generate(lm: Any, input_ids: Any, call: GenerateCall, kwargs: dict[str, Any]
     docstring), every row a request of ``lm.batcher``."""
     for name, what in _REFUSED_ARGS.items():
         value = kwargs.pop(name, None)
-        if value not in (None, False):
+        if value is not None and value is not False:
             raise ConfigError(f"generate: {what} is not supported by ff.hf; use HF's own "
                               "model.generate for it")
     if input_ids is None:
@@ -180,7 +180,8 @@ def _run(batcher: Batcher, device: torch.device, host: torch.Tensor,
             if owner.error is not None:
                 raise owner.error
             for token in tokens:
-                columns.add(token.request_id, token.token, token.finished)
+                columns.add(token.request_id, token.token, token.finished,
+                            token.finish_reason)
             columns.emit_ready()
         if owner.error is not None:
             raise owner.error
@@ -190,7 +191,7 @@ def _run(batcher: Batcher, device: torch.device, host: torch.Tensor,
             call.streamer.end()
     finally:
         batcher.drop(owner)
-    new = torch.tensor(columns.table(), dtype=host.dtype).reshape(rows, -1)
+    new = torch.tensor(columns.table(), dtype=host.dtype).reshape(-1, rows).T
     sequences = torch.cat([host, new], dim=1).to(out_device)
     if not cfg.return_dict_in_generate:
         return sequences
@@ -255,47 +256,47 @@ def _prompt_spans(ids: torch.Tensor, mask: torch.Tensor | None, pad: int | None,
 class _Columns:
     """The new tokens as columns, as HF's loop makes them: column ``k`` is ready once every
     row has its ``k``-th token or has finished before it (then ``pad``); ready columns go to
-    the streamer in order."""
+    the streamer in order. A row stopped by a criterion while others go on keeps its later
+    tokens (HF decodes it on); the columns end where the last row ended."""
 
     def __init__(self, ids: list[str], pad: int | None, streamer: _Streamer | None) -> None:
         self._rows: dict[str, list[int]] = {rid: [] for rid in ids}
         self._order = ids
-        self._pad = pad
+        self._pad = 0 if pad is None else pad
         self._streamer = streamer
         self._sent = 0
         self._done: set[str] = set()
+        self._ended: dict[str, int] = {}  # tokens a row had when it first ended
 
-    def add(self, request_id: str, token: int, finished: bool) -> None:
-        self._rows[request_id].append(token)
+    def add(self, request_id: str, token: int, finished: bool, reason: str | None) -> None:
+        tokens = self._rows[request_id]
+        if finished and reason == "stop" and request_id in self._ended:
+            self._done.add(request_id)  # (the end of a stopped row: no new token)
+            return
+        tokens.append(token)
+        if reason is not None:
+            self._ended.setdefault(request_id, len(tokens))
         if finished:
             self._done.add(request_id)
 
+    def width(self) -> int:
+        return max(self._ended.get(rid, len(t)) for rid, t in self._rows.items())
+
     def emit_ready(self, final: bool = False) -> None:
-        if final:
-            self._done = set(self._order)
-        ready = min((len(t) for rid, t in self._rows.items() if rid not in self._done),
-                    default=max(len(t) for t in self._rows.values()))
+        ready = self.width() if final else min(
+            (len(t) for rid, t in self._rows.items() if rid not in self._done),
+            default=self.width())
         while self._sent < ready:
             if self._streamer is not None:
                 self._streamer.put(torch.tensor(self._column(self._sent)))
             self._sent += 1
 
     def _column(self, k: int) -> list[int]:
-        column = []
-        for rid in self._order:
-            tokens = self._rows[rid]
-            if k < len(tokens):
-                column.append(tokens[k])
-            elif self._pad is not None:
-                column.append(self._pad)
-            else:  # a row that ended early on a criterion and no pad token: HF writes 0
-                column.append(0)
-        return column
+        return [t[k] if k < len(t) else self._pad for t in map(self._rows.get, self._order)
+                if t is not None]
 
     def table(self) -> list[list[int]]:
-        width = max(len(t) for t in self._rows.values())
-        return [[*t, *[self._pad if self._pad is not None else 0] * (width - len(t))]
-                for t in (self._rows[rid] for rid in self._order)]
+        return [self._column(k) for k in range(self.width())]
 
 
 def _columns(per_row: list[tuple[torch.Tensor, ...]], width: int) -> tuple[torch.Tensor, ...]:
