@@ -1,13 +1,14 @@
 """Every generation setting ``lm.generate`` honours, against Hugging Face's own ``generate``.
 
-Tiny random models (2 layers, vocab 128, nothing downloaded) of four families, each served
-once for the module on emulated breakable PIECEWISE graphs (``trace=False``: no Dynamo, which
-tests/integration/test_hf.py covers; here the question is the tokens each setting gives).
-Every case generates for the same left-padded ragged batch (prompts of 6, 3 and 5 tokens)
-with HF and with ``ff.hf``, and the token tensors must be identical; greedy cases also check
-that the setting changed HF's output (so a setting ignored would fail), sampling cases use
-``torch.manual_seed(s)`` for HF and ``torch.Generator().manual_seed(s)`` for ours. Every setting runs on Llama; a
-representative set on Qwen2, Gemma 2 and GPT-2. Refused settings are ConfigErrors naming them.
+Tiny random models (2 layers, vocab 128, nothing downloaded) of four families, each served once
+for the module on emulated breakable PIECEWISE graphs (``trace=False``: no Dynamo, which
+tests/integration/test_hf.py covers; here the question is the tokens each setting gives). Every
+case generates for the same left-padded ragged batch (prompts of 6, 3 and 5 tokens) with HF and
+with ``ff.hf``, and the token tensors must be identical; greedy cases also check that the
+setting changed HF's output (so a setting ignored would fail), sampling cases use
+``torch.manual_seed(s)`` for HF and ``torch.Generator().manual_seed(s)`` for ours. Every setting
+runs on Llama; a representative set on Qwen2, Gemma 2 and GPT-2. Refused settings are
+ConfigErrors naming them.
 """
 
 from __future__ import annotations
