@@ -63,7 +63,12 @@ from torch import nn
 
 from freezeframe.compilation import CompiledModel
 from freezeframe.compilation import compile as ff_compile
-from freezeframe.config import CompilationConfig, CompilationMode, breakable_capture
+from freezeframe.config import (
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    breakable_capture,
+)
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.integrations.hf_attention import (
     ATTN_IMPLEMENTATION,
@@ -381,8 +386,9 @@ class CompiledCausalLM:
                                  max_num_tokens=self.max_num_tokens,
                                  backend=str(self.config.backend),
                                  graph_backend=str(self.config.graph_backend),
-                                 cudagraph_mode="full_and_piecewise"
-                                 if self.config.mode is CompilationMode.PIECEWISE else "none",
+                                 cudagraph_mode="none" if self.config.cudagraph_mode is
+                                 CUDAGraphMode.NONE else "full_and_piecewise",
+                                 trace=self.config.mode is CompilationMode.PIECEWISE,
                                  progress=self._progress)
                 self._drafts[key] = cached
             draft = cached
