@@ -474,21 +474,11 @@ class Batcher:
         vocab = int(rows.shape[-1])
         noise = [live.noise.take(live.member, live.new_tokens, vocab, rows.device)
                  if live.noise is not None else None for live in lives]
-        try:
-            tokens, scores = pick([live.decoder for live in lives], rows, noise)
-        except Exception:  # find whose code raised: each request on its own
-            tokens, scores = [], rows.clone()
-            for i, live in enumerate(lives):
-                try:
-                    one, score = pick([live.decoder], rows[i:i + 1], noise[i:i + 1])
-                except Exception as exc:  # the request's own code
-                    self._fail(live, exc)
-                    tokens.append(-1)
-                    continue
-                tokens += one
-                scores[i] = score[0]
+        tokens, scores, errors = pick([live.decoder for live in lives], rows, noise)
+        for i, error in errors.items():
+            self._fail(lives[i], error)
         for i, (live, token) in enumerate(zip(lives, tokens, strict=True)):
-            if token >= 0:
+            if i not in errors:
                 self._append(live, token, rows[i], scores[i])
 
     def _verify(self, chunk: _Chunk, rows: torch.Tensor) -> None:

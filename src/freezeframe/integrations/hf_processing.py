@@ -253,14 +253,17 @@ class Decoder:
 
 
 def pick(decoders: Sequence[Decoder], logits: torch.Tensor,
-         noise: Sequence[torch.Tensor | None]) -> tuple[list[int], torch.Tensor]:
+         noise: Sequence[torch.Tensor | None],
+         ) -> tuple[list[int], torch.Tensor, dict[int, Exception]]:
     """The next token of each request (``decoders[i]`` over row ``i`` of ``logits``,
     ``[n, vocab]`` float32; ``noise[i]`` its ``[vocab]`` draw when it samples). Returns the
-    tokens and the processed scores ``[n, vocab]``. Requests sharing a batch key are processed
-    as one batch, plain greedy ones by one argmax."""
+    tokens, the processed scores ``[n, vocab]`` and what a request's processors raised (by
+    row; its token is then meaningless). Requests sharing a batch key are processed as one
+    batch, plain greedy ones by one argmax."""
     scores = logits
     groups: dict[object, list[int]] = {}
     alone: list[int] = []
+    errors: dict[int, Exception] = {}
     for i, dec in enumerate(decoders):
         if dec.plain_greedy:
             continue
@@ -272,18 +275,24 @@ def pick(decoders: Sequence[Decoder], logits: torch.Tensor,
         scores = logits.clone()
         for rows in groups.values():
             index = torch.tensor(rows, device=logits.device)
-            scores[index] = decoders[rows[0]].process(logits[index])
+            try:
+                scores[index] = decoders[rows[0]].process(logits[index])
+            except Exception as exc:  # (the request's own code: reported, not raised)
+                errors.update(dict.fromkeys(rows, exc))
         for i in alone:
-            scores[i:i + 1] = decoders[i].process(logits[i:i + 1])
+            try:
+                scores[i:i + 1] = decoders[i].process(logits[i:i + 1])
+            except Exception as exc:
+                errors[i] = exc
     sampled = [i for i, dec in enumerate(decoders) if dec.settings.do_sample]
     if not sampled:
-        return scores.argmax(dim=-1).tolist(), scores
+        return scores.argmax(dim=-1).tolist(), scores, errors
     choice = scores.argmax(dim=-1)
     index = torch.tensor(sampled, device=logits.device)
     draws = torch.stack([_noise_of(noise, i) for i in sampled])
     probs = scores[index].softmax(dim=-1)
     choice[index] = (probs / draws).argmax(dim=-1)
-    return choice.tolist(), scores
+    return choice.tolist(), scores, errors
 
 
 def _noise_of(noise: Sequence[torch.Tensor | None], row: int) -> torch.Tensor:
