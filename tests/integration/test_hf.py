@@ -398,3 +398,20 @@ def test_a_warm_start_in_a_fresh_process_loads_the_trace(tmp_path: Path) -> None
     assert (cold["loaded"], cold["not_saved"]) == (0, 0)
     assert (warm["loaded"], warm["not_saved"]) == (1, 0)  # (its graph still counts as traced)
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_longrope_is_served_only_below_its_switch() -> None:
+    # Before: a LongRoPE model (Phi-3 128k style) was served with any cache; HF picks the short
+    # or long factors from the longest position of each forward of one sequence, while an
+    # ff.hf step mixes sequences and prefills long prompts in chunks (logits off from HF's).
+    head_dim = 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * (head_dim // 2), "long_factor": [4.0] * (head_dim // 2)}
+    torch.manual_seed(0)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **TINY, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters=rope)).eval()
+    with pytest.raises(ff.ConfigError, match=r"Phi3ForCausalLM uses LongRoPE, .* Pass "
+                                             r"max_cache_len <= 16 \(every sequence then uses"):
+        _compile(phi3, max_cache_len=17, trace=False)
+    _assert_generates_like_hf(phi3, max_cache_len=16, trace=False)
