@@ -72,6 +72,19 @@ def _accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls).parameters
 
 
+def _repetition_penalty(penalty: float, row: Row, device: torch.device) -> Any:
+    """HF's repetition penalty for ``row``: its padding is exempt where HF's generate exempts it
+    (the releases whose processor takes the padding lengths as a tensor, 5.24 on; before,
+    padding tokens were penalised like any other)."""
+    cls = _gen.RepetitionPenaltyLogitsProcessor
+    if row.padding is not None and _accepts(cls, "prompt_ignore_length"):
+        try:
+            return cls(penalty, prompt_ignore_length=torch.tensor([row.padding], device=device))
+        except ValueError:  # (an int only: this release's generate passes none)
+            pass
+    return cls(penalty)
+
+
 def _content(settings: Settings, row: Row, device: torch.device) -> list[Any]:
     """The processors HF builds from the config before the caller's list is merged in."""
     cfg, width, eos = settings.config, row.padded.shape[1], _stop_tensor(settings, device)
@@ -82,10 +95,7 @@ def _content(settings: Settings, row: Row, device: torch.device) -> list[Any]:
         made.append(_gen.EncoderRepetitionPenaltyLogitsProcessor(
             float(cfg.encoder_repetition_penalty), encoder_input_ids=row.padded.to(device)))
     if cfg.repetition_penalty not in (None, 1.0):
-        cls = _gen.RepetitionPenaltyLogitsProcessor
-        extra = {} if row.padding is None or not _accepts(cls, "prompt_ignore_length") else \
-            {"prompt_ignore_length": torch.tensor([row.padding], device=device)}
-        made.append(cls(float(cfg.repetition_penalty), **extra))
+        made.append(_repetition_penalty(float(cfg.repetition_penalty), row, device))
     if cfg.no_repeat_ngram_size:
         made.append(_gen.NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size))
     if cfg.encoder_no_repeat_ngram_size:
