@@ -449,19 +449,15 @@ def compile(
     ``max_cache_len`` positions is allocated in the model's dtype on its device.
 
     Without ``config`` one is built: PIECEWISE, split at :data:`HF_ATTENTION_OP`,
-    ``cudagraph_mode`` (default ``"piecewise"``), graphs for ``capture_sizes`` (default:
-    :class:`~freezeframe.config.CompilationConfig`'s ladder for ``max_num_seqs=max_batch_size``
-    and ``num_speculative_tokens``), the ``backend`` compiler
-    (default ``"inductor"``), ``graph_backend`` (default ``"auto"``: CUDA graphs on a GPU,
-    none on a CPU; ``"emulated"`` captures on a CPU for tests), ``max_num_tokens`` per step
-    (default ``max(512, max_batch_size)``; a longer prefill is split into steps of this) and
-    ``max_num_seqs=max_batch_size``. A step of more tokens than the largest capture size (a
-    long prefill) runs without graphs, counted in ``runner.stats.fallback_too_large``.
-    ``num_speculative_tokens=k`` (default 0) keys FULL decode graphs on ``1 + k`` tokens per
-    request: the verification steps of speculative decoding (``generate``'s
-    ``prompt_lookup_num_tokens`` or ``assistant_model``) replay them.
-    With ``config``, give none of those; in PIECEWISE mode its ``splitting_ops`` must name
-    :data:`HF_ATTENTION_OP`.
+    ``cudagraph_mode`` (default ``"piecewise"``), graphs for ``capture_sizes`` (default: the
+    config's ladder for ``max_num_seqs=max_batch_size``), the ``backend`` compiler (default
+    ``"inductor"``), ``graph_backend`` (default ``"auto"``: CUDA graphs on a GPU, none on a
+    CPU; ``"emulated"`` captures on a CPU for tests), ``max_num_tokens`` per step (default
+    ``max(512, max_batch_size)``; a longer prefill is split into steps of this). A step above
+    the largest capture size runs without graphs (``runner.stats.fallback_too_large``).
+    ``num_speculative_tokens=k`` keys FULL decode graphs on ``1 + k`` tokens per request:
+    speculative decoding's verification steps replay them. With ``config``, give none of
+    those; in PIECEWISE mode its ``splitting_ops`` must name :data:`HF_ATTENTION_OP`.
 
     ``trace=False`` builds the default config without a trace: mode NONE, the model's forward
     run as written, its PIECEWISE graphs captured breakable at the attention op (see
@@ -480,25 +476,20 @@ def compile(
     check_attention(model)
     check_positions(model, max_cache_len)
     check_rope(model, max_cache_len)
-    if config is None:
-        config = _default_config(max_batch_size, max_num_tokens, capture_sizes, backend,
-                                 graph_backend, cudagraph_mode, trace,
-                                 num_speculative_tokens or 0)
-    else:
-        config = check_given_config(
-            config, max_batch_size, HF_ATTENTION_OP,
-            {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
-             "backend": backend, "graph_backend": graph_backend,
-             "cudagraph_mode": cudagraph_mode,
-             "num_speculative_tokens": num_speculative_tokens})
+    given: dict[str, Any] = {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
+                             "backend": backend, "graph_backend": graph_backend,
+                             "cudagraph_mode": cudagraph_mode,
+                             "num_speculative_tokens": num_speculative_tokens}
+    config = _default_config(max_batch_size, trace, **given) if config is None else \
+        check_given_config(config, max_batch_size, HF_ATTENTION_OP, given)
     check_experts(model, config)
     return _serve(model, config, shape, max_batch_size, max_cache_len, progress)
 
 
-def _default_config(max_batch_size: int, max_num_tokens: int | None,
+def _default_config(max_batch_size: int, trace: bool, *, max_num_tokens: int | None,
                     capture_sizes: Sequence[int] | None, backend: str | None,
                     graph_backend: str | None, cudagraph_mode: str | None,
-                    trace: bool = True, num_speculative_tokens: int = 0) -> CompilationConfig:
+                    num_speculative_tokens: int | None) -> CompilationConfig:
     """The config :func:`compile` builds when given none (its docstring lists the defaults)."""
     tokens = positive_int("max_num_tokens", max_num_tokens) if max_num_tokens is not None \
         else max(512, max_batch_size)
@@ -508,7 +499,7 @@ def _default_config(max_batch_size: int, max_num_tokens: int | None,
         cudagraph_mode=cudagraph_mode or "piecewise",
         cudagraph_capture_sizes=list(capture_sizes) if capture_sizes is not None else None,
         max_num_tokens=tokens, max_num_seqs=max_batch_size,
-        num_speculative_tokens=num_speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens or 0,
         graph_backend=graph_backend or "auto")
 
 

@@ -39,146 +39,43 @@ One host read-back per step (the picked tokens: stopping and the next step's inp
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from freezeframe.errors import ConfigError
-from freezeframe.integrations.hf_processing import Decoder, Row, pick, row_wise
+from freezeframe.integrations.hf_processing import pick
+from freezeframe.integrations.hf_requests import (
+    Chunk,
+    Finished,
+    Live,
+    Model,
+    NewToken,
+    Owner,
+    RequestInfo,
+    check_prompt,
+    make_request,
+    request_settings,
+    spec_width,
+)
 from freezeframe.integrations.hf_sampling import NoiseDraws, SamplingParams
-from freezeframe.integrations.hf_settings import Settings, resolve, settings
+from freezeframe.integrations.hf_settings import Settings
 from freezeframe.integrations.hf_speculation import Proposer, accept
 
 __all__ = ["Batcher", "Finished", "NewToken", "RequestInfo"]
 
 
-class _Model(Protocol):
-    """What the batcher needs of a ``CompiledCausalLM``."""
-
-    max_batch_size: int
-    max_cache_len: int
-    model: Any
-
-    @property
-    def max_num_tokens(self) -> int: ...
-
-    @property
-    def num_speculative_tokens(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int | None: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def step(self, input_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-             *, uniform_decode: bool = False) -> torch.Tensor: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class NewToken:
-    """A token a step made: the ``index``-th new token of ``request_id``; ``finished`` when it
-    was the request's last (``finish_reason`` then says why)."""
-
-    request_id: str
-    token: int
-    index: int
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    """A request that left: its new ``tokens`` (a stop token that ended it included) and why
-    (``"eos"``, ``"length"``, ``"stop"``, ``"aborted"`` or ``"error"``, then ``error`` holds the
-    exception). ``logits`` holds the float32 logits each token was picked from and ``scores``
-    those logits after the processors (``[vocab]`` each) when the request keeps them."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    tokens: tuple[int, ...]
-    finish_reason: str
-    logits: tuple[torch.Tensor, ...] = ()
-    scores: tuple[torch.Tensor, ...] = ()
-    error: BaseException | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestInfo:
-    """One request the batcher holds: ``state`` ``"waiting"`` (no cache row yet),
-    ``"running"`` or ``"finished"`` (not yet taken); ``owner`` ``"caller"`` (added with
-    :meth:`Batcher.add`) or ``"generate"`` (a running ``lm.generate``)."""
-
-    request_id: str
-    state: str
-    owner: str
-    prompt_tokens: int
-    new_tokens: int
-
-
-class Owner:
-    """A ``generate`` call's share of the batcher: its tokens and finished requests, kept
-    apart from the caller's."""
-
-    def __init__(self) -> None:
-        self.tokens: list[NewToken] = []
-        self.finished: dict[str, Finished] = {}
-        self.error: BaseException | None = None
-        self.live = 0
-
-
-@dataclasses.dataclass(eq=False)
-class _Live:
-    """A request between :meth:`Batcher.add` and its end."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    settings: Settings
-    decoder: Decoder
-    owner: Owner | None
-    noise: NoiseDraws | None = None
-    member: int = 0  # its row in the noise draws
-    keep_logits: bool = False
-    keep_scores: bool = False
-    proposer: Proposer | None = None
-    stopped: bool = False  # a criterion ended it, but its call's other rows go on (HF's rule)
-    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt, then new tokens
-    row: int = -1  # its cache row once admitted
-    computed: int = 0  # tokens whose keys and values are in the cache
-    logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    scores: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.tokens) - len(self.prompt)
-
-
-@dataclasses.dataclass(eq=False)
-class _Chunk:
-    live: _Live
-    count: int  # tokens of this request in the step, from live.computed on
-    candidates: list[int] = dataclasses.field(default_factory=list)  # speculative, verified
-    proposed: int = 0  # how many of the candidates were proposed (the rest is padding)
-    first: int = 0  # its first row in the step's logits
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last known token (so a token is picked)."""
-        return self.live.computed + self.count - len(self.candidates) >= len(self.live.tokens)
-
-
 class Batcher:
     """Continuous batching over one ``CompiledCausalLM`` (see the module docstring)."""
 
-    def __init__(self, model: _Model) -> None:
+    def __init__(self, model: Model) -> None:
         self._model = model
-        self._waiting: deque[_Live] = deque()
-        self._running: list[_Live] = []
+        self._waiting: deque[Live] = deque()
+        self._running: list[Live] = []
         self._free_rows = list(range(model.max_batch_size))
         self._finished: list[Finished] = []  # the caller's, not yet taken
         self._outbox: list[NewToken] = []  # the caller's tokens made in others' steps
@@ -202,9 +99,9 @@ class Batcher:
         prompt); ``logits_processor`` and ``stopping_criteria`` are HF's lists, merged in as
         ``generate`` merges them and called with this request's history. ``generator`` seeds
         its sampling (default: the device's default generator)."""
-        tokens = self._prompt(prompt)
-        resolved, key = self._settings(params, len(tokens), logits_processor,
-                                       stopping_criteria)
+        tokens = check_prompt(self._model, prompt)
+        resolved, key = request_settings(self._model, params, len(tokens), logits_processor,
+                                         stopping_criteria)
         noise = NoiseDraws(1, generator, self._model.device) if resolved.do_sample else None
         with self._lock:
             live = self.make(tokens, resolved, padded=tokens, padding=None, owner=None,
@@ -213,77 +110,18 @@ class Batcher:
             self.enqueue([live])
         return live.request_id
 
-    def _settings(self, params: Any, width: int, processors: Any,
-                  criteria: Any) -> tuple[Settings, object | None]:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params.check_vocab(self._model.vocab_size)
-            cfg, _ = resolve(None, None, params.generation_config(), {}, width)
-            key = params if not processors and not criteria else None
-        elif type(params).__name__ == "GenerationConfig":
-            cfg, _ = resolve(getattr(self._model.model, "config", None),
-                             getattr(self._model.model, "generation_config", None), params,
-                             {}, width)
-            key = None
-        else:
-            raise ConfigError(f"Batcher.add: params must be a SamplingParams or a transformers "
-                              f"GenerationConfig, got {type(params).__name__}")
-        return settings(cfg, width, logits_processor=processors,
-                        stopping_criteria=criteria), key
-
     def make(self, tokens: list[int], resolved: Settings, *, padded: list[int],
              padding: int | None, owner: Owner | None, noise: NoiseDraws | None = None,
              member: int = 0, keep_logits: bool = False, keep_scores: bool = False,
-             request_id: str | None = None, share: object | None = None,
-             proposer: Proposer | None = None) -> _Live:
+             request_id: str | None = None, share: object | None = None) -> Live:
         """A request, checked, not yet queued (``generate`` makes all of its rows first, then
-        queues them at once). ``padded``: the row as HF sees it (its padding, then ``tokens``);
-        ``share``: a key under which requests with the same history-free processors share
-        them."""
-        if resolved.do_sample and noise is None:
-            raise ConfigError("Batcher: a sampling request needs noise draws")
-        bad = [i for i in resolved.stop_ids
-               if self._model.vocab_size is not None and i >= self._model.vocab_size]
-        if bad:
-            raise ConfigError(f"eos_token_id {bad[0]} is outside the vocabulary of "
-                              f"{self._model.vocab_size} tokens; pass this model's stop token "
-                              "(model.generation_config.eos_token_id)")
-        extra = self._spec_width(resolved)
-        if extra + 1 > self._model.max_num_tokens:
-            raise ConfigError(
-                f"Batcher.add: a verification step of 1 + {extra} tokens is more than "
-                f"max_num_tokens={self._model.max_num_tokens}; ask for fewer speculative tokens")
-        needed = len(tokens) + resolved.max_new_tokens - 1 + extra
-        if needed > self._model.max_cache_len:
-            raise ConfigError(
-                f"Batcher.add: a prompt of {len(tokens)} tokens and max_new_tokens="
-                f"{resolved.max_new_tokens}{f' and {extra} speculative tokens' if extra else ''}"
-                f" need {needed} cache positions but max_cache_len is "
-                f"{self._model.max_cache_len}; ff.hf.compile with max_cache_len={needed}")
+        queues them at once with :meth:`enqueue`): see ``hf_requests.make_request``."""
         rid = request_id if request_id is not None else self._new_id()
         if not isinstance(rid, str) or rid in self._known:
             raise ConfigError(f"Batcher.add: request_id={rid!r} must be a str not in use")
-        row = Row(member, torch.tensor([padded], dtype=torch.long), padding)
-        capacity = len(padded) + resolved.max_new_tokens + extra
-        shared = None
-        if share is not None:
-            shared = self._shared.get(share)
-            if shared is None:
-                candidate = Decoder(resolved, row, self._model.device, capacity).processors
-                shared = (share, candidate) if row_wise(candidate) else (None, None)
-                self._shared[share] = shared
-            shared = shared if shared[0] is not None else None
-        decoder = Decoder(resolved, row, self._model.device, capacity, shared)
-        return _Live(rid, tuple(tokens), resolved, decoder, owner, noise=noise, member=member,
-                     keep_logits=keep_logits, keep_scores=keep_scores, proposer=proposer,
-                     tokens=list(tokens))
-
-    def _spec_width(self, resolved: Settings) -> int:
-        spec = resolved.speculation
-        if spec is None:
-            return 0
-        return max(spec.num_tokens, self._model.num_speculative_tokens)
+        return make_request(self._model, self._shared, rid, tokens, resolved, padded=padded,
+                            padding=padding, owner=owner, noise=noise, member=member,
+                            keep_logits=keep_logits, keep_scores=keep_scores, share=share)
 
     def _new_id(self) -> str:
         while True:
@@ -291,7 +129,7 @@ class Batcher:
             if rid not in self._known:
                 return rid
 
-    def enqueue(self, lives: Sequence[_Live]) -> None:
+    def enqueue(self, lives: Sequence[Live]) -> None:
         """Queue requests made by :meth:`make` (ids checked again: all or none)."""
         with self._lock:
             ids = [live.request_id for live in lives]
@@ -303,19 +141,6 @@ class Batcher:
                     self._owned[live.request_id] = live.owner
                     live.owner.live += 1
                 self._waiting.append(live)
-
-    def _prompt(self, prompt: Sequence[int] | torch.Tensor) -> list[int]:
-        values = prompt.tolist() if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 \
-            else list(prompt) if isinstance(prompt, (list, tuple)) else None
-        vocab = self._model.vocab_size
-        if not values or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
-            raise ConfigError(f"Batcher.add: prompt must be a non-empty list or 1-d tensor of "
-                              f"token ids, got {_describe(prompt)}")
-        bad = next((t for t in values if t < 0 or (vocab is not None and t >= vocab)), None)
-        if bad is not None:
-            raise ConfigError(f"Batcher.add: prompt token {bad} is outside [0, vocab_size="
-                              f"{vocab}); pass token ids of this model's tokenizer")
-        return values
 
     def abort(self, request_id: str) -> bool:
         """End one of the caller's unfinished requests now (``finish_reason="aborted"``),
@@ -373,7 +198,7 @@ class Batcher:
             return out
 
     @staticmethod
-    def _info(live: _Live, state: str) -> RequestInfo:
+    def _info(live: Live, state: str) -> RequestInfo:
         return RequestInfo(live.request_id, state, "caller" if live.owner is None else
                            "generate", len(live.prompt), live.new_tokens)
 
@@ -415,7 +240,7 @@ class Batcher:
             uniform = all(c.count == query and c.live.computed >= len(c.live.prompt)
                           for c in chunks)
             logits = self._model.step(ids, positions, rows, uniform_decode=uniform)
-            plain: list[_Chunk] = []
+            plain: list[Chunk] = []
             for chunk in chunks:
                 if not chunk.samples:
                     chunk.live.computed += chunk.count
@@ -429,33 +254,33 @@ class Batcher:
                     self._verify(chunk, logits[chunk.first:chunk.first + chunk.count].float())
             return True
 
-    def _schedule(self) -> list[_Chunk]:
+    def _schedule(self) -> list[Chunk]:
         budget = self._model.max_num_tokens
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         prompt_done = [live for live in self._running if live.computed >= len(live.prompt)]
         prefilling = [live for live in self._running if live.computed < len(live.prompt)]
         for live in prompt_done:
             count = len(live.tokens) - live.computed
             if live.proposer is not None:  # the last token and k candidates
-                count += self._spec_width(live.settings)
+                count += spec_width(self._model, live.settings)
             if 0 < count <= budget:
-                chunks.append(_Chunk(live, count))
+                chunks.append(Chunk(live, count))
                 budget -= count
         for live in prefilling:
             count = min(len(live.tokens) - live.computed, budget)
             if count > 0:
-                chunks.append(_Chunk(live, count))
+                chunks.append(Chunk(live, count))
                 budget -= count
         while self._waiting and self._free_rows and budget > 0:
             live = self._waiting.popleft()
             live.row = self._free_rows.pop(0)
             self._running.append(live)
             count = min(len(live.tokens), budget)
-            chunks.append(_Chunk(live, count))
+            chunks.append(Chunk(live, count))
             budget -= count
         return chunks
 
-    def _propose(self, chunks: list[_Chunk]) -> None:
+    def _propose(self, chunks: list[Chunk]) -> None:
         """The speculative candidates of each verifying chunk (padded to its width with
         copies of the last token: a uniform step; only matches are ever accepted)."""
         if not chunks:
@@ -468,7 +293,7 @@ class Batcher:
             chunk.candidates += [chunk.live.tokens[-1]] * (width - len(chunk.candidates))
             chunk.proposed = len(candidates[:width])
 
-    def _pick(self, chunks: list[_Chunk], rows: torch.Tensor) -> None:
+    def _pick(self, chunks: list[Chunk], rows: torch.Tensor) -> None:
         """Pick a token for each chunk's request from its logits row (``rows[i]``)."""
         lives = [c.live for c in chunks]
         vocab = int(rows.shape[-1])
@@ -481,7 +306,7 @@ class Batcher:
             if i not in errors:
                 self._append(live, token, rows[i], scores[i])
 
-    def _verify(self, chunk: _Chunk, rows: torch.Tensor) -> None:
+    def _verify(self, chunk: Chunk, rows: torch.Tensor) -> None:
         """Accept the longest run of candidates the model picks itself, then its own next
         token (greedy: the tokens plain decoding makes)."""
         live = chunk.live
@@ -494,7 +319,7 @@ class Batcher:
             if live not in self._running or not self._append(live, token, raw, score):
                 break
 
-    def _append(self, live: _Live, token: int, raw: torch.Tensor,
+    def _append(self, live: Live, token: int, raw: torch.Tensor,
                 score: torch.Tensor) -> bool:
         """Give ``live`` its next token; False when that ended it."""
         live.tokens.append(token)
@@ -539,7 +364,7 @@ class Batcher:
                                              True, "stop"))
                 self._finish(x, "stop")
 
-    def _fail(self, live: _Live, error: BaseException) -> None:
+    def _fail(self, live: Live, error: BaseException) -> None:
         if live in self._running:
             self._running.remove(live)
         self._finish(live, "error", error)
@@ -548,7 +373,7 @@ class Batcher:
         elif live.owner.error is None:
             live.owner.error = error
 
-    def _release(self, live: _Live) -> None:
+    def _release(self, live: Live) -> None:
         if live.row >= 0:
             self._free_rows.append(live.row)
             self._free_rows.sort()
@@ -556,7 +381,7 @@ class Batcher:
         if live.noise is not None:
             live.noise.leave(live.member)
 
-    def _finish(self, live: _Live, reason: str, error: BaseException | None = None) -> None:
+    def _finish(self, live: Live, reason: str, error: BaseException | None = None) -> None:
         self._release(live)
         done = Finished(live.request_id, live.prompt, tuple(live.tokens[len(live.prompt):]),
                         reason, tuple(live.logits), tuple(live.scores), error)
@@ -576,7 +401,3 @@ class Batcher:
             return done
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dim()}-d {value.dtype} tensor"
-    return repr(value) if isinstance(value, (list, tuple)) else type(value).__name__

@@ -36,10 +36,10 @@ from typing import Any, Protocol
 import torch
 
 from freezeframe.errors import ConfigError
-from freezeframe.integrations.hf_batching import Batcher, Finished, Owner
+from freezeframe.integrations.hf_batching import Batcher
+from freezeframe.integrations.hf_requests import Finished, Owner
 from freezeframe.integrations.hf_sampling import NoiseDraws
 from freezeframe.integrations.hf_settings import Settings, Speculation, resolve, settings
-from freezeframe.integrations.hf_speculation import Proposer
 
 __all__ = ["GenerateCall", "generate"]
 
@@ -159,14 +159,10 @@ def _run(batcher: Batcher, device: torch.device, host: torch.Tensor,
         for row, (start, end) in enumerate(spans):
             tokens = host[row, start:end].tolist()
             pads = host[row, :start].tolist() + host[row, end:].tolist()
-            live = batcher.make(tokens, resolved, padded=pads + tokens,
-                                padding=len(pads) if padded else None, owner=owner,
-                                noise=noise, member=row, keep_logits=keep_logits,
-                                keep_scores=keep_scores, share=share)
-            if resolved.speculation is not None:
-                live.proposer = Proposer(resolved, live.decoder, batcher._model.vocab_size,
-                                         device)
-            lives.append(live)
+            lives.append(batcher.make(tokens, resolved, padded=pads + tokens,
+                                      padding=len(pads) if padded else None, owner=owner,
+                                      noise=noise, member=row, keep_logits=keep_logits,
+                                      keep_scores=keep_scores, share=share))
         batcher.enqueue(lives)
         columns = _Columns([live.request_id for live in lives], resolved.pad_token_id,
                            call.streamer)

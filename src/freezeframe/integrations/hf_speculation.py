@@ -24,6 +24,7 @@ The candidates come from (:class:`Proposer`):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,12 +58,14 @@ class Proposer:
         if self.draft is None:
             stop = torch.tensor(list(settings.stop_ids), device=device) \
                 if settings.stop_ids else None
+            # (older transformers take no processors: they cannot skip banned candidates)
+            screens = {"logits_processor": decoder.processors, "vocab_size": vocab_size} \
+                if len(decoder.processors) and "logits_processor" in inspect.signature(
+                    PromptLookupCandidateGenerator).parameters else {}
             self.lookup = PromptLookupCandidateGenerator(
                 eos_token_id=stop, num_output_tokens=spec.num_tokens,
                 max_matching_ngram_size=spec.max_matching_ngram_size,
-                max_length=int(settings.config.max_length),
-                logits_processor=decoder.processors if len(decoder.processors) else None,
-                vocab_size=vocab_size)
+                max_length=int(settings.config.max_length), **screens)
 
     def _look_up(self, tokens: list[int]) -> list[int]:
         assert self.lookup is not None
