@@ -3,15 +3,15 @@
 One entry: :func:`compile` (``ff.hf.compile(model, ...)``) takes a ``LlamaForCausalLM``,
 ``Qwen2ForCausalLM``, ``GPT2LMHeadModel`` or any decoder-only model whose attention goes through
 ``transformers.AttentionInterface``, and returns a :class:`CompiledCausalLM`: HF's ``generate``
-(greedy and sampling, stop tokens, padded prompts of different lengths, a streamer) on captured
-graphs, and :attr:`~CompiledCausalLM.batcher`, continuous batching that ``generate`` is built
-on::
+(its generation settings resolved and applied by transformers' own classes, per request;
+speculative decoding verified on graphs) and :attr:`~CompiledCausalLM.batcher`, continuous
+batching that ``generate`` is built on::
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
                                          intermediate_size=128, num_attention_heads=4)).eval()
     lm = ff.hf.compile(model, max_batch_size=8, max_cache_len=64, backend="eager",
                        graph_backend="emulated")
-    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4).sequences  # [3, <= 9]
+    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4)  # [3, <= 9] token ids
 
 How the model is served
 -----------------------
