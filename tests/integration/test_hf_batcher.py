@@ -9,6 +9,7 @@ finish with the tokens HF's ``generate`` gives them alone, and a later ``generat
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -97,6 +98,27 @@ def test_generate_beside_a_server_owns_only_its_requests(
         ("s0", "finished"), ("s1", "finished")}
     assert lm.generate(PROMPTS, max_new_tokens=4).tolist() == alone["generate"]
     assert sorted(f.request_id for f in lm.batcher.take_finished()) == ["s0", "s1"]
+
+
+def test_a_server_thread_and_generate_share_the_batcher(
+        lm: hf.CompiledCausalLM, alone: dict[str, list[int]]) -> None:
+    streamed: dict[str, list[int]] = {}
+    failures: list[BaseException] = []
+
+    def server() -> None:
+        try:
+            _serve(lm)
+            _finish(lm, alone, streamed)
+        except BaseException as exc:  # (reported by the main thread)
+            failures.append(exc)
+
+    thread = threading.Thread(target=server)
+    thread.start()
+    results = [lm.generate(PROMPTS, max_new_tokens=4).tolist() for _ in range(2)]
+    thread.join(timeout=300)
+    assert not failures and not thread.is_alive()
+    assert results == [alone["generate"]] * 2
+    assert streamed == {rid: alone[rid] for rid in ("s0", "s1")}
 
 
 def test_made_up_ids_never_collide_with_a_callers(lm: hf.CompiledCausalLM) -> None:

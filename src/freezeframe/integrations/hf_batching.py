@@ -217,6 +217,17 @@ class Batcher:
                 raise error
             return made
 
+    def collect(self, owner: Owner) -> list[NewToken]:
+        """The tokens made for ``owner`` (a ``generate``) since it last looked, running a step
+        first when there are none (another thread's step may have made them)."""
+        with self._lock:
+            if not owner.tokens and owner.live > 0 and owner.error is None \
+                    and not self.advance():
+                raise RuntimeError("generate: the batcher made no step with requests of this "
+                                   "call left (a bug: please report it)")
+            tokens, owner.tokens = owner.tokens, []
+            return tokens
+
     def advance(self) -> bool:
         """One step of the model for every request, tokens routed to their owners; False
         when there was nothing to run."""

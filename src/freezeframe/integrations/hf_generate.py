@@ -169,10 +169,7 @@ def _run(batcher: Batcher, device: torch.device, host: torch.Tensor,
         if call.streamer is not None:
             call.streamer.put(host)
         while owner.live > 0:
-            if not owner.tokens and not batcher.advance():
-                raise RuntimeError("generate: the batcher made no step with requests of this "
-                                   "call left (a bug: please report it)")
-            tokens, owner.tokens = owner.tokens, []
+            tokens = batcher.collect(owner)
             if owner.error is not None:
                 raise owner.error
             for token in tokens:
