@@ -87,8 +87,10 @@ def test_generate_beside_a_server_owns_only_its_requests(
         streamed.setdefault(token.request_id, []).append(token.token)
     states = {(r.request_id, r.state, r.owner) for r in lm.batcher.requests()}
     assert states == {("s0", "running", "caller"), ("s1", "running", "caller")}
-    assert lm.generate(PROMPTS, max_new_tokens=4).tolist() == alone["generate"]
+    for _ in range(2):  # (8 steps: the server's requests end inside them)
+        assert lm.generate(PROMPTS, max_new_tokens=4).tolist() == alone["generate"]
     # generate's steps moved the server's requests on: their tokens come with the next step
+    assert lm.batcher.has_unfinished() and lm.batcher.num_running == 0
     _finish(lm, alone, streamed)
     assert streamed == {rid: alone[rid] for rid in ("s0", "s1")}
     _serve(lm)

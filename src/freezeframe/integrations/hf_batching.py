@@ -170,9 +170,10 @@ class Batcher:
     # -- what it holds -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         """Whether requests the caller added are waiting or running (a ``generate``'s are
-        its own)."""
+        its own), or tokens others' steps made for them wait for the next :meth:`step`."""
         with self._lock:
-            return any(live.owner is None for live in (*self._waiting, *self._running))
+            return bool(self._outbox or self._errors) or any(
+                live.owner is None for live in (*self._waiting, *self._running))
 
     @property
     def num_waiting(self) -> int:
