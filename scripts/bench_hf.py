@@ -98,7 +98,7 @@ def _ff_decode(lm: Any, prompts: Any, new: int, device: str) -> tuple[list[float
     import torch
 
     batch, prompt = prompts.shape
-    tokens = lm.generate(prompts, 1).sequences[:, -1].to(device)  # the prefill
+    tokens = lm.generate(prompts, max_new_tokens=1)[:, -1].to(device)  # the prefill
     rows = torch.arange(batch, device=device)
     generated, times = [tokens], []
     for i in range(new - 1):

@@ -93,7 +93,8 @@ def test_greedy_decode_matches_hf_eager_on_graphs_per_padded_batch(family: str) 
     for batch, (piecewise, too_large, padded) in EXPECTED_STEPS.items():
         before = (lm.stats.steps_piecewise, lm.stats.fallback_too_large,
                   lm.stats.padded_tokens, lm.compiled.stats.replays)
-        out = lm.generate(prompts[batch], NEW, output_logits=True)
+        out = lm.generate(prompts[batch], NEW, output_logits=True,
+                          return_dict_in_generate=True)
         sequences, logits = expected[batch]
         assert torch.equal(out.sequences, sequences), (batch, out.sequences, sequences)
         assert len(out.logits) == NEW
@@ -118,7 +119,8 @@ def test_full_and_piecewise_decode_replays_full_graphs() -> None:
     report = lm.capture()
     assert report.count(ff.CUDAGraphMode.FULL) == 4
     assert report.count(ff.CUDAGraphMode.PIECEWISE) == 4
-    out = lm.generate(prompts, NEW, output_logits=True)
+    out = lm.generate(prompts, NEW, output_logits=True,
+                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, sequences)
     for ours, theirs in zip(out.logits, logits, strict=True):
         assert (ours - theirs).abs().max().item() <= REL_TOL * theirs.abs().max().item()
@@ -140,7 +142,8 @@ def test_without_a_trace_breakable_graphs_decode_like_hf(family: str) -> None:
     assert sorted(g.descriptor.num_tokens for g in report.graphs) == CAPTURE_SIZES
     assert {(g.segments, g.breaks) for g in report.graphs} == {
         (3, (hf.HF_ATTENTION_OP, hf.HF_ATTENTION_OP))}
-    out = lm.generate(prompts, NEW, output_logits=True)
+    out = lm.generate(prompts, NEW, output_logits=True,
+                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, sequences)
     for ours, theirs in zip(out.logits, logits, strict=True):
         assert (ours - theirs).abs().max().item() <= REL_TOL * theirs.abs().max().item()
@@ -180,13 +183,11 @@ def test_bad_arguments_are_named() -> None:
             vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, add_cross_attention=True)))
 
     lm = _compile(model)  # nothing is traced until the first step
-    with pytest.raises(ff.ConfigError, match="input_ids has 9 rows but max_batch_size is 8"):
-        lm.generate(torch.zeros(9, 2, dtype=torch.long), 1)
     with pytest.raises(ff.ConfigError, match="need 33 cache positions but max_cache_len is 32"):
         lm.generate(torch.zeros(1, 30, dtype=torch.long), 4)
     with pytest.raises(ff.ConfigError, match=r"2-d torch\.long tensor"):
         lm.generate(torch.zeros(1, 3), 1)
-    with pytest.raises(ff.ConfigError, match="max_new_tokens=0 must be an int >= 1"):
+    with pytest.raises(ff.ConfigError, match="`max_new_tokens` must be greater than 0"):
         lm.generate(torch.zeros(1, 3, dtype=torch.long), 0)
     assert lm.compiled.stats.graphs_traced == 0
 
@@ -201,7 +202,8 @@ def _assert_generates_like_hf(model: torch.nn.Module, **kwargs: Any) -> hf.Compi
     prompts = torch.randint(0, VOCAB, (3, PROMPT), generator=torch.Generator().manual_seed(4))
     sequences, logits = _hf_greedy(model, prompts)
     lm = _compile(model, **kwargs)
-    out = lm.generate(prompts, NEW, output_logits=True)
+    out = lm.generate(prompts, NEW, output_logits=True,
+                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, sequences), (out.sequences, sequences)
     for ours, theirs in zip(out.logits, logits, strict=True):
         assert (ours - theirs).abs().max().item() <= REL_TOL * theirs.abs().max().item()
@@ -374,7 +376,7 @@ _WARM_CHILD = textwrap.dedent("""
     lm = ff.hf.compile(model, cfg, max_batch_size=8, max_cache_len=32, progress=False)
     out = lm.generate(prompts, 4)
     s = lm.compiled.stats
-    print(json.dumps({{"tokens": out.sequences.tolist(), "loaded": s.traces_loaded,
+    print(json.dumps({{"tokens": out.tolist(), "loaded": s.traces_loaded,
                        "not_saved": s.traces_not_saved}}))
 """)
 
@@ -396,3 +398,20 @@ def test_a_warm_start_in_a_fresh_process_loads_the_trace(tmp_path: Path) -> None
     assert (cold["loaded"], cold["not_saved"]) == (0, 0)
     assert (warm["loaded"], warm["not_saved"]) == (1, 0)  # (its graph still counts as traced)
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_longrope_is_served_only_below_its_switch() -> None:
+    # Before: a LongRoPE model (Phi-3 128k style) was served with any cache; HF picks the short
+    # or long factors from the longest position of each forward of one sequence, while an
+    # ff.hf step mixes sequences and prefills long prompts in chunks (logits off from HF's).
+    head_dim = 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * (head_dim // 2), "long_factor": [4.0] * (head_dim // 2)}
+    torch.manual_seed(0)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **TINY, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters=rope)).eval()
+    with pytest.raises(ff.ConfigError, match=r"Phi3ForCausalLM uses LongRoPE, .* Pass "
+                                             r"max_cache_len <= 16 \(every sequence then uses"):
+        _compile(phi3, max_cache_len=17, trace=False)
+    _assert_generates_like_hf(phi3, max_cache_len=16, trace=False)

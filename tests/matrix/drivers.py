@@ -150,7 +150,8 @@ def hf_case(case: Case) -> Outcome:
         with torch.no_grad():
             want = twin.generate(prompts, max_new_tokens=event.new, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-        got = _attempt(functools.partial(lm.generate, prompts, event.new, output_logits=True),
+        got = _attempt(functools.partial(lm.generate, prompts, event.new, output_logits=True,
+                                         return_dict_in_generate=True),
                        outcome, index, event)
         if got is _REFUSED:
             continue

@@ -3,15 +3,15 @@
 One entry: :func:`compile` (``ff.hf.compile(model, ...)``) takes a ``LlamaForCausalLM``,
 ``Qwen2ForCausalLM``, ``GPT2LMHeadModel`` or any decoder-only model whose attention goes through
 ``transformers.AttentionInterface``, and returns a :class:`CompiledCausalLM`: HF's ``generate``
-(greedy and sampling, stop tokens, padded prompts of different lengths, a streamer) on captured
-graphs, and :attr:`~CompiledCausalLM.batcher`, continuous batching that ``generate`` is built
-on::
+(its generation settings resolved and applied by transformers' own classes, per request;
+speculative decoding verified on graphs) and :attr:`~CompiledCausalLM.batcher`, continuous
+batching that ``generate`` is built on::
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
                                          intermediate_size=128, num_attention_heads=4)).eval()
     lm = ff.hf.compile(model, max_batch_size=8, max_cache_len=64, backend="eager",
                        graph_backend="emulated")
-    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4).sequences  # [3, <= 9]
+    lm.generate(torch.randint(0, 128, (3, 5)), max_new_tokens=4)  # [3, <= 9] token ids
 
 How the model is served
 -----------------------
@@ -63,7 +63,12 @@ from torch import nn
 
 from freezeframe.compilation import CompiledModel
 from freezeframe.compilation import compile as ff_compile
-from freezeframe.config import CompilationConfig, CompilationMode, breakable_capture
+from freezeframe.config import (
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    breakable_capture,
+)
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.integrations.hf_attention import (
     ATTN_IMPLEMENTATION,
@@ -71,23 +76,21 @@ from freezeframe.integrations.hf_attention import (
     STEP_KWARG,
     StepMetadata,
 )
-from freezeframe.integrations.hf_batching import Batcher, Finished, NewToken
+from freezeframe.integrations.hf_batching import Batcher, Finished, NewToken, RequestInfo
 from freezeframe.integrations.hf_checks import (
     check_attention,
     check_causal_lm,
     check_experts,
     check_given_config,
     check_positions,
+    check_rope,
     positive_int,
 )
 from freezeframe.integrations.hf_experts import break_at_experts
-from freezeframe.integrations.hf_generate import (
-    MODEL_DEFAULT,
-    GenerateOptions,
-    Generation,
-)
+from freezeframe.integrations.hf_generate import GenerateCall
 from freezeframe.integrations.hf_generate import generate as _generate
 from freezeframe.integrations.hf_sampling import SamplingParams
+from freezeframe.integrations.hf_serving import AsyncFront
 from freezeframe.runtime import GraphRunner, Tokens
 from freezeframe.runtime.runner import CaptureReport
 from freezeframe.stats import Stats
@@ -95,12 +98,12 @@ from freezeframe.stats import Stats
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HF_ATTENTION_OP",
-    "MODEL_DEFAULT",
+    "AsyncFront",
     "Batcher",
     "CompiledCausalLM",
     "Finished",
-    "Generation",
     "NewToken",
+    "RequestInfo",
     "SamplingParams",
     "compile",
 ]
@@ -202,6 +205,7 @@ class CompiledCausalLM:
         self._vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         #: Continuous batching over this model's cache rows (``generate`` runs on it too).
         self.batcher = Batcher(self)
+        self._drafts: dict[int, CompiledCausalLM] = {}
 
     @property
     def stats(self) -> Stats:
@@ -212,6 +216,12 @@ class CompiledCausalLM:
     def max_num_tokens(self) -> int:
         """The most tokens one step takes (longer prefills are split into steps of this)."""
         return int(self.config.max_num_tokens)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The candidates a verification step of speculative decoding checks: a uniform
+        decode step is ``1 +`` this many tokens per request (the config's)."""
+        return int(self.config.num_speculative_tokens)
 
     @property
     def vocab_size(self) -> int | None:
@@ -296,9 +306,11 @@ class CompiledCausalLM:
              uniform_decode: bool) -> torch.Tensor:
         self.capture()
         num_tokens = int(input_ids.shape[0])
+        query = 1 + self.num_speculative_tokens
+        uniform = uniform_decode and num_tokens % query == 0
         logits = self.runner(input_ids=input_ids, positions=positions, seq_ids=seq_ids,
-                             uniform_decode=uniform_decode,
-                             num_reqs=num_tokens if uniform_decode else None)
+                             uniform_decode=uniform,
+                             num_reqs=num_tokens // query if uniform else None)
         self._check_split()  # the first traced step, when capture() traced nothing
         return logits  # type: ignore[no-any-return]
 
@@ -328,30 +340,70 @@ class CompiledCausalLM:
                                   f"{_STEP_FIXES[name][bad >= 0].format(bad + 1)}")
         return [t.to(self._device, torch.long, non_blocking=True) for t in tensors]
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, *,
-                 attention_mask: torch.Tensor | None = None, min_new_tokens: int = 0,
-                 do_sample: bool | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None,
-                 eos_token_id: Any = MODEL_DEFAULT, pad_token_id: Any = MODEL_DEFAULT,
-                 generator: torch.Generator | None = None, streamer: Any = None,
-                 output_logits: bool = False) -> Generation:
-        """HF's ``model.generate(input_ids, ...)`` for these arguments, on this model's graphs
-        (:mod:`~freezeframe.integrations.hf_generate` says what is HF's): ``input_ids`` is
-        ``[batch, width]`` with ``batch <= max_batch_size``, prompts padded on the left or
-        the right as ``attention_mask`` says; unset options come from
-        ``model.generation_config``; ``eos_token_id`` (one id, several, or None for none)
-        stops each row on its own; ``generator`` seeds sampling; ``streamer`` gets HF's
-        ``put``/``end`` calls. Each row's prompt plus ``max_new_tokens - 1`` must fit
-        ``max_cache_len``. Runs on :attr:`batcher` (which must be idle): the prompts are
-        prefilled together in steps of up to ``max_num_tokens`` tokens, then each step decodes
-        one token of every unfinished row."""
-        options = GenerateOptions(
-            max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-            min_new_tokens=min_new_tokens, do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            generator=generator, streamer=streamer, output_logits=output_logits)
-        return _generate(self.batcher, getattr(self.model, "generation_config", None),
-                         self.max_batch_size, self._device, input_ids, options)
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
+                 logits_processor: Any = None, stopping_criteria: Any = None,
+                 prefix_allowed_tokens_fn: Any = None, synced_gpus: bool | None = None,
+                 assistant_model: Any = None, streamer: Any = None, *,
+                 generator: torch.Generator | None = None, **kwargs: Any) -> Any:
+        """HF's ``model.generate(inputs, ...)`` on this model's graphs, with HF's arguments
+        and results (:mod:`~freezeframe.integrations.hf_generate` says what is HF's, and
+        docs/hf.md lists every generation setting, honoured or refused): ``inputs`` is
+        ``[batch, width]`` token ids, prompts padded on the left or the right as
+        ``attention_mask`` says; settings come from ``generation_config``, then
+        ``model.generation_config``, then HF's defaults, the keyword arguments over all.
+        Returns the ``[rows, width + new]`` token tensor, or with
+        ``return_dict_in_generate=True`` transformers' ``GenerateDecoderOnlyOutput``.
+        ``generator`` (freezeframe's) seeds sampling; an int as the second argument is
+        ``max_new_tokens`` (a shorthand). ``prompt_lookup_num_tokens`` or ``assistant_model``
+        (an HF model with the same tokenizer, compiled by ``ff.hf`` on first use, or a
+        ``CompiledCausalLM``) decode speculatively: greedy tokens, verified ``1 + k`` at a
+        time. Runs on :attr:`batcher`, beside the requests a server has there."""
+        if isinstance(generation_config, int) and not isinstance(generation_config, bool):
+            kwargs.setdefault("max_new_tokens", generation_config)
+            generation_config = None
+        if synced_gpus:
+            kwargs["synced_gpus"] = synced_gpus
+        call = GenerateCall(generation_config, logits_processor, stopping_criteria,
+                            prefix_allowed_tokens_fn, assistant_model, streamer, generator)
+        return _generate(self, inputs, call, kwargs)
+
+    def draft(self, assistant: Any) -> CompiledCausalLM:
+        """The ``ff.hf`` model that proposes candidates for :meth:`generate`'s
+        ``assistant_model``: ``assistant`` itself when it is a ``CompiledCausalLM``, else it
+        compiled once (the main model's cache shape, compiler and graph backend; kept for the
+        next call). Its vocabulary must be this model's (the same tokenizer)."""
+        if isinstance(assistant, CompiledCausalLM):
+            draft = assistant
+        else:
+            key = id(assistant)
+            cached = self._drafts.get(key)
+            if cached is None or cached.model is not assistant:
+                if assistant is self.model:
+                    raise ConfigError("generate: assistant_model is the model itself; pass a "
+                                      "smaller draft model of the same tokenizer")
+                cached = compile(assistant, max_batch_size=self.max_batch_size,
+                                 max_cache_len=self.max_cache_len,
+                                 max_num_tokens=self.max_num_tokens,
+                                 backend=str(self.config.backend),
+                                 graph_backend=str(self.config.graph_backend),
+                                 cudagraph_mode="none" if self.config.cudagraph_mode is
+                                 CUDAGraphMode.NONE else "full_and_piecewise",
+                                 trace=self.config.mode is CompilationMode.PIECEWISE,
+                                 progress=self._progress)
+                self._drafts[key] = cached
+            draft = cached
+        if draft.vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"generate: the assistant model's vocabulary has {draft.vocab_size} tokens, "
+                f"this model's {self.vocab_size}; a draft model must share the tokenizer (HF's "
+                "assistant_tokenizer for other tokenizers is not supported by ff.hf)")
+        if draft.max_batch_size < self.max_batch_size or \
+                draft.max_cache_len < self.max_cache_len:
+            raise ConfigError(
+                "generate: the assistant CompiledCausalLM needs max_batch_size >= "
+                f"{self.max_batch_size} and max_cache_len >= {self.max_cache_len} (it uses "
+                "the main model's cache rows)")
+        return draft
 
 
 def _transformers_version() -> str:
@@ -375,11 +427,6 @@ def _cache_shape(model: nn.Module) -> _CacheShape:
                        head_dim=int(head_dim))
 
 
-def _default_capture_sizes(max_batch_size: int) -> list[int]:
-    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
-    return sorted({*sizes, max_batch_size})
-
-
 def compile(
     model: nn.Module,
     config: CompilationConfig | None = None,
@@ -391,6 +438,7 @@ def compile(
     backend: str | None = None,
     graph_backend: str | None = None,
     cudagraph_mode: str | None = None,
+    num_speculative_tokens: int | None = None,
     trace: bool = True,
     progress: bool = True,
 ) -> CompiledCausalLM:
@@ -402,14 +450,14 @@ def compile(
 
     Without ``config`` one is built: PIECEWISE, split at :data:`HF_ATTENTION_OP`,
     ``cudagraph_mode`` (default ``"piecewise"``), graphs for ``capture_sizes`` (default: the
-    powers of two up to ``max_batch_size``, and ``max_batch_size``), the ``backend`` compiler
-    (default ``"inductor"``), ``graph_backend`` (default ``"auto"``: CUDA graphs on a GPU,
-    none on a CPU; ``"emulated"`` captures on a CPU for tests), ``max_num_tokens`` per step
-    (default ``max(512, max_batch_size)``; a longer prefill is split into steps of this) and
-    ``max_num_seqs=max_batch_size``. A step of more tokens than the largest capture size (a
-    long prefill) runs without graphs, counted in ``runner.stats.fallback_too_large``.
-    With ``config``, give none of those four; in PIECEWISE mode its ``splitting_ops`` must name
-    :data:`HF_ATTENTION_OP`.
+    config's ladder for ``max_num_seqs=max_batch_size``), the ``backend`` compiler (default
+    ``"inductor"``), ``graph_backend`` (default ``"auto"``: CUDA graphs on a GPU, none on a
+    CPU; ``"emulated"`` captures on a CPU for tests), ``max_num_tokens`` per step (default
+    ``max(512, max_batch_size)``; a longer prefill is split into steps of this). A step above
+    the largest capture size runs without graphs (``runner.stats.fallback_too_large``).
+    ``num_speculative_tokens=k`` keys FULL decode graphs on ``1 + k`` tokens per request:
+    speculative decoding's verification steps replay them. With ``config``, give none of
+    those; in PIECEWISE mode its ``splitting_ops`` must name :data:`HF_ATTENTION_OP`.
 
     ``trace=False`` builds the default config without a trace: mode NONE, the model's forward
     run as written, its PIECEWISE graphs captured breakable at the attention op (see
@@ -427,23 +475,21 @@ def compile(
     max_cache_len = positive_int("max_cache_len", max_cache_len)
     check_attention(model)
     check_positions(model, max_cache_len)
-    if config is None:
-        config = _default_config(max_batch_size, max_num_tokens, capture_sizes, backend,
-                                 graph_backend, cudagraph_mode, trace)
-    else:
-        config = check_given_config(
-            config, max_batch_size, HF_ATTENTION_OP,
-            {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
-             "backend": backend, "graph_backend": graph_backend,
-             "cudagraph_mode": cudagraph_mode})
+    check_rope(model, max_cache_len)
+    given: dict[str, Any] = {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
+                             "backend": backend, "graph_backend": graph_backend,
+                             "cudagraph_mode": cudagraph_mode,
+                             "num_speculative_tokens": num_speculative_tokens}
+    config = _default_config(max_batch_size, trace, **given) if config is None else \
+        check_given_config(config, max_batch_size, HF_ATTENTION_OP, given)
     check_experts(model, config)
     return _serve(model, config, shape, max_batch_size, max_cache_len, progress)
 
 
-def _default_config(max_batch_size: int, max_num_tokens: int | None,
+def _default_config(max_batch_size: int, trace: bool, *, max_num_tokens: int | None,
                     capture_sizes: Sequence[int] | None, backend: str | None,
                     graph_backend: str | None, cudagraph_mode: str | None,
-                    trace: bool = True) -> CompilationConfig:
+                    num_speculative_tokens: int | None) -> CompilationConfig:
     """The config :func:`compile` builds when given none (its docstring lists the defaults)."""
     tokens = positive_int("max_num_tokens", max_num_tokens) if max_num_tokens is not None \
         else max(512, max_batch_size)
@@ -451,9 +497,9 @@ def _default_config(max_batch_size: int, max_num_tokens: int | None,
         mode="piecewise" if trace else "none", backend=backend or "inductor",
         splitting_ops=[HF_ATTENTION_OP],
         cudagraph_mode=cudagraph_mode or "piecewise",
-        cudagraph_capture_sizes=list(capture_sizes) if capture_sizes is not None
-        else _default_capture_sizes(max_batch_size),
+        cudagraph_capture_sizes=list(capture_sizes) if capture_sizes is not None else None,
         max_num_tokens=tokens, max_num_seqs=max_batch_size,
+        num_speculative_tokens=num_speculative_tokens or 0,
         graph_backend=graph_backend or "auto")
 
 

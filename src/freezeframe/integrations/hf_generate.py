@@ -1,51 +1,47 @@
-"""``CompiledCausalLM.generate``: HF ``generate``'s arguments and result, on the
+"""``CompiledCausalLM.generate``: HF ``generate``'s arguments and results, on the
 :class:`~freezeframe.integrations.hf_batching.Batcher`.
 
 What is HF's here, so that the same model gives the same tokens:
 
-* **Defaults** come from ``model.generation_config`` (``eos_token_id``, ``pad_token_id``,
-  ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``), then HF's own
-  (``top_k=50``, ``max_length=20``). ``pad_token_id`` falls back on the first stop token.
+* **Settings** are resolved as HF resolves them (:mod:`~freezeframe.integrations.hf_settings`:
+  the ``generation_config`` argument, then ``model.generation_config``, then HF's defaults,
+  the keyword arguments over all; 20 new tokens when no length is given), and every token is
+  picked by transformers' own processors, warpers and stopping criteria
+  (:mod:`~freezeframe.integrations.hf_processing`). What needs another decoding loop is refused.
 * **Padding.** ``attention_mask`` (or, without one, the ``pad_token_id`` positions when the pad
   token is not a stop token, as HF infers it) marks each row's prompt: one run of ones, padded
   on the left or on the right. Each row is served as its own prompt (a flat ragged step, no pad
-  tokens computed); ``sequences`` is ``input_ids`` as given followed by the new tokens.
-* **Stopping per row.** A row that made a stop token is finished; its later columns hold
-  ``pad_token_id``. Generation ends when every row is finished or has ``max_new_tokens``.
-* **Sampling** draws, per new-token column, one ``[batch, vocab]`` noise tensor from
+  tokens computed); the processors see the row as HF does (its padding, then the prompt);
+  ``sequences`` is ``input_ids`` as given followed by the new tokens.
+* **Rows.** ``num_return_sequences`` repeats each row that many times (``repeat_interleave``,
+  as HF). A row that stops (a stop token or another criterion) is finished; its later columns
+  hold ``pad_token_id``. Generation ends when every row is finished.
+* **Sampling** draws, per new-token column, one ``[rows, vocab]`` noise tensor from
   ``generator`` (default: the device's default generator), as ``torch.multinomial`` does in
   HF's sampling loop; so a seeded generator here and ``torch.manual_seed`` before HF's
   ``generate`` give the same tokens where the logits agree.
-* **Streamer.** ``streamer.put(input_ids)`` first, then one ``[batch]`` tensor per column, then
-  ``streamer.end()``: HF's streamer protocol (``TextStreamer`` works for one row).
+* **Results.** The token tensor, or with ``return_dict_in_generate=True`` transformers'
+  ``GenerateDecoderOnlyOutput`` with ``scores`` (``output_scores``) and ``logits``
+  (``output_logits``): per column, ``[rows, vocab]`` float32, NaN in a row already finished
+  (HF holds the values of its pad-token continuation there).
+* **Streamer.** ``streamer.put(input_ids)`` (rows repeated) first, then one ``[rows]`` tensor
+  per column, then ``streamer.end()``: HF's streamer protocol.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 from freezeframe.errors import ConfigError
-from freezeframe.integrations.hf_batching import Batcher, Finished
-from freezeframe.integrations.hf_sampling import NoiseDraws, SamplingParams
+from freezeframe.integrations.hf_batching import Batcher
+from freezeframe.integrations.hf_requests import Finished, Owner
+from freezeframe.integrations.hf_sampling import NoiseDraws
+from freezeframe.integrations.hf_settings import Settings, Speculation, resolve, settings
 
-__all__ = ["MODEL_DEFAULT", "GenerateOptions", "Generation", "generate"]
-
-
-class _ModelDefault:
-    def __repr__(self) -> str:
-        return "MODEL_DEFAULT"
-
-
-#: "the model's own": ``generate(eos_token_id=MODEL_DEFAULT)`` (the default) reads
-#: ``model.generation_config``; ``None`` means none.
-MODEL_DEFAULT: Any = _ModelDefault()
-# HF's defaults where the model's generation config leaves a field unset
-_HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-                "max_length": 20}
+__all__ = ["GenerateCall", "generate"]
 
 
 class _Streamer(Protocol):
@@ -54,74 +50,159 @@ class _Streamer(Protocol):
     def end(self) -> None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """What ``generate`` returns: ``sequences`` ``[batch, prompt + new]`` (``input_ids`` as
-    given, then the new tokens; ``pad_token_id`` after a row's stop token) and, with
-    ``output_logits=True``, one ``[batch, vocab]`` float32 tensor per new-token column: the
-    logits each token was picked from (NaN in a row already finished; HF's ``output_logits``
-    holds the logits of its pad tokens there)."""
+class GenerateCall:
+    """``generate``'s arguments beyond ``inputs`` and the keyword arguments."""
 
-    sequences: torch.Tensor
-    logits: tuple[torch.Tensor, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOptions:
-    """``generate``'s keyword arguments as given (``None`` / :data:`MODEL_DEFAULT`: unset)."""
-
-    max_new_tokens: int | None = None
-    attention_mask: torch.Tensor | None = None
-    min_new_tokens: int = 0
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    eos_token_id: Any = MODEL_DEFAULT
-    pad_token_id: Any = MODEL_DEFAULT
-    generator: torch.Generator | None = None
-    streamer: _Streamer | None = None
-    output_logits: bool = False
+    def __init__(self, generation_config: Any = None, logits_processor: Any = None,
+                 stopping_criteria: Any = None, prefix_allowed_tokens_fn: Any = None,
+                 assistant_model: Any = None, streamer: _Streamer | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.generation_config = generation_config
+        self.logits_processor = logits_processor
+        self.stopping_criteria = stopping_criteria
+        self.prefix_allowed_tokens_fn = prefix_allowed_tokens_fn
+        self.assistant_model = assistant_model
+        self.streamer = streamer
+        self.generator = generator
 
 
-def generate(batcher: Batcher, config: Any, max_batch_size: int, device: torch.device,
-             input_ids: torch.Tensor, options: GenerateOptions) -> Generation:
-    """Decode ``input_ids`` (``[batch, prompt]``) as HF's ``model.generate`` would (see the
-    module docstring) with ``config`` (the model's ``generation_config``) for defaults, every
-    row a request of ``batcher``."""
-    batch, width = _check_input_ids(input_ids, max_batch_size)
-    if batcher.has_unfinished():
+# generate's own arguments a caller may pass through **kwargs (HF pops them the same way)
+_REFUSED_ARGS = {
+    "synced_gpus": "synced_gpus=True (ff.hf runs one process's requests)",
+    "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
+    "negative_prompt_attention_mask": "negative_prompt_attention_mask (classifier-free "
+                                      "guidance)",
+    "custom_generate": "custom_generate (another decoding loop)",
+    "assistant_tokenizer": "assistant_tokenizer (a draft model with another tokenizer)",
+}
+
+
+def generate(lm: Any, input_ids: Any, call: GenerateCall, kwargs: dict[str, Any]) -> Any:
+    """Decode ``input_ids`` (``[batch, width]``) as HF's ``model.generate`` would (module
+    docstring), every row a request of ``lm.batcher``."""
+    for name, what in _REFUSED_ARGS.items():
+        value = kwargs.pop(name, None)
+        if value is not None and value is not False:
+            raise ConfigError(f"generate: {what} is not supported by ff.hf; use HF's own "
+                              "model.generate for it")
+    if input_ids is None:
+        input_ids = kwargs.pop("input_ids", None)
+    mask = kwargs.pop("attention_mask", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    batch, width = _check_input_ids(input_ids)
+    model = lm.model
+    cfg, unused = resolve(getattr(model, "config", None),
+                          getattr(model, "generation_config", None), call.generation_config,
+                          kwargs, width)
+    if unused:
         raise ConfigError(
-            f"generate: lm.batcher has {batcher.num_waiting + batcher.num_running} unfinished "
-            "requests; generate shares its cache rows: step them to the end (or abort them) "
-            "first")
-    params, pad = _params(config, options, width)
-    host_ids = input_ids.detach().cpu()
-    spans = _prompt_spans(host_ids, options.attention_mask, pad, params.stop_ids)
-    noise = NoiseDraws(batch, options.generator, device) if params.do_sample else None
-    ids = [batcher.add_request(host_ids[row, start:end], params, noise=noise, member=row,
-                               keep_logits=options.output_logits)
-           for row, (start, end) in enumerate(spans)]
-    streamer = options.streamer
-    if streamer is not None:
-        streamer.put(host_ids)
-    columns = _Columns(ids, pad, streamer)
-    while batcher.has_unfinished():
-        for token in batcher.step():
-            columns.add(token.request_id, token.token, token.finished)
-        columns.emit_ready()
-    done = {f.request_id: f for f in batcher.take_finished()}
-    finished = [done[rid] for rid in ids]
-    columns.emit_ready(final=True)
-    if streamer is not None:
-        streamer.end()
-    new = torch.tensor(columns.table(), dtype=input_ids.dtype).reshape(batch, -1)
-    sequences = torch.cat([host_ids, new], dim=1).to(input_ids.device)
-    logits = _logits_columns(finished, new.shape[1]) if options.output_logits else ()
-    return Generation(sequences=sequences, logits=logits)
+            f"generate: {sorted(unused)} are neither generation settings nor arguments ff.hf "
+            "takes (model inputs other than input_ids and attention_mask are not passed to "
+            "the model: its steps are flat token batches); check the spelling or drop them")
+    spec = _speculation(lm, cfg, call.assistant_model)
+    resolved = settings(cfg, width, logits_processor=call.logits_processor,
+                        stopping_criteria=call.stopping_criteria,
+                        prefix_allowed_tokens_fn=call.prefix_allowed_tokens_fn,
+                        tokenizer=tokenizer, speculation=spec)
+    copies = int(cfg.num_return_sequences or 1)
+    host = input_ids.detach().cpu()
+    spans = _prompt_spans(host, mask, resolved.pad_token_id, resolved.stop_ids)
+    if copies > 1:
+        host = host.repeat_interleave(copies, dim=0)
+        spans = [s for s in spans for _ in range(copies)]
+    padded = any(span != (0, width) for span in spans)  # (HF drops an all-ones mask)
+    return _run(lm.batcher, lm.device, host, spans, resolved, call, padded,
+                input_ids.device, batch * copies)
 
 
-def _check_input_ids(input_ids: object, max_batch_size: int) -> tuple[int, int]:
+def _speculation(lm: Any, cfg: Any, assistant: Any) -> Speculation | None:
+    lookup = getattr(cfg, "prompt_lookup_num_tokens", None)
+    if assistant is None and lookup is None:
+        return None
+    which = "assistant_model" if assistant is not None else \
+        f"prompt_lookup_num_tokens={lookup}"
+    if cfg.do_sample:
+        raise ConfigError(f"generate: {which} with do_sample=True: ff.hf's speculative "
+                          "decoding is greedy only; pass do_sample=False, or drop it to sample")
+    if (cfg.num_return_sequences or 1) > 1:
+        raise ConfigError(f"generate: {which} with num_return_sequences="
+                          f"{cfg.num_return_sequences}: speculative decoding returns one "
+                          "sequence per prompt (as in HF)")
+    if assistant is not None:
+        draft = lm.draft(assistant)
+        k = lm.num_speculative_tokens or int(getattr(cfg, "num_assistant_tokens", None) or 5)
+        return Speculation(num_tokens=k, draft=draft)
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1:
+        raise ConfigError(f"generate: prompt_lookup_num_tokens={lookup!r} must be an int >= 1")
+    if lm.num_speculative_tokens and lookup > lm.num_speculative_tokens:
+        raise ConfigError(
+            f"generate: prompt_lookup_num_tokens={lookup} is more than the "
+            f"num_speculative_tokens={lm.num_speculative_tokens} this model's graphs verify; "
+            f"pass at most that many, or ff.hf.compile with num_speculative_tokens={lookup}")
+    return Speculation(num_tokens=lookup,
+                       max_matching_ngram_size=int(cfg.max_matching_ngram_size or 2))
+
+
+def _run(batcher: Batcher, device: torch.device, host: torch.Tensor,
+         spans: list[tuple[int, int]], resolved: Settings, call: GenerateCall, padded: bool,
+         out_device: torch.device, rows: int) -> Any:
+    """Queue every row, step until all are finished, and build HF's result; on any exception
+    (a streamer, a processor, a refused step, Ctrl-C) the call's requests leave the batcher."""
+    cfg = resolved.config
+    noise = NoiseDraws(rows, call.generator, device) if resolved.do_sample else None
+    owner = Owner()
+    keep_logits = bool(cfg.return_dict_in_generate and cfg.output_logits)
+    keep_scores = bool(cfg.return_dict_in_generate and cfg.output_scores)
+    share = object()  # the call's rows share a history-free processor list
+    try:
+        lives = []
+        for row, (start, end) in enumerate(spans):
+            tokens = host[row, start:end].tolist()
+            pads = host[row, :start].tolist() + host[row, end:].tolist()
+            lives.append(batcher.make(tokens, resolved, padded=pads + tokens,
+                                      padding=len(pads) if padded else None, owner=owner,
+                                      noise=noise, member=row, keep_logits=keep_logits,
+                                      keep_scores=keep_scores, share=share))
+        batcher.enqueue(lives)
+        columns = _Columns([live.request_id for live in lives], resolved.pad_token_id,
+                           call.streamer)
+        if call.streamer is not None:
+            call.streamer.put(host)
+        while owner.live > 0:
+            tokens = batcher.collect(owner)
+            if owner.error is not None:
+                raise owner.error
+            for token in tokens:
+                columns.add(token.request_id, token.token, token.finished,
+                            token.finish_reason)
+            columns.emit_ready()
+        if owner.error is not None:
+            raise owner.error
+        finished = [owner.finished[live.request_id] for live in lives]
+        columns.emit_ready(final=True)
+        if call.streamer is not None:
+            call.streamer.end()
+    finally:
+        batcher.drop(owner)
+    new = torch.tensor(columns.table(), dtype=host.dtype).reshape(-1, rows).T
+    sequences = torch.cat([host, new], dim=1).to(out_device)
+    if not cfg.return_dict_in_generate:
+        return sequences
+    return _output(sequences, finished, new.shape[1], keep_scores, keep_logits)
+
+
+def _output(sequences: torch.Tensor, finished: list[Finished], width: int, scores: bool,
+            logits: bool) -> Any:
+    from transformers import generation
+
+    output: Any = generation.GenerateDecoderOnlyOutput
+    return output(
+        sequences=sequences,
+        scores=_columns([f.scores for f in finished], width) if scores else None,
+        logits=_columns([f.logits for f in finished], width) if logits else None)
+
+
+def _check_input_ids(input_ids: object) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
             or input_ids.dtype != torch.long:
         got = (f"a {input_ids.dim()}-d {input_ids.dtype} tensor"
@@ -129,54 +210,10 @@ def _check_input_ids(input_ids: object, max_batch_size: int) -> tuple[int, int]:
         raise ConfigError(f"generate: input_ids must be a 2-d torch.long tensor [batch, "
                           f"prompt], got {got}")
     batch, width = int(input_ids.shape[0]), int(input_ids.shape[1])
-    if not 1 <= batch <= max_batch_size:
-        raise ConfigError(
-            f"generate: input_ids has {batch} rows but max_batch_size is {max_batch_size}; "
-            f"pass at most that many prompts (lm.batcher queues any number), or ff.hf.compile "
-            f"with max_batch_size={max(batch, 1)}")
-    if width < 1:
-        raise ConfigError("generate: input_ids has 0 prompt tokens; give at least 1")
+    if batch < 1 or width < 1:
+        raise ConfigError(f"generate: input_ids has shape {tuple(input_ids.shape)}; give at "
+                          "least one prompt of at least one token")
     return batch, width
-
-
-def _params(config: Any, options: GenerateOptions,
-            width: int) -> tuple[SamplingParams, int | None]:
-    """The request parameters and pad token of this call: each option as given, else the
-    model's generation config, else HF's default."""
-    def pick(name: str, given: Any) -> Any:
-        if given is not None:
-            return given
-        own = getattr(config, name, None)
-        return own if own is not None else _HF_DEFAULTS.get(name)
-
-    new = options.max_new_tokens
-    if new is None:
-        new = getattr(config, "max_new_tokens", None)
-        if new is None:  # HF: max_length counts the prompt (padding included)
-            new = pick("max_length", None) - width
-            if new < 1:
-                raise ConfigError(
-                    f"generate: the prompt width {width} leaves no new token under max_length="
-                    f"{new + width} (model.generation_config); pass max_new_tokens")
-    if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-        raise ConfigError(f"generate: max_new_tokens={new!r} must be an int >= 1")
-    eos = options.eos_token_id
-    if eos is MODEL_DEFAULT:
-        eos = getattr(config, "eos_token_id", None)
-    params = SamplingParams(
-        max_new_tokens=new, min_new_tokens=options.min_new_tokens,
-        do_sample=bool(pick("do_sample", options.do_sample)),
-        temperature=pick("temperature", options.temperature),
-        top_k=pick("top_k", options.top_k), top_p=pick("top_p", options.top_p),
-        eos_token_id=eos)
-    pad = options.pad_token_id
-    if pad is MODEL_DEFAULT:
-        pad = getattr(config, "pad_token_id", None)
-    if pad is None and params.stop_ids:
-        pad = params.stop_ids[0]  # as HF: finished rows are padded with the stop token
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
-        raise ConfigError(f"generate: pad_token_id={pad!r} must be a token id >= 0 or None")
-    return params, pad
 
 
 def _prompt_spans(ids: torch.Tensor, mask: torch.Tensor | None, pad: int | None,
@@ -212,59 +249,52 @@ def _prompt_spans(ids: torch.Tensor, mask: torch.Tensor | None, pad: int | None,
 class _Columns:
     """The new tokens as columns, as HF's loop makes them: column ``k`` is ready once every
     row has its ``k``-th token or has finished before it (then ``pad``); ready columns go to
-    the streamer in order."""
+    the streamer in order. A row stopped by a criterion while others go on keeps its later
+    tokens (HF decodes it on); the columns end where the last row ended."""
 
     def __init__(self, ids: list[str], pad: int | None, streamer: _Streamer | None) -> None:
         self._rows: dict[str, list[int]] = {rid: [] for rid in ids}
         self._order = ids
-        self._pad = pad
+        self._pad = 0 if pad is None else pad
         self._streamer = streamer
         self._sent = 0
         self._done: set[str] = set()
+        self._ended: dict[str, int] = {}  # tokens a row had when it first ended
 
-    def add(self, request_id: str, token: int, finished: bool) -> None:
-        self._rows[request_id].append(token)
+    def add(self, request_id: str, token: int, finished: bool, reason: str | None) -> None:
+        tokens = self._rows[request_id]
+        if finished and reason == "stop" and request_id in self._ended:
+            self._done.add(request_id)  # (the end of a stopped row: no new token)
+            return
+        tokens.append(token)
+        if reason is not None:
+            self._ended.setdefault(request_id, len(tokens))
         if finished:
             self._done.add(request_id)
 
+    def width(self) -> int:
+        return max(self._ended.get(rid, len(t)) for rid, t in self._rows.items())
+
     def emit_ready(self, final: bool = False) -> None:
-        if final:
-            self._done = set(self._order)
-        ready = min((len(t) for rid, t in self._rows.items() if rid not in self._done),
-                    default=max(len(t) for t in self._rows.values()))
+        ready = self.width() if final else min(
+            (len(t) for rid, t in self._rows.items() if rid not in self._done),
+            default=self.width())
         while self._sent < ready:
             if self._streamer is not None:
                 self._streamer.put(torch.tensor(self._column(self._sent)))
             self._sent += 1
 
     def _column(self, k: int) -> list[int]:
-        column = []
-        for rid in self._order:
-            tokens = self._rows[rid]
-            if k < len(tokens):
-                column.append(tokens[k])
-            elif self._pad is not None:
-                column.append(self._pad)
-            else:  # rows only end early on a stop token, which sets a pad
-                raise AssertionError("a row ended early without a pad token")
-        return column
+        return [t[k] if k < len(t) else self._pad for t in map(self._rows.get, self._order)
+                if t is not None]
 
     def table(self) -> list[list[int]]:
-        width = max(len(t) for t in self._rows.values())
-        return [self._column_row(rid, width) for rid in self._order]
-
-    def _column_row(self, rid: str, width: int) -> list[int]:
-        tokens = self._rows[rid]
-        return tokens + [self._pad if self._pad is not None else 0] * (width - len(tokens))
+        return [self._column(k) for k in range(self.width())]
 
 
-def _logits_columns(finished: list[Finished], width: int) -> tuple[torch.Tensor, ...]:
-    """Per column, the ``[batch, vocab]`` logits its tokens were picked from (NaN rows for
-    rows finished before it)."""
-    first = next(f.logits[0] for f in finished if f.logits)
-    columns = []
-    for k in range(width):
-        rows = [f.logits[k] if k < len(f.logits) else torch.full_like(first, float("nan"))
-                for f in finished]
-        columns.append(torch.stack(rows))
-    return tuple(columns)
+def _columns(per_row: list[tuple[torch.Tensor, ...]], width: int) -> tuple[torch.Tensor, ...]:
+    """Per column, the ``[rows, vocab]`` values its tokens came from (NaN rows for rows
+    finished before it)."""
+    first = next(r[0] for r in per_row if r)
+    return tuple(torch.stack([r[k] if k < len(r) else torch.full_like(first, float("nan"))
+                              for r in per_row]) for k in range(width))

@@ -1,14 +1,10 @@
-"""How ``ff.hf`` picks the next token of a request: its :class:`SamplingParams`, the logits
-processing they ask for, and the random draws of requests that sample.
+"""A request's sampling parameters (:class:`SamplingParams`) and the random draws of requests
+that sample (:class:`NoiseDraws`).
 
-The rules are Hugging Face ``generate``'s, so that the same logits give the same tokens:
-
-* ``min_new_tokens``: while a request has fewer new tokens, its stop tokens score ``-inf``.
-* greedy (``do_sample=False``): the highest score.
-* sampling: the scores divided by ``temperature`` (when it is not 1), cut to the ``top_k``
-  highest (ties at the cut kept; 0: no cut), then to the smallest set of most likely tokens
-  whose probability reaches ``top_p`` (the most likely token always kept), then one token drawn
-  from their softmax.
+:class:`SamplingParams` is the short form of a request's generation settings for
+``lm.batcher.add``, under HF ``generate``'s names and defaults; it becomes a transformers
+``GenerationConfig`` (:meth:`SamplingParams.generation_config`), whose processors and warpers
+are transformers' own (:mod:`~freezeframe.integrations.hf_processing`).
 
 A draw is made as ``torch.multinomial`` makes it for one sample: the token maximising
 ``probability / noise``, with ``noise`` exponentially distributed, drawn for the whole
@@ -24,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from freezeframe.errors import ConfigError
 
-__all__ = ["NoiseDraws", "SamplingParams", "pick_tokens"]
+__all__ = ["NoiseDraws", "SamplingParams"]
 
 
 def _is_int(value: object) -> bool:
@@ -92,6 +89,17 @@ class SamplingParams:
         """``eos_token_id`` as a tuple of distinct ids (empty: no stop token)."""
         return self.eos_token_id  # type: ignore[return-value]  # a tuple once checked
 
+    def generation_config(self) -> Any:
+        """These parameters as a transformers ``GenerationConfig`` (every field set: the
+        model's ``generation_config`` is not consulted)."""
+        from transformers import GenerationConfig
+
+        sampling = {"temperature": self.temperature, "top_k": self.top_k,
+                    "top_p": self.top_p} if self.do_sample else {}
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens or None,
+            do_sample=self.do_sample, eos_token_id=list(self.stop_ids) or None, **sampling)
+
     def check_vocab(self, vocab_size: int | None) -> None:
         """Refuse a stop token outside the vocabulary (it could never be generated)."""
         bad = [i for i in self.stop_ids if vocab_size is not None and i >= vocab_size]
@@ -122,10 +130,12 @@ class NoiseDraws:
                                 device=self._device)
             self._draws[self._made] = noise.exponential_(1.0, generator=self._generator)
             self._made += 1
-        row = self._draws[index][member].to(device, non_blocking=True)
-        self._progress[member] = index + 1
+        return self._draws[index][member].to(device, non_blocking=True)
+
+    def done(self, member: int, count: int) -> None:
+        """``member`` has ``count`` tokens: draws before ``count`` are no longer its."""
+        self._progress[member] = count
         self._forget_passed()
-        return row
 
     def leave(self, member: int) -> None:
         """``member`` takes no more tokens."""
@@ -136,63 +146,3 @@ class NoiseDraws:
         passed = min(self._progress)
         for index in [i for i in self._draws if i < passed]:
             del self._draws[index]
-
-
-def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Scores below the ``k``-th highest of their row set to ``-inf`` (ties at it kept)."""
-    k = min(k, scores.shape[-1])
-    kth = torch.topk(scores, k, dim=-1).values[:, -1:]
-    return scores.masked_fill(scores < kth, float("-inf"))
-
-
-def _top_p(scores: torch.Tensor, p: float) -> torch.Tensor:
-    """Each row cut to its most likely tokens whose probability reaches ``p``: a token goes when
-    it and every less likely token together have probability ``<= 1 - p``; the most likely
-    token of a row always stays."""
-    ascending, order = torch.sort(scores, dim=-1, descending=False)
-    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # mass of it and all less likely
-    drop_sorted = mass_up_to <= 1 - p
-    drop_sorted[:, -1] = False
-    drop = drop_sorted.scatter(1, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
-
-
-def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generated: Sequence[int], noise: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """The next token of each row of ``logits`` (``[rows, vocab]``, float32): row ``i`` under
-    ``params[i]``, having ``generated[i]`` new tokens so far, with ``noise[i]`` (``[vocab]``)
-    when it samples. Rows with the same params are processed as one batch, as HF's generate
-    processes its batch. Returns ``[rows]`` token ids on the logits' device."""
-    scores = logits
-    blocked = [(i, p.stop_ids) for i, p in enumerate(params)
-               if p.stop_ids and generated[i] < p.min_new_tokens]
-    if blocked:
-        scores = scores.clone()
-        for row, ids in blocked:
-            scores[row, list(ids)] = float("-inf")
-    tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
-    groups: dict[SamplingParams, list[int]] = {}
-    for row, p in enumerate(params):
-        groups.setdefault(p, []).append(row)
-    for p, rows in groups.items():
-        index = torch.tensor(rows, device=scores.device)
-        batch = scores[index]
-        if not p.do_sample:
-            tokens[index] = batch.argmax(dim=-1)
-            continue
-        if p.temperature != 1.0:
-            batch = batch / p.temperature
-        if p.top_k:
-            batch = _top_k(batch, p.top_k)
-        if p.top_p < 1.0:
-            batch = _top_p(batch, p.top_p)
-        draws = torch.stack([_noise_of(noise, row) for row in rows])
-        tokens[index] = (batch.softmax(dim=-1) / draws).argmax(dim=-1)
-    return tokens
-
-
-def _noise_of(noise: Sequence[torch.Tensor | None], row: int) -> torch.Tensor:
-    drawn = noise[row]
-    if drawn is None:
-        raise ValueError(f"pick_tokens: row {row} samples but was given no noise")
-    return drawn
