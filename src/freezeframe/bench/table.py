@@ -158,6 +158,9 @@ def format_table(result: dict[str, Any]) -> str:
         legend.append("KV bytes one decode token reads (all layers): " + "; ".join(kv))
     errors = [f"note: {m} stopped with {e['error']}" for m, e in result["modes"].items()
               if "error" in e and "decode" in e]
+    errors += [f"note: {m}: Inductor ran {e['cudagraph_skips']} graph(s) without CUDA graphs "
+               "(its log says why): those rows are not reduce-overhead's graphs"
+               for m, e in result["modes"].items() if e.get("cudagraph_skips")]
     return "\n".join([info, *_aligned(head, rows), *legend, *_grid(result),
                       *_comparisons(result), *_hf_rows(result), *_capture_and_profile(result),
                       *errors, *[f"note: {n}" for n in result["notes"]]])

@@ -174,6 +174,7 @@ class Workload:
         mem0 = device_used(device)
         t0 = time.perf_counter()
         sizes = rows_of(mode, self.setup.batch_sizes)
+        skips = _cudagraph_skips()
         started = start_mode(mode, self.base, self.steps, compiler=self.setup.compiler,
                              launch_bs=self.setup.batch_sizes[0], progress=self.progress,
                              t0=t0, batch_sizes=self.setup.batch_sizes)
@@ -184,6 +185,8 @@ class Workload:
         sync(device)
         entry["startup_s"] = time.perf_counter() - t0
         entry["graph_memory_bytes"] = device_used(device) - mem0 if self.on_cuda else None
+        if mode == "reduce-overhead":  # graphs Inductor declined to capture (it logs why)
+            entry["cudagraph_skips"] = _cudagraph_skips() - skips
         if started.report is not None:
             entry["capture"] = _capture_json(started)
         checkpoint(entry)
@@ -257,6 +260,15 @@ class Workload:
         profile = profile_replay(graph.replay, self.shape.num_layers, self.on_cuda)
         return {"batch_size": bs, "context": self.setup.shapes.context, **profile.to_json(),
                 "table": profile.table()}
+
+
+def _cudagraph_skips() -> int:
+    """How many compiled graphs Inductor has run without CUDA graphs in this process (its
+    ``cudagraph_skips`` counter): reduce-overhead falls back so when a graph mutates an input
+    that is not a parameter or buffer, or holds a CPU tensor."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _capture_json(started: Started) -> dict[str, Any]:
