@@ -210,7 +210,7 @@ def _start_freezeframe(mode: str, base: LlamaModel, steps: StepBuilder, compiler
     on_cuda = steps.device.type == "cuda"
     graph_mode, compile_mode = _BREAKABLE.get(mode, (mode.upper(), "piecewise"))
     budget = int(torch.cuda.get_device_properties(steps.device).total_memory) \
-        if on_cuda and mode == LADDER_MODE else None
+        if on_cuda and mode == LADDER_MODE and not isinstance(base, TPLlamaModel) else None
     llama = compile_with_runner(
         base, graph_config(shapes, graph_mode, compiler, on_cuda, compile_mode, capture_sizes),
         shapes, graph_memory_budget=budget)
