@@ -163,11 +163,13 @@ def _run(run: CheckRun, results: list[StepResult], say: _Console) -> tuple[int, 
             _write(run, results, say)  # after every step: a run cut short keeps it
     except Stopped as exc:
         stopped = str(exc)
-        if results and results[-1].status != "failed":
+        if not results:  # stopped in the environment step: report that much
+            results.append(StepResult("environment"))
+            run.out = opts.out.resolve() if opts.out is not None else _default_out(run)
+            run.out.mkdir(parents=True, exist_ok=True)
+        if results[-1].status != "failed":
             results[-1].fail(f"stopped by {stopped} (the run's time was up)")
         say(f"gpu_check: stopped by {stopped}; writing what was measured")
-    if not results:
-        return 1, run.out
     problems = _write(run, results, say)
     failed = [r.name for r in results if r.status == "failed"]
     over = run.dry and total > CUDA_BUDGET_S
