@@ -20,6 +20,9 @@ start: a floor no warm start that loads Inductor artifacts can go below.
 
     python scripts/bench_cache.py [--presets tiny,1b] [--layers N] [--warm-runs 2]
                                   [--device cpu] [--json FILE]
+
+``--json`` is rewritten after every start, so a run stopped in the middle keeps the starts it
+finished.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,31 +119,41 @@ def _start(kind: str, preset: str, layers: int | None, cache_dir: Path, device: 
     return result
 
 
-def _bench(preset: str, layers: int | None, warm_runs: int, device: str) -> dict[str, Any]:
+def _bench(preset: str, layers: int | None, warm_runs: int, device: str,
+           write: Callable[[dict[str, Any]], None] = lambda entry: None) -> dict[str, Any]:
+    """Baseline, cold and warm starts of ``preset``; ``write`` is given the entry so far after
+    each start (a run stopped in the middle keeps the starts it finished)."""
     parent = Path(tempfile.mkdtemp(prefix="ff_bench_cache_"))
     cache_dir = parent / "cache"
+    entry: dict[str, Any] = {"preset": preset, "layers": layers, "device": device,
+                             "warms": []}
     try:
-        base = _start("baseline", preset, layers, cache_dir, device)
-        cold = _start("cold", preset, layers, cache_dir, device)
-        warms = [_start("warm", preset, layers, cache_dir, device)
-                 for _ in range(max(1, warm_runs))]
+        entry["baseline"] = _start("baseline", preset, layers, cache_dir, device)
+        write(entry)
+        entry["cold"] = _start("cold", preset, layers, cache_dir, device)
+        write(entry)
+        for _ in range(max(1, warm_runs)):
+            entry["warms"].append(_start("warm", preset, layers, cache_dir, device))
+            write(entry)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
+    base, cold, warms = entry["baseline"], entry["cold"], entry["warms"]
     ours = {name: r["process_s"] - base["process_s"]
             for name, r in [("cold", cold)] + [(f"warm{i + 1}", w) for i, w in enumerate(warms)]}
     warm_ours = min(v for k, v in ours.items() if k != "cold")
     warm_first = min(w["first_call_s"] for w in warms)
     # the least a warm start can cost with torch's loader: its artifact loads alone
     floor = min(w["inductor_load_s"] for w in warms)
-    return {
-        "preset": preset, "layers": layers, "device": device, "baseline": base, "cold": cold,
-        "warms": warms, "startup_minus_baseline": ours,
+    entry.update({
+        "startup_minus_baseline": ours,
         "warm_cold_startup": warm_ours / ours["cold"],
         "warm_cold_first_call": warm_first / cold["first_call_s"],
         "inductor_load_floor": floor / ours["cold"],
         "identical": all(w["checksum"] == cold["checksum"] and w["out"] == cold["out"]
                          for w in warms),
-    }
+    })
+    write(entry)
+    return entry
 
 
 def _report(r: dict[str, Any]) -> None:
@@ -189,17 +203,23 @@ def main(argv: list[str] | None = None) -> int:
                         "CPU: fewer layers keep the run short; the distinct pieces stay 3)")
     parser.add_argument("--warm-runs", type=int, default=2, help="warm starts per preset")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    parser.add_argument("--json", metavar="FILE", type=Path,
+                        help="also write every figure to FILE (after every start)")
     args = parser.parse_args(argv)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     print(f"freezeframe compile cache, cold vs warm starts; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs, started {time.strftime('%Y-%m-%d %H:%M')}")
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def write(entry: dict[str, Any]) -> None:  # after every start: a kill keeps the rest
+        if args.json:
+            partial = args.json.with_name(f".{args.json.name}.partial")
+            partial.write_text(json.dumps([*results, entry], indent=2))
+            os.replace(partial, args.json)
+
     for preset in presets:
-        results.append(_bench(preset, args.layers, args.warm_runs, args.device))
+        results.append(_bench(preset, args.layers, args.warm_runs, args.device, write))
         _report(results[-1])
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0 if all(r["identical"] for r in results) else 1
 
 

@@ -21,6 +21,10 @@ under ``--timeout`` seconds; a mode that fails or runs out of time is a row sayi
 size a mode prefills and decodes once untimed (compiling, capturing), then again timed; the
 figure is the median decode step. Ratios are HF eager's step time over each mode's (above 1:
 faster than HF eager). Generated tokens are compared with HF eager's.
+
+The step-by-step loop here times single decode steps; ``freezeframe bench --modes hf-eager,
+hf-compile,ff-hf,ff-hf-lookup`` times whole ``generate`` calls side by side (the GPU check's
+Hugging Face rows). Both build the same models (``freezeframe.bench.hf_modes.HF_PRESETS``).
 """
 
 from __future__ import annotations
@@ -37,17 +41,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's freezeframe, as in the children
+
+from freezeframe.bench.hf_modes import HF_PRESETS as PRESETS  # noqa: E402
+
 MODES = ("hf-eager", "hf-compile", "freezeframe")
-PRESETS: dict[str, dict[str, Any]] = {
-    # freezeframe's tiny reference-Llama shapes
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    # Llama-3.2-1B's shapes (for a GPU)
-    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               head_dim=64, rope_theta=500000.0, max_position_embeddings=8192,
-               tie_word_embeddings=True),
-}
 
 
 # -- child: one mode -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Timings are never asserted (a shared CPU makes them noise); the structure and th
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -26,12 +27,15 @@ from freezeframe.cli import main
 from freezeframe.errors import ConfigError
 from freezeframe.models import LlamaConfig
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only notes and skips")
 def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
+    # a prefill of 4 tokens and mixed chunks of 2 keep every step within the graphs' sizes
     opts = BenchOptions(preset="tiny", batch_sizes=(2, 1), modes=(
         "eager", "reduce-overhead", "none", "full_and_piecewise"), steps=2, warmup=1,
-        out=str(tmp_path))
+        prefill_len=4, mixed_chunk=2, grid=True, out=str(tmp_path))
     result = run_bench(opts)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["batch_sizes"] == [1, 2] and saved["preset"] == "tiny"
@@ -51,42 +55,73 @@ def test_bench_tiny_writes_json_and_plot(tmp_path: Path) -> None:
     for mode in ("eager", "none", "full_and_piecewise"):
         entry = saved["modes"][mode]
         assert set(entry["decode"]) == {"1", "2"} and set(entry["mixed"]) == {"1", "2"}
-        for row in [*entry["decode"].values(), *entry["decode_by_context"].values()]:
-            assert row["median_ms"] > 0
+        assert set(entry["decode_grid"]) == {"128"} and set(entry["decode_grid"]["128"]) == {
+            "1", "2"}
+        rows = [*entry["decode"].values(), *entry["decode_by_context"].values(),
+                *entry["decode_grid"]["128"].values()]
+        for row in rows:
+            assert row["median_ms"] > 0 and row["host_ms"] > 0
             assert row["floor_share"] == pytest.approx(row["floor_ms"] / row["median_ms"])
+            # eager is the only peer that ran: each row over eager's at the same step
         assert set(entry["decode_by_context"]) == {"128"}
+        assert entry["decode_by_context"]["128"] == entry["decode_grid"]["128"]["1"]
+        eager_row = saved["modes"]["eager"]["decode"]["2"]["median_ms"]
+        assert entry["decode"]["2"]["vs_best_peer"] == pytest.approx(
+            entry["decode"]["2"]["median_ms"] / eager_row)
         # the floor of a context row: the weights and one request's 128 keys per layer
         floor = (saved["weight_bytes"] + 128 * 512) / saved["bandwidth_bytes_per_s"] * 1e3
         assert entry["decode_by_context"]["128"]["floor_ms"] == pytest.approx(floor)
         assert entry["prefill_ms"] > 0 and entry["startup_s"] > 0
         assert entry["matches_eager"] is True and entry["max_rel_diff_vs_eager"] <= 1e-4
+        # timed: 2 steps of each decode row (at context 64: batch 1, 2; at 128: batch 1, 2),
+        # 1 of each mixed row and 1 prefill
+        assert entry["timed_steps"] == 4 * 2 + 2 + 1
     assert saved["match_tolerance"] == 1e-4
-    fp = saved["modes"]["full_and_piecewise"]
-    # FULL graphs for uniform decode at 1, 2, 4 tokens... and PIECEWISE for mixed batches
-    # max_num_seqs 3 (largest batch + 1): PIECEWISE at 1, 2, 3, 4, 6 and FULL decode at 1, 2, 3
-    # (the widest decode batch, max_num_seqs, joins the ladder)
-    assert fp["graphs_captured"] == 8 and fp["capture_s"] > 0
-    # 3 steps (1 warm-up + 2 timed) of decode and of mixed per batch size, 3 of decode at
-    # context 128, and 3 of prefill
-    assert fp["runner_stats"]["steps"] == 18
-    assert (fp["runner_stats"]["steps_full"], fp["runner_stats"]["steps_eager"]) == (11, 7)
-    assert saved["modes"]["none"]["runner_stats"]["steps_eager"] == 18
+    assert saved["modes"]["eager"]["planned_steps"] is None  # no runner
+    fp, none = saved["modes"]["full_and_piecewise"], saved["modes"]["none"]
+    # every timed step of the graph mode ran from the runner's plan (steps_planned counts
+    # those); none of the mode without graphs could
+    assert (fp["planned_steps"], none["planned_steps"]) == (11, 0)
+    # the default ladder: PIECEWISE at 1, 2, 3, 4 (it ends at max_num_tokens, 4) and FULL
+    # decode at 1, 2, 3 (max_num_seqs 3, the largest batch + 1, joins it), largest first
+    assert fp["graphs_captured"] == 7 and fp["capture_s"] > 0
+    assert [(g["mode"], g["num_tokens"]) for g in fp["capture"]["graphs"]] == [
+        ("PIECEWISE", 4), ("PIECEWISE", 3), ("PIECEWISE", 2), ("PIECEWISE", 1), ("FULL", 3),
+        ("FULL", 2), ("FULL", 1)]
+    refit = fp["capture"]["refit"]
+    assert refit["measured_bytes"] == fp["capture"]["memory_bytes"] > 0
+    assert refit["measured_bytes"] == sum(g["memory_bytes"] for g in fp["capture"]["graphs"])
+    # the compiling step, the first decode call at each batch size (2), then each timed row's
+    # warm-up and steps: 4 decode rows of 3, 2 mixed and 1 prefill of 2; then the step the
+    # profiled replay is staged with. Only the first step of each shape (compile, two first
+    # calls, two mixed and one prefill warm-up) took the whole way
+    assert fp["runner_stats"]["steps"] == 1 + 2 + 4 * 3 + 3 * 2 + 1 == 22
+    assert fp["runner_stats"]["steps_planned"] == 22 - 6
+    assert none["runner_stats"]["steps_eager"] == 21
     # one FULL decode replay of the tiny Llama (2 layers, torch attention) records 160
     # launches on the emulated backend (174 while each layer's op computed the token layout
     # itself); modes without FULL graphs have no count
     assert fp["full_decode_launches"] == 160
-    assert "full_decode_launches" not in saved["modes"]["none"]
+    profile = fp["full_decode_profile"]
+    assert (profile["activity"], profile["batch_size"], profile["context"]) == ("cpu", 1, 64)
+    # every op of the emulated replay, grouped by name (all of them fit the table's 40 rows)
+    assert profile["rows_left_out"] == 0
+    assert profile["launches"] == sum(r["count"] for r in profile["rows"])
+    assert profile["launches_per_layer"] == pytest.approx(profile["launches"] / 2)
+    assert "full_decode_launches" not in none and "full_decode_profile" not in none
     assert (tmp_path / "latency_vs_batch.png").exists() or any(
         "matplotlib" in n for n in saved["notes"])
     table = format_table(result)
     assert "full_and_piecewise" in table and "skipped: needs CUDA" in table
     assert re.split(r"\s{2,}", table.splitlines()[1].strip()) == [
-        "mode", "decode bs1 ms", "decode bs2 ms", "floor% bs1", "ctx128 ms", "mixed bs2 ms",
-        "prefill ms", "startup s", "launches", "vs eager"]
+        "mode", "decode bs1 ms", "decode bs2 ms", "floor% bs1", "vs peer bs1", "ctx128 ms",
+        "mixed bs2 ms", "prefill ms", "startup s", "host ms bs1", "planned", "launches",
+        "vs eager"]
     fp_row = next(line for line in table.splitlines() if line.startswith("full_and_piecewise"))
-    assert fp_row.split()[-3] == "160"  # launches, then "ok <diff>"
+    assert fp_row.split()[-4:-2] == ["11/11", "160"]  # planned, launches, then "ok <diff>"
     assert "KV bytes one decode token reads (all layers): ctx128: torch 0.0703 MiB, triton " \
            "0.0625 MiB" in table
+    assert "full_and_piecewise, one FULL decode replay (batch size 1, context 64):" in table
 
 
 def test_bench_cli_runs_eager_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,7 +183,7 @@ PLAIN_LINES = [
     "bench: [1/2] eager: first call at each batch size",
     "bench: [1/2] eager: timing decode and mixed steps at batch size 1",
     "bench: [1/2] eager: timing decode and mixed steps at batch size 2",
-    "bench: [1/2] eager: timing decode at context 128 (batch size 1)",
+    "bench: [1/2] eager: timing decode at context 128",
     "bench: [1/2] eager: timing a prefill of 64 tokens",
     "bench: [1/2] eager: done in N s",
     "bench: [2/2] piecewise: compiling (trace, split, eager compiler)",
@@ -156,7 +191,7 @@ PLAIN_LINES = [
     "bench: [2/2] piecewise: first call at each batch size",
     "bench: [2/2] piecewise: timing decode and mixed steps at batch size 1",
     "bench: [2/2] piecewise: timing decode and mixed steps at batch size 2",
-    "bench: [2/2] piecewise: timing decode at context 128 (batch size 1)",
+    "bench: [2/2] piecewise: timing decode at context 128",
     "bench: [2/2] piecewise: timing a prefill of 64 tokens",
     "bench: [2/2] piecewise: done in N s",
 ]
@@ -184,9 +219,9 @@ def test_progress_is_plain_lines_without_tqdm_and_no_plot_without_matplotlib(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert list(saved["modes"]) == ["eager", "piecewise"]
-    # one piecewise graph per capture size: max_num_seqs=3 (largest batch + 1) gives a max
-    # capture size of 6, and the ladder 1, 2, 4 ends at that max, with 3 (max_num_seqs) added
-    assert saved["modes"]["piecewise"]["graphs_captured"] == 5
+    # a graph mode other than the ladder's captures the sizes its steps use: decode at 1 and
+    # 2 tokens, the mixed steps (16 tokens more) at 17 and 18
+    assert saved["modes"]["piecewise"]["graphs_captured"] == 4
 
 
 class _FakeBar:
@@ -233,7 +268,7 @@ def test_progress_uses_a_tqdm_bar_on_a_terminal(tmp_path: Path,
         ("postfix", "eager: first call at each batch size"),
         ("postfix", "eager: timing decode and mixed steps at batch size 1"),
         ("postfix", "eager: timing decode and mixed steps at batch size 2"),
-        ("postfix", "eager: timing decode at context 128 (batch size 1)"),
+        ("postfix", "eager: timing decode at context 128"),
         ("postfix", "eager: timing a prefill of 64 tokens"),
         ("write", "bench: [1/2] eager: done in N s"),
         ("update", "1"),
@@ -259,17 +294,20 @@ def test_quiet_and_non_terminal_output(tmp_path: Path, monkeypatch: pytest.Monke
 def test_a_mode_whose_logits_differ_from_eager_is_named_and_fails_the_command(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    want = [torch.tensor([[1.0, -4.0]]), torch.tensor([[2.0, 0.5]])]
-    result: dict[str, Any] = {"notes": [], "modes": {"eager": {}, "full": {}, "none": {}}}
+    want = {1: torch.tensor([[1.0, -4.0]]), 2: torch.tensor([[2.0, 0.5]])}
+    result: dict[str, Any] = {"notes": [], "modes": {"eager": {}, "full": {}, "none": {},
+                                                     "few": {}}}
     compare_with_eager(result, {
         "eager": want,
-        "full": [want[0], torch.tensor([[2.0, 0.7]])],  # 0.2 off a largest value of 2
-        "none": [want[0] + 1e-5, want[1]],
+        "full": {1: want[1], 2: torch.tensor([[2.0, 0.7]])},  # 0.2 off a largest value of 2
+        "none": {1: want[1] + 1e-5, 2: want[2]},
+        "few": {2: torch.tensor([[2.0, 0.5001]])},  # a mode run at batch 2 alone
     }, torch.float32)
     assert result["modes"]["full"] == {"max_rel_diff_vs_eager": pytest.approx(0.1),
                                        "matches_eager": False}
     assert result["modes"]["none"]["matches_eager"] is True
     assert result["modes"]["eager"]["max_rel_diff_vs_eager"] == 0.0
+    assert result["modes"]["few"]["max_rel_diff_vs_eager"] == pytest.approx(1e-4 / 2, rel=1e-3)
     assert result["notes"] == ["full: logits differ from eager's by 1.00e-01 of their largest "
                                "value (tolerance 1e-04): a wrong answer, not a speed result"]
     assert mismatched_modes(result) == ["full"]
@@ -289,25 +327,110 @@ def test_a_mode_whose_logits_differ_from_eager_is_named_and_fails_the_command(
         "freezeframe bench: error: full gave other logits than eager (see the notes above)\n")
 
 
-def test_results_are_written_after_every_mode_so_a_run_cut_short_keeps_them(
+def test_results_are_written_after_every_row_so_a_run_cut_short_keeps_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bench stopped in its second mode (here: one that raises; on a GPU lease: a deadline)
-    has already written the first mode's results."""
-    real = bench_run._Bench.run_mode
+    """A bench stopped in the middle of a mode (here: its first mixed step raises; on a GPU
+    lease: a deadline) has written the rows it timed; a mode that fails keeps them with its
+    error, and the next mode runs."""
+    from freezeframe.bench import rows as bench_rows
 
-    def second_mode_dies(self: Any, mode: str) -> Any:
-        if mode == "none":
-            saved = json.loads((tmp_path / "results.json").read_text())
-            assert list(saved["modes"]) == ["eager"]
-            assert saved["unfinished_modes"] == ["none"]
-            raise KeyboardInterrupt("stopped at the deadline")
-        return real(self, mode)
+    real = bench_rows.RowTimer.median_ms
+    stop: list[BaseException] = [KeyboardInterrupt("stopped at the deadline")]
 
-    monkeypatch.setattr(bench_run._Bench, "run_mode", second_mode_dies)
+    def mixed_dies(self: Any, step: Any, steps: int, warmup: int) -> float:
+        if self.read_planned is not None and stop:  # the freezeframe mode's first mixed step
+            raise stop.pop()
+        return real(self, step, steps, warmup)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(bench_rows.RowTimer, "median_ms", mixed_dies)
+    opts = BenchOptions(preset="tiny", batch_sizes=(1,), modes=("eager", "none"), steps=1,
+                        warmup=0, out=str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
-        run_bench(BenchOptions(preset="tiny", batch_sizes=(1,), modes=("eager", "none"),
-                               steps=1, warmup=0, out=str(tmp_path)))
+        run_bench(opts)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert list(saved["modes"]) == ["eager"] and saved["unfinished_modes"] == ["none"]
+    assert list(saved["modes"]) == ["eager", "none"] and saved["unfinished_modes"] == ["none"]
     assert saved["modes"]["eager"]["decode"]["1"]["median_ms"] > 0
+    partial = saved["modes"]["none"]
+    assert partial["unfinished"] is True and partial["decode"]["1"]["median_ms"] > 0
+    assert partial["mixed"] == {} and "prefill_ms" not in partial
     assert not (tmp_path / ".results.json.partial").exists()
+    # an error instead: the mode keeps its rows and says why; the run goes on and ends
+    stop.append(RuntimeError("a broken mode"))
+    result = run_bench(dataclasses.replace(opts, modes=("none", "eager")))
+    failed = result["modes"]["none"]
+    assert failed["error"] == "RuntimeError: a broken mode" and "unfinished" not in failed
+    assert failed["decode"]["1"]["median_ms"] > 0
+    assert result["modes"]["eager"]["prefill_ms"] > 0 and result["unfinished_modes"] == []
+
+
+def test_the_refitted_pool_prediction_on_the_h100_capture() -> None:
+    """The 1B preset's default ladder as the H100 measured it (run 2: 33 graphs, the runner's
+    six small probes first, 340 MiB, which the runner's own fit predicted as 162 MiB): the
+    refit reads the largest PIECEWISE graph and two large probes of each mode and lands
+    within 1.5 %."""
+    from freezeframe.bench.pool_memory import CapturedGraph, predict_pool
+
+    run2 = json.loads((REPO / "docs" / "results" / "h100-80gb-hbm3-2026-11-26" / "run2" /
+                       "capture.json").read_text())
+    assert run2["predicted_memory_bytes"] == 162 * 2**20  # the runner's, for contrast
+    pool = predict_pool([CapturedGraph(g["mode"], g["num_tokens"], g["memory_bytes"])
+                         for g in run2["graphs"]])
+    assert pool is not None
+    # the 130-token PIECEWISE graph (after the six probes) brings the working set; PIECEWISE
+    # slope from its 128 and 120 tokens (26 MiB each), FULL from 65 and 64 (0 and 2 MiB)
+    assert (pool.anchor, pool.probes) == (6, (7, 8, 24, 25))
+    assert pool.bytes_per_token == {"PIECEWISE": 52 * 2**20 / 248, "FULL": 2 * 2**20 / 129}
+    # working set: the 88 MiB the first seven graphs took less their own slope x tokens
+    # (PIECEWISE 1 + 2 + 4 + 130, FULL 1 + 2 + 4): 59.2 MiB; then every graph's slope x
+    # tokens (PIECEWISE 1290 tokens in all, FULL 360): 335.2 MiB against 340 measured
+    assert pool.working_set_bytes == pytest.approx(
+        88 * 2**20 - 52 * 2**20 / 248 * 137 - 2 * 2**20 / 129 * 7)
+    assert pool.predicted_bytes == round(pool.working_set_bytes + 52 * 2**20 / 248 * 1290
+                                         + 2 * 2**20 / 129 * 360) == 351515111
+    assert pool.measured_bytes == 340 * 2**20
+    assert pool.error == pytest.approx(351515111 / (340 * 2**20) - 1)
+    assert -0.015 < pool.error < 0
+
+
+def test_comparisons_set_each_figure_beside_its_peer() -> None:
+    from freezeframe.bench.compare import add_comparisons
+
+    def row(ms: float) -> dict[str, float]:
+        return {"median_ms": ms}
+
+    result: dict[str, Any] = {"context": 1024, "contexts": [128, 4096], "batch_sizes": [1, 4],
+                              "modes": {
+        "eager": {"decode": {"1": row(20.0), "4": row(24.0)},
+                  "decode_by_context": {"128": row(19.0), "4096": row(21.0)}},
+        "reduce-overhead": {"decode": {"1": row(2.0), "4": row(3.0)}},
+        "full_and_piecewise": {"decode": {"1": row(4.0), "4": row(4.5)},
+                               "decode_by_context": {"128": row(2.0), "4096": row(12.0)},
+                               "decode_grid": {"4096": {"4": row(30.0)}}},
+        "piecewise": {"decode": {"1": row(10.0), "4": row(9.0)}, "startup_s": 30.0,
+                      "capture_s": 8.0},
+        "breakable": {"decode": {"1": row(12.0)}, "startup_s": 9.0, "capture_s": 8.5},
+        "hf-eager": {"generate": {"1": {"tokens_per_s": 40.0}, "8": {"tokens_per_s": 300.0}}},
+        "hf-compile": {"generate": {"1": {"tokens_per_s": 160.0}}},
+        "ff-hf": {"generate": {"1": {"tokens_per_s": 200.0}, "8": {"tokens_per_s": 600.0}}},
+        "ff-hf-lookup": {"ff-hf": {"unsupported": "TypeError: no"},
+                         "hf-eager": {"speedup": 1.5}},
+    }}
+    add_comparisons(result)
+    modes = result["modes"]
+    # each row over the fastest peer at the same step; a row no peer ran has no ratio
+    assert modes["full_and_piecewise"]["decode"]["1"]["vs_best_peer"] == 2.0
+    assert modes["full_and_piecewise"]["decode"]["4"]["vs_best_peer"] == 1.5
+    assert modes["eager"]["decode"]["1"]["vs_best_peer"] == 10.0
+    assert modes["full_and_piecewise"]["decode_by_context"]["128"]["vs_best_peer"] == 2 / 19
+    assert "vs_best_peer" not in modes["full_and_piecewise"]["decode_grid"]["4096"]["4"]
+    assert result["comparisons"] == {
+        "piecewise_over_full": {"1": 2.5, "4": 2.0},
+        "full_over_reduce_overhead": {"1": 2.0, "4": 1.5},
+        "context_ratio": {"contexts": [128, 4096], "eager": {"1": 21 / 19},
+                          "full_and_piecewise": {"1": 6.0}},
+        "breakable_vs_traced": {"startup_s": {"breakable": 9.0, "traced": 30.0},
+                                "capture_s": {"breakable": 8.5, "traced": 8.0},
+                                "decode_breakable_over_traced": {"1": 1.2}},
+        "ff_hf_over_best_hf_tokens_per_s": {"1": 1.25, "8": 2.0},
+        "prompt_lookup_speedup": {"ff-hf": "TypeError: no", "hf-eager": 1.5},
+    }

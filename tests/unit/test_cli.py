@@ -241,11 +241,13 @@ BAD_ARGUMENTS = [
                                          "['fast']; choose from ['eager', 'compile', "
                                          "'reduce-overhead', 'none', 'piecewise', 'full', "
                                          "'full_and_piecewise', 'breakable', "
-                                         "'full_and_breakable']"),
+                                         "'full_and_breakable', 'hf-eager', 'hf-compile', "
+                                         "'ff-hf', 'ff-hf-lookup']"),
     (["bench", "--modes", ","], "freezeframe bench: error: --modes: give at least one of "
                                 "['eager', 'compile', 'reduce-overhead', 'none', 'piecewise', "
                                 "'full', 'full_and_piecewise', 'breakable', "
-                                "'full_and_breakable']"),
+                                "'full_and_breakable', 'hf-eager', 'hf-compile', 'ff-hf', "
+                                "'ff-hf-lookup']"),
     (["bench", "--device", "tpu"], "freezeframe bench: error: --device: unknown device 'tpu'; "
                                    "use auto, cpu, cuda or cuda:N"),
     (["bench", "--device", "mps"], "freezeframe bench: error: --device: the benchmark runs on "

@@ -1,39 +1,38 @@
-"""``scripts/gpu_check``: its CPU path end to end (as a subprocess, CUDA hidden, the slow steps
-skipped), a failing step making the exit status non-zero, and the pure helpers of its GPU path.
+"""``scripts/gpu_check``: its dry run end to end (as a subprocess, CUDA hidden: every step at
+the tiniest shapes, the return files within the device tool's limits, the plan within its
+budget), a failing step and a stopped run, and the pure helpers of its GPU path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from freezeframe.bench.gpu_check import main
+from freezeframe.bench.gpu_check import main, plan_lines
+from freezeframe.bench.gpu_pack import RETURN_FILES, Limits, check_layout, pack
 from freezeframe.bench.gpu_probes import overlapping_kernel_pairs
-from freezeframe.bench.gpu_steps import (
-    CUDA_BUDGET_S,
-    NEEDS_CUDA,
-    STEPS,
-    TIMEOUTS,
-    pytest_summary,
-)
+from freezeframe.bench.gpu_run import CheckOptions, pytest_summary
+from freezeframe.bench.gpu_steps import CUDA_BUDGET_S, DEADLINES, GPU_MODES, NEEDS_CUDA, STEPS
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check"
-NO_GPU_LINE = ("**No GPU figure was produced**: this machine has no CUDA device "
-               "(torch.cuda.is_available() is False).")
+NO_GPU_LINE = "**No GPU figure was produced**: a dry run (`--dry-run`) rehearses the GPU run"
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a machine with a GPU
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
 
 
 def statuses(out: Path) -> list[tuple[str, str, str]]:
@@ -41,31 +40,97 @@ def statuses(out: Path) -> list[tuple[str, str, str]]:
     return [(s["name"], s["status"], s["reason"]) for s in doc["steps"]]
 
 
-def test_cpu_quick_path_runs_what_it_can_and_says_no_gpu_figure(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    proc = run_script("--quick", "--skip", "tests,cache", "--out", str(out))
+def raw_files(out: Path) -> dict[str, bytes]:
+    with tarfile.open(out / "raw.tar.gz") as tar:
+        return {m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
+                for m in tar.getmembers() if m.isfile()}
+
+
+def test_the_dry_run_walks_every_step_and_writes_what_comes_back(tmp_path: Path) -> None:
+    """The rehearsal CI runs: every step of the GPU run at the tiniest shapes, every file
+    written, nothing beyond the device tool's return limits, the GPU plan printed with its
+    deadlines and within its budget."""
+    out = tmp_path / "out"
+    proc = run_script("--dry-run", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert statuses(out) == [
-        ("environment", "passed", ""),
-        ("tests", "skipped", "skipped with --skip"),
-        ("bench", "passed", ""),
-        ("capture", "skipped", NEEDS_CUDA),
-        ("ubatch", "skipped", NEEDS_CUDA),
-        ("cache", "skipped", "skipped with --skip"),
-    ]
-    assert [name for name, _, _ in statuses(out)] == list(STEPS)
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "plan: 480 s of deadlines"
+    assert lines[-2] == "layout: within the return limits"
+    plan = lines[lines.index("gpu_check: the GPU plan (rehearsed on the CPU):") + 1:][:7]
+    assert [line.split()[:3] for line in plan[:6]] == [
+        ["environment", "20", "s"], ["kernels", "40", "s"], ["bench", "315", "s"],
+        ["tests", "50", "s"], ["ubatch", "20", "s"], ["cache", "35", "s"]]
+    assert [(name, status) for name, status, _ in statuses(out)] == [
+        (name, "passed") for name in STEPS]
+    assert sorted(p.name for p in out.iterdir()) == sorted(RETURN_FILES)
+    assert check_layout(out) == []
+    raw = raw_files(out)
+    assert sorted(raw) == [f"raw/{name}" for name in (
+        "bench/bench.log", "bench/latency_vs_batch.png", "bench/results.json", "bench/table.txt",
+        "cache.json", "cache.log", "environment.json", "environment.log", "tests_cuda.log",
+        "tests_kernels.log", "ubatch.json", "ubatch.log", "ubatch_trace.json")]
+    # the test tiers' commands, verbose so a tier stopped at its deadline names its tests
+    assert raw["raw/tests_cuda.log"].decode().startswith(
+        f"$ {sys.executable} -m pytest -v -rA -p no:cacheprovider -m cuda tests/cuda "
+        "tests/scenarios\n")
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench == json.loads(raw["raw/bench/results.json"])
+    assert list(bench["modes"]) == GPU_MODES.split(",")
+    for mode in ("full_and_piecewise", "piecewise", "breakable"):  # every timed step planned
+        assert bench["modes"][mode]["planned_steps"] == bench["modes"][mode]["timed_steps"] == 7
+    assert set(bench["modes"]["ff-hf"]["generate"]) == {"1", "8"}
+    assert bench["modes"]["full_and_piecewise"]["full_decode_profile"]["activity"] == "cpu"
+    ubatch = json.loads(raw["raw/ubatch.json"])
+    assert (ubatch["finished"], ubatch["micro_batches"], ubatch["graphs_captured"]) == (
+        True, 2, 1)
+    cache = json.loads(raw["raw/cache.json"])
+    assert cache["cold_first_call_s"] == bench["modes"]["full_and_piecewise"]["compile_s"]
+    assert cache["stats"]["inductor_compiles"] == 0
     doc = json.loads((out / "gpu_check.json").read_text())
-    assert (doc["cuda"], doc["gpu"], doc["quick"], doc["passed"]) == (False, None, True, True)
+    assert (doc["cuda"], doc["dry_run"], doc["passed"], doc["complete"]) == (
+        False, True, True, True)
     readme = (out / "README.md").read_text().splitlines()
     assert readme[0].startswith("# freezeframe GPU check: CPU only, ")
     assert readme[2].startswith(NO_GPU_LINE)
-    assert "| capture | skipped | 0.0 s | needs CUDA (torch.cuda.is_available() is False) |" \
-        in readme
-    bench = json.loads((out / "bench" / "results.json").read_text())
-    assert (bench["preset"], bench["batch_sizes"], list(bench["modes"])) == (
-        "tiny", [1, 2], ["eager", "none", "full_and_piecewise"])
-    assert (out / "bench" / "table.txt").read_text().startswith("tiny preset on ")
-    assert "gpu_check: all checks passed" in proc.stdout
+    assert (out / "console.log").read_text().splitlines() == lines
+
+
+def test_a_plan_over_its_budget_fails_the_dry_run(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from freezeframe.bench import gpu_check
+    from freezeframe.bench.gpu_run import StepResult
+
+    # the environment probe stubbed (a child process importing torch): every other step is
+    # skipped, so only the plan can fail the run
+    monkeypatch.setattr(gpu_check, "step_environment",
+                        lambda run: StepResult("environment", summary="stubbed"))
+    argv = ["--dry-run", "--skip", "kernels,bench,tests,ubatch,cache", "--out", str(tmp_path)]
+    assert main([*argv, "--timeout", "environment=480"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "plan: 480 s of deadlines"
+    assert main([*argv, "--timeout", "environment=481"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == ["gpu_check: the plan's deadlines add up to more than the 480 s "
+                          "budget", "plan: 481 s of deadlines"]
+
+
+def test_the_plan_adds_the_deadlines_the_module_derives() -> None:
+    """Every step's GPU deadline is stated, with the measured figures it comes from, in
+    gpu_steps' docstring, and the deadlines fill the 8-minute budget exactly (a lent GPU comes
+    with about 15 minutes in all, a cold start included)."""
+    from freezeframe.bench import gpu_steps
+
+    assert CUDA_BUDGET_S == 480
+    assert list(DEADLINES) == list(STEPS) == ["environment", "kernels", "bench", "tests",
+                                              "ubatch", "cache"]
+    assert sum(d.cuda for d in DEADLINES.values()) == CUDA_BUDGET_S
+    doc = gpu_steps.__doc__ or ""
+    for name, deadline in DEADLINES.items():
+        assert f"``{name}`` {deadline.cuda:.0f} s" in doc
+    assert "Total: 20 + 40 + 315 + 50 + 20 + 35 = 480 s." in doc
+    lines, total = plan_lines(CheckOptions(steps=STEPS, skip=frozenset({"cache"})))
+    assert (lines[-1], total) == ("plan: 445 s of deadlines", 445)
+    assert lines[-2] == "  cache        skipped"
 
 
 @pytest.mark.parametrize("outcome", ["passes", "fails"])
@@ -74,10 +139,15 @@ def test_a_failing_step_makes_the_exit_status_non_zero(tmp_path: Path, outcome: 
     suite.write_text("def test_it():\n    assert 1 + 1 == " + ("2" if outcome == "passes"
                                                                else "3") + "\n")
     out = tmp_path / "results"
-    proc = run_script("--quick", "--skip", "bench", "--skip", "cache", "--emulated-tests",
-                      str(suite), "--out", str(out))
+    proc = run_script("--quick", "--skip", "kernels,bench", "--skip", "cache",
+                      "--emulated-tests", str(suite), "--out", str(out))
     doc = json.loads((out / "gpu_check.json").read_text())
-    tests = doc["steps"][1]
+    assert [(name, status) for name, status, _ in statuses(out)] == [
+        ("environment", "passed"), ("kernels", "skipped"), ("bench", "skipped"),
+        ("tests", "passed" if outcome == "passes" else "failed"), ("ubatch", "skipped"),
+        ("cache", "skipped")]
+    assert statuses(out)[4][2] == NEEDS_CUDA
+    tests = doc["steps"][3]
     assert tests["details"]["cuda"] == {"status": "skipped", "reason": NEEDS_CUDA}
     emulated = tests["details"]["emulated"]
     if outcome == "passes":
@@ -94,9 +164,11 @@ def test_a_failing_step_makes_the_exit_status_non_zero(tmp_path: Path, outcome: 
         assert doc["passed"] is False
         assert "Result: **FAILED**: tests." in (out / "README.md").read_text()
         assert "gpu_check: FAILED: tests in " in proc.stdout
-    log = (out / "tests_emulated.log").read_text().splitlines()
-    assert log[0] == (f"$ {sys.executable} -m pytest -q -p no:cacheprovider "
+    log = raw_files(out)["raw/tests_emulated.log"].decode().splitlines()
+    assert log[0] == (f"$ {sys.executable} -m pytest -v -rA -p no:cacheprovider "
                       f"-m 'not cuda and not inductor' {suite}")
+    assert f"{suite.name}::test_it {'PASSED' if outcome == 'passes' else 'FAILED'}" in \
+        "\n".join(log)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -123,6 +195,9 @@ def test_pytest_summary_reads_the_final_line() -> None:
         {"failed": 1, "passed": 2, "skipped": 1, "deselected": 3, "warning": 2})
     assert pytest_summary("== 1 error in 0.20s ==\n") == ("1 error in 0.20s", {"error": 1})
     assert pytest_summary("no tests ran in 0.01s\n") == ("no tests ran in 0.01s", {})
+    assert pytest_summary("285/551 tests collected (266 deselected) in 4.77s\n") == (
+        "285/551 tests collected (266 deselected) in 4.77s",
+        {"collected": 285, "deselected": 266})
     assert pytest_summary("Traceback ...\nImportError: x\n") == ("(no pytest summary line)", {})
 
 
@@ -156,54 +231,103 @@ def test_every_cuda_marked_test_lives_where_gpu_check_collects_them() -> None:
     assert CUDA_TESTS == ("tests/cuda", "tests/scenarios")
 
 
-def test_the_cuda_steps_deadlines_are_shares_of_an_eight_minute_budget() -> None:
-    """The default GPU run fits its budget by construction: each step's deadline is its share,
-    and the shares add up to the budget (a lent GPU comes with about 15 minutes in all)."""
-    assert CUDA_BUDGET_S == 480
-    assert sum(cuda for cuda, _cpu in TIMEOUTS.values()) == CUDA_BUDGET_S
-    assert list(TIMEOUTS) == list(STEPS)
-    # the GPU-only evidence comes before what could run elsewhere
-    assert STEPS.index("capture") < STEPS.index("cache")
-    assert STEPS.index("ubatch") < STEPS.index("cache")
+def test_a_stopped_run_still_writes_what_it_measured(tmp_path: Path) -> None:
+    """``timeout`` wrapping the command sends SIGTERM: the step in progress (here the
+    environment probe, a child importing torch) is killed and failed, and the report and the
+    return files are written all the same."""
+    out = tmp_path / "out"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first == "gpu_check: [1/6] environment\n"
+    time.sleep(0.5)  # the probe has started; it takes seconds to import torch
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, first + rest
+    assert rest.splitlines()[0] == "gpu_check: stopped by SIGTERM; writing what was measured"
+    assert statuses(out) == [
+        ("environment", "failed", "stopped by SIGTERM (the run's time was up)")]
+    log = raw_files(out)["raw/environment.log"].decode().splitlines()
+    assert log[1].startswith("# exit: stopped, ")  # its child's whole group was killed
+    assert sorted(p.name for p in out.iterdir()) == sorted(set(RETURN_FILES) - {"bench.json"})
+    assert check_layout(out) == []
 
 
-def test_the_cache_step_reads_what_scripts_bench_cache_writes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The report's cache figures come from the very entry ``scripts/bench_cache.py`` builds
-    (its starts stubbed: each is a fresh process with Inductor, minutes on this CPU); the
-    first GPU run failed here on a key the script no longer wrote."""
+def test_the_return_layout_is_checked_and_the_archive_kept_under_its_limit(
+        tmp_path: Path) -> None:
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    (raw / "a" / "b").mkdir(parents=True)
+    (raw / "small.log").write_text("x" * 100)
+    (raw / "a" / "b" / "big.json").write_bytes(os.urandom(20_000))  # incompressible
+    limits = Limits(file_bytes=8_000)
+    left_out = pack(raw, out, None, ["one", "two"], limits)
+    assert left_out == ["a/b/big.json"]
+    assert (out / "console.log").read_text() == "one\ntwo\n"
+    assert sorted(raw_files(out)) == ["raw/small.log"]
+    assert check_layout(out, limits) == []
+    (out / "x" / "y" / "z").mkdir(parents=True)
+    (out / "x" / "y" / "z" / "deep.txt").write_text("d")
+    (out / "bad name.txt").write_text("b")
+    for i in range(5):
+        (out / f"f{i}").write_text("f")
+    assert check_layout(out, limits) == [
+        f"9 files in {out}, more than the 8 that come back",
+        "bad name.txt: name 'bad name.txt' has characters besides letters, digits, '.', '_' "
+        "and '-'",
+        "x/y/z/deep.txt: 3 folders deep, more than 2"]
+
+
+def test_the_cache_bench_writes_its_json_after_every_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/bench_cache.py's starts are stubbed (each is a fresh process with Inductor,
+    minutes on this CPU): after each one the JSON holds every start so far."""
     import importlib.util
-
-    from freezeframe.bench.gpu_steps import cache_figures
 
     spec = importlib.util.spec_from_file_location("bench_cache", REPO / "scripts" /
                                                   "bench_cache.py")
     assert spec is not None and spec.loader is not None
     bench_cache = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_cache)
+    target = tmp_path / "cache.json"
     timings = {"baseline": (10.0, 1.0), "cold": (70.0, 60.0), "warm": (13.0, 4.0)}
+    seen: list[list[str]] = []
 
     def start(kind: str, *args: Any) -> dict[str, Any]:
+        if target.exists():  # what the JSON held when this start began
+            seen.append([k for k in ("baseline", "cold", "warms")
+                         if json.loads(target.read_text())[0].get(k)])
         process_s, first_call_s = timings[kind]
-        stats = {"cold": {"inductor_compiles": 3}, "warm": {"cache_hits": 3}}.get(kind, {})
-        return {"process_s": process_s, "first_call_s": first_call_s, "stats": stats,
-                "inductor_load_s": 1.5, "checksum": 1.0, "out": [1.0], "stages": {}}
+        return {"process_s": process_s, "first_call_s": first_call_s, "stats": {},
+                "inductor_load_s": 1.5, "checksum": 1.0, "out": [1.0], "stages": {},
+                "compile_fx_imported": kind == "cold"}
 
     monkeypatch.setattr(bench_cache, "_start", start)
-    entry = bench_cache._bench("tiny", None, 1, "cuda")
-    figures = cache_figures(json.loads(json.dumps(entry)))
-    assert figures["starts"] == {
-        "baseline": {"first_call_s": 1.0, "process_s": 10.0,
-                     "stats": dict.fromkeys(("inductor_compiles", "cache_hits", "cache_misses",
-                                             "artifacts_loaded"), 0)},
-        "cold": {"first_call_s": 60.0, "process_s": 70.0,
-                 "stats": {"inductor_compiles": 3, "cache_hits": 0, "cache_misses": 0,
-                           "artifacts_loaded": 0}},
-        "warm1": {"first_call_s": 4.0, "process_s": 13.0,
-                  "stats": {"inductor_compiles": 0, "cache_hits": 3, "cache_misses": 0,
-                            "artifacts_loaded": 0}},
-    }
-    assert figures["warm_cold_first_call"] == pytest.approx(4.0 / 60.0)
-    assert figures["warm_cold_startup"] == pytest.approx(3.0 / 60.0)
-    assert (figures["preset"], figures["device"], figures["outputs_identical"]) == (
-        "tiny", "cuda", True)
+    assert bench_cache.main(["--presets", "tiny", "--warm-runs", "2", "--json",
+                             str(target)]) == 0
+    assert seen == [["baseline"], ["baseline", "cold"], ["baseline", "cold", "warms"]]
+    entry = json.loads(target.read_text())[0]
+    assert entry["warm_cold_first_call"] == pytest.approx(4.0 / 60.0)
+    assert entry["warm_cold_startup"] == pytest.approx(3.0 / 60.0)
+    assert len(entry["warms"]) == 2 and entry["identical"] is True
+
+
+def test_the_kernel_timeline_of_a_replay_says_which_communication_overlapped() -> None:
+    from freezeframe.bench.ubatch_probe import kernel_timeline
+
+    def kernel(name: str, ts: float, dur: float) -> dict[str, Any]:
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
+
+    trace = {"traceEvents": [
+        kernel("gemm_a", 1000, 100), kernel("spin_kernel", 1100, 300),  # mb 0: compute, comm
+        kernel("gemm_b", 1150, 100),  # mb 1's compute during mb 0's comm
+        kernel("spin_kernel", 1400, 50), kernel("gemm_c", 1500, 10),  # after it: no overlap
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000},
+    ]}
+    timeline = kernel_timeline(trace)
+    assert timeline["comm_overlaps"] == [True, False]
+    assert timeline["kernels"] == [[0.0, 0.1, "gemm_a"], [0.1, 0.4, "spin_kernel"],
+                                   [0.15, 0.25, "gemm_b"], [0.4, 0.45, "spin_kernel"],
+                                   [0.5, 0.51, "gemm_c"]]
+    assert kernel_timeline({"traceEvents": []}) == {"kernels": [], "comm_overlaps": []}

@@ -218,9 +218,11 @@ def test_the_split_count_follows_the_shapes() -> None:
     # few programs and a long table: split; many programs or a short table: one pass
     assert [num_splits_for(t, 8, 256) for t in (1, 4, 16, 32)] == [16, 4, 1, 1]
     assert [num_splits_for(1, 8, b) for b in (4, 7, 8, 12, 64)] == [1, 1, 2, 3, 16]
+    # on the test's DEVICE: on a GPU machine CPU tensors would be refused before the count
     with pytest.raises(ConfigError, match=r"num_splits=0 must be an int >= 1"):
-        paged_attention(*(torch.zeros(1, 1, 1),) * 4, *(torch.zeros(1),) * 3,
-                        torch.zeros(1, 1), BLOCK, 1.0, num_splits=0)
+        paged_attention(*(torch.zeros(1, 1, 1, device=DEVICE),) * 4,
+                        *(torch.zeros(1, device=DEVICE),) * 3,
+                        torch.zeros(1, 1, device=DEVICE), BLOCK, 1.0, num_splits=0)
 
 
 def test_an_all_padding_batch_gives_zeros() -> None:

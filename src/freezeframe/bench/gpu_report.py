@@ -11,7 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from freezeframe.bench.gpu_steps import STEPS, CheckRun, StepResult
+from freezeframe.bench.gpu_run import CheckRun, StepResult
+from freezeframe.bench.gpu_steps import STEPS
 
 __all__ = ["NO_GPU_FIGURE", "write_report"]
 
@@ -29,9 +30,10 @@ def write_report(run: CheckRun, results: Sequence[StepResult]) -> None:
     failed = [r.name for r in results if r.status == "failed"]
     doc = {
         "date": date, "cuda": run.cuda, "gpu": gpu or None, "quick": run.opts.quick,
-        "budget_s": run.budget_s or None, "total_s": round(run.elapsed(), 1),
-        "passed": not failed,
+        "dry_run": run.dry, "budget_s": run.budget_s or None,
+        "total_s": round(run.elapsed(), 1), "passed": not failed,
         "complete": len(results) == len(STEPS),
+        "left_out_of_raw": run.env_info.get("left_out_of_raw", []),
         "steps": [dataclasses.asdict(r) for r in results],
     }
     (run.out / "gpu_check.json").write_text(json.dumps(doc, indent=2, default=str))
@@ -45,10 +47,15 @@ def _headline(run: CheckRun, results: Sequence[StepResult], date: str,
     gpu: dict[str, Any] = run.env_info.get("gpu") or {}
     title = gpu["name"] if gpu else "CPU only"
     lines = [f"# freezeframe GPU check: {title}, {date[:10]}", ""]
-    if not gpu:
+    if run.dry:
+        lines += [f"{NO_GPU_FIGURE}: a dry run (`--dry-run`) rehearses the GPU run on the "
+                  "CPU: every step at the tiniest shapes on the emulated graph backend, the "
+                  "test tiers' commands written but not run. It checks the steps, the files and "
+                  "the plan, not a GPU.", ""]
+    elif not gpu:
         lines += [f"{NO_GPU_FIGURE}: this machine has no CUDA device "
-                  "(torch.cuda.is_available() is False). The CUDA tests, the capture report and "
-                  "the micro-batch trace were skipped; the bench ran the CPU preset, where "
+                  "(torch.cuda.is_available() is False). The CUDA tests, the micro-batch probe "
+                  "and the warm start were skipped; the bench ran the CPU preset, where "
                   "freezeframe's graph modes use the emulated backend. Nothing here measures a "
                   "GPU.", ""]
     else:
@@ -59,36 +66,36 @@ def _headline(run: CheckRun, results: Sequence[StepResult], date: str,
     if len(results) < len(STEPS):
         verdict = (f"in progress, {len(results)} of {len(STEPS)} steps reached; so far: "
                    + verdict)
-    lines += [f"Result: {verdict}. Mode: {'--quick' if run.opts.quick else 'full'}; total "
-              f"{run.elapsed():.0f} s" + (f" (budget {run.budget_s:.0f} s)" if run.budget_s
-                                          else "") + ". Produced by `scripts/gpu_check`; the "
-              "raw data is in `gpu_check.json`.", "",
-              "| step | status | time | what was checked |", "|---|---|---|---|"]
+    mode = "--dry-run" if run.dry else "--quick" if run.opts.quick else "full"
+    lines += [f"Result: {verdict}. Mode: {mode}; total {run.elapsed():.0f} s"
+              + (f" (budget {run.budget_s:.0f} s)" if run.budget_s else "")
+              + ". Produced by `scripts/gpu_check`; the figures are in `gpu_check.json` and "
+              "`bench.json`, every log in `raw.tar.gz`.", "",
+              "| step | status | time | deadline | what was checked |", "|---|---|---|---|---|"]
     for r in results:
         text = r.summary if r.status == "passed" else (
             r.reason + (f" ({r.summary})" if r.summary else ""))
-        lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} s | "
+        deadline = f"{r.deadline_s:.0f} s" if r.deadline_s else ""
+        lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} s | {deadline} | "
                      f"{text.replace('|', '/')} |")
     return lines
 
 
 def _sections(run: CheckRun, results: Sequence[StepResult]) -> list[str]:
-    """A section per step reached (the environment first), each followed by its files."""
+    """A section per step reached (the environment first), each followed by its files (in
+    ``raw.tar.gz``, under ``raw/``)."""
     by_name = {r.name: r for r in results}
     lines = ["", *_environment_section(run.env_info)]
-    if results[0].files:
-        lines += ["", f"Files: {', '.join(f'`{f}`' for f in results[0].files)}"]
-    for name, section in (("tests", _tests_section), ("bench", _bench_section),
-                          ("capture", _capture_section), ("ubatch", _ubatch_section),
-                          ("cache", _cache_section)):
-        found = by_name.get(name)
-        if found is None:  # not reached yet (the report is written after every step)
+    for name, section in (("environment", None), ("kernels", _tests_section),
+                          ("bench", _bench_section), ("tests", _tests_section),
+                          ("ubatch", _ubatch_section), ("cache", _cache_section)):
+        r = by_name.get(name)
+        if r is None:  # not reached yet (the report is written after every step)
             continue
-        r = found
-        if r.status != "skipped" and r.details:
+        if section is not None and r.status != "skipped" and r.details:
             lines += ["", *section(r)]
         if r.files:
-            lines += ["", f"Files: {', '.join(f'`{f}`' for f in r.files)}"]
+            lines += ["", f"Files (in `raw.tar.gz`): {', '.join(f'`{f}`' for f in r.files)}"]
     return lines
 
 
@@ -99,14 +106,16 @@ def _environment_section(info: Mapping[str, Any]) -> list[str]:
     rows = [("Python", info.get("python")), ("platform", info.get("platform")),
             ("freezeframe", f"{info.get('freezeframe')} ({info.get('freezeframe_path')})"),
             ("torch", f"{pk.get('torch')} (CUDA build: {info.get('torch_cuda_build')})"),
-            *[(n, pk.get(n) or "not installed") for n in ("triton", "pytest", "hypothesis",
-                                                             "tqdm", "matplotlib")]]
+            *[(n, pk.get(n) or "not installed") for n in (
+                "triton", "transformers", "pytest", "xdist", "hypothesis", "tqdm",
+                "matplotlib")]]
     return ["## Environment", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
 
 
 def _tests_section(r: StepResult) -> list[str]:
-    out = ["## Tests", "", "| tier | command | status | pytest summary |", "|---|---|---|---|"]
-    for tier in ("cuda", "kernels", "emulated"):
+    out = [f"## Tests: {r.name}", "", "| tier | command | status | pytest summary |",
+           "|---|---|---|---|"]
+    for tier in ("kernels", "cuda", "emulated"):
         info = r.details.get(tier)
         if info is None:
             continue
@@ -119,76 +128,49 @@ def _tests_section(r: StepResult) -> list[str]:
 
 def _bench_section(r: StepResult) -> list[str]:
     out = ["## Bench", "", f"`{r.details.get('command', '')}`", ""]
+    if r.details.get("planned_steps"):
+        out += ["Timed steps run from the runner's plan, per mode: " + ", ".join(
+            f"{m} {v}" for m, v in r.details["planned_steps"].items()) + ".", ""]
     if "table" in r.details:
         out += ["```text", r.details["table"], "```"]
     return out
 
 
-def _capture_section(r: StepResult) -> list[str]:
+def _ubatch_section(r: StepResult) -> list[str]:
     d = r.details
-    if "graphs" not in d:
+    if "split_step_ms" not in d:
         return []
-    out = ["## Capture report", "",
-           f"{d['preset']} preset, {d['compiler']} compiler, {d['cudagraph_mode']}, capture "
-           f"sizes {d['capture_sizes']}. Total: {len(d['graphs'])} graphs in "
-           f"{d['capture_s']:.2f} s, {_mib(d['capture_memory_bytes'])} MiB (growth of the graph "
-           "pool's segments, from the caching allocator; the allocator's reserved memory grew "
-           f"{_mib(d['reserved_growth_bytes'])} MiB). " + _prediction_line(d), "",
-           "| mode | tokens | requests | uniform | capture ms | memory MiB | predicted MiB |",
-           "|---|---|---|---|---|---|---|"]
-    out += [f"| {g['mode']} | {g['num_tokens']} | {g['num_reqs'] or ''} | {g['uniform']} | "
-            f"{g['seconds'] * 1e3:.1f} | {_mib(g['memory_bytes'])} | "
-            + ("measured (probe)" if g.get("probe") else
-               _mib(g["predicted_bytes"]) if g.get("predicted_bytes") is not None else "")
-            + " |" for g in d["graphs"]]
-    out += ["", "| replay check | graph steps | relative error vs uncompiled | repeatable |",
-            "|---|---|---|---|"]
-    out += [f"| {c['step']} | {c['graph_replays']}/2 | {c['relative_error']:.3g} | "
-            f"{c['replay_repeatable']} |" for c in d["replay_checks"]]
+    timeline = d.get("timeline", {})
+    overlaps = timeline.get("comm_overlaps", [])
+    out = ["## Micro-batch overlap, captured", "",
+           f"Toy model ({d['tokens']} tokens, hidden {d['hidden']}) split into "
+           f"{d['micro_batches']} micro-batches by `MicroBatchWrapper` and captured whole as one "
+           f"FULL graph in {d['capture_s']:.3f} s; the replay differs from the unsplit model by "
+           f"{d['max_rel_diff_vs_unsplit']:.2g} of its largest output. Replay "
+           f"{d['split_step_ms']:.3f} ms, unsplit {d.get('unsplit_step_ms', float('nan')):.3f} "
+           f"ms, eager threaded split {d.get('eager_split_step_ms', float('nan')):.3f} ms "
+           "(medians).", "",
+           f"Spin kernels (the simulated communication) overlapping a compute kernel in the "
+           f"profiled replays: {sum(overlaps)} of {len(overlaps)} ({overlaps}); overlapping "
+           f"kernel pairs on different streams: "
+           f"{d.get('trace_overlap', {}).get('overlapping_pairs')}. Chrome trace: "
+           f"`{d.get('trace')}` (open in ui.perfetto.dev).", "",
+           "| start ms | end ms | kernel |", "|---|---|---|"]
+    out += [f"| {a:.4f} | {b:.4f} | {name} |" for a, b, name in timeline.get("kernels", [])[:40]]
     return out
-
-
-def _prediction_line(d: Mapping[str, Any]) -> str:
-    predicted = d.get("predicted_memory_bytes")
-    if predicted is None:
-        return "No prediction was made before the capture."
-    error = d.get("prediction_error")
-    return (f"Predicted before the rest was captured, from the probes captured first: "
-            f"{_mib(predicted)} MiB" + (f" ({error:+.1%} against the measurement)."
-                                        if error is not None else "."))
 
 
 def _cache_section(r: StepResult) -> list[str]:
     d = r.details
-    if "starts" not in d:
+    if "first_call_s" not in d:
         return []
-    out = ["## Compile cache: cold vs warm start", "",
-           f"{d['preset']} preset on {d['device']}, Inductor; each start a fresh process.", "",
-           "| start | first call s | process s | counters |", "|---|---|---|---|"]
-    keys = ("inductor_compiles", "cache_hits", "cache_misses", "artifacts_loaded")
-    for name, s in d["starts"].items():
-        counters = " ".join(f"{k}={s['stats'].get(k, 0)}" for k in keys)
-        out.append(f"| {name} | {s['first_call_s']:.2f} | {s['process_s']:.2f} | {counters} |")
-    out += ["", f"Warm/cold first call {d['warm_cold_first_call']:.1%}; process time minus "
-            f"the uncompiled baseline's {d['warm_cold_startup']:.1%}; outputs identical: "
-            f"{d['outputs_identical']}."]
-    return out
-
-
-def _ubatch_section(r: StepResult) -> list[str]:
-    d = r.details
-    if "timeline_ms" not in d:
-        return []
-    out = ["## Micro-batch overlap", "",
-           f"Toy model ({d['tokens']} tokens, hidden {d['hidden']}, fp16 matmuls; a spin "
-           f"kernel of about {d['comm_ms_target']:.3f} ms stands in for an all-to-all) split "
-           f"into {d['micro_batches']} micro-batches by `MicroBatchWrapper`: step "
-           f"{d['split_step_ms']:.3f} ms vs {d['unsplit_step_ms']:.3f} ms unsplit (median). "
-           f"Chrome trace: `{d['trace']}` (open in chrome://tracing or ui.perfetto.dev).", "",
-           "| phase | start ms | end ms |", "|---|---|---|"]
-    out += [f"| {k} | {a:.3f} | {b:.3f} |" for k, (a, b) in d["timeline_ms"].items()]
-    out += ["", *[f"- {k}: {'overlaps' if v else 'NO overlap'}" for k, v in
-                  d["overlaps"].items()],
-            f"- kernels per stream in the trace: {d['trace_overlap']['kernels_per_stream']}, "
-            f"overlapping pairs: {d['trace_overlap']['overlapping_pairs']}"]
+    ratio = d.get("warm_cold_first_call")
+    out = ["## Compile cache: a warm start", "",
+           f"{d['preset']} preset on {d['device']}: the bench's first graph mode started again "
+           "in a fresh process from freezeframe's cache, Inductor's own cache empty.", "",
+           "| stage | seconds |", "|---|---|"]
+    out += [f"| {k} | {v:.2f} |" for k, v in d.get("stages", {}).items()]
+    out += ["", f"First call {d['first_call_s']:.2f} s"
+            + (f", the bench's cold one {d['cold_first_call_s']:.2f} s: warm/cold {ratio:.1%}"
+               if ratio is not None else "") + f". Counters: {d.get('stats')}."]
     return out

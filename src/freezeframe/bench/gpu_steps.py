@@ -1,233 +1,177 @@
-"""The steps of ``scripts/gpu_check`` (see ``gpu_check``) and what they share: the options, one
-run's out dir, child environment and clock, and each step's result.
+"""The steps of ``scripts/gpu_check`` (see ``gpu_check``), their order and their deadlines.
 
 Every step except ``environment`` runs its work in child processes with a deadline, so a crash
-or a hang is a failed step, not a lost run. Only the standard library is imported here.
+or a hang is a failed step, not a lost run; each writes into the run's work directory as it
+goes. Only the standard library is imported here.
+
+The plan. A GPU machine is lent for about 15 minutes of device time in all, a cold start of a
+few minutes included, one command of at most 10 minutes. So the default run is held to
+``CUDA_BUDGET_S`` = 480 s of deadlines, ordered by value: the kernel tests, the bench core,
+the cuda tests, then the rest. Each deadline below is derived from what the two H100 runs of
+2026-11-26 measured (``docs/results/h100-80gb-hbm3-2026-11-26/``, run 1 and run 2) plus a
+margin; what has never run on a GPU is estimated from the nearest measured figure, and says so.
+
+- ``environment`` 20 s: measured 5.8 s (run 1) and 8.2 s (run 2); it now also imports
+  transformers (a few seconds). 20 = 2.4 x the slower run.
+- ``kernels`` 40 s: the attention kernel's tests, 17 of them: 23.8 s (run 1, pytest 16.4 s)
+  and 20.2 s (run 2, pytest 14.2 s), so about 6 s to start and 0.85 s a test; the file holds
+  25 now: 6 + 25 x 0.85 = 27 s, x 1.5 = 40 s.
+- ``bench`` 315 s, the sum of its parts (run 1: 135.1 s for eager, piecewise and
+  full_and_piecewise):
+  - start, build and bandwidth: import torch 4.2 s (run 2's cache baseline), build 4.6 s
+    (run 1 ``model_build_s``), a 1 GiB copy under 1 s: 10 s;
+  - eager: startup 1.65 s; 12 decode rows of the grid (3 contexts x 4 batch sizes) of
+    12 steps at most 32.5 ms each (run 1's slowest eager decode) = 4.7 s; 4 mixed rows of 6
+    steps at 30 ms = 0.7 s; prefill and first calls under 0.5 s: 7.5 s;
+  - full_and_piecewise, the first freezeframe mode, so the cold compile: 69.3 s (run 1's
+    first compile; run 2's capture probe 70.5 s) + capture of the default ladder 19.5 s
+    (run 1; 11.8 s in run 2) + 12 grid rows x 12 steps x at most 13.5 ms = 1.9 s + mixed,
+    prefill, the FULL replay's profile and launch count 2 s: 93 s;
+  - piecewise: compile with Inductor's caches warm 4.2 s (run 1's second mode) + capture of
+    the 8 sizes its steps use at 1.0 s each (run 1: 21 PIECEWISE graphs in 21.2 s) + rows
+    3 s: 15 s;
+  - breakable (never run on a GPU): no compile; its capture estimated as PIECEWISE's, 8 s,
+    + rows 4 s: 12 s;
+  - reduce-overhead (never run on a GPU): two torch.compile graphs (batch 1 and 4), each
+    estimated at a third of the cold 69.3 s (Inductor's workers and kernel cache are warm in
+    the bench's process by then): 2 x 25 = 50 s;
+  - the Hugging Face modes (never run on a GPU): three 1.2 B models built on the device at
+    about 3 s (the reference Llama's 4.6 s includes a host-side init) = 9 s; hf-eager 2 batch
+    sizes x 2 generates x 64 tokens at about 25 ms (HF eager is host-bound like the
+    reference's 26-33 ms) = 6.4 s; hf-compile two compiles as reduce-overhead's, 50 s, + its
+    generates 2 s; ff-hf's compile 25 s and capture of 8 graphs at 0.35 s (run 2: 0.28-0.42 s
+    a graph) 3 s, generates 2 s; ff-hf-lookup's four batch-1 generates 8 s: 105 s.
+  The sum, 292.5 s, x 1.08 = 315 s. The modes run in that order (by value), and the bench
+  writes its results after every timed row: a deadline that comes early costs the last rows.
+- ``tests`` 50 s: the cuda tier, 285 tests; run 2 ran 33 in 30.1 s (0.73 s a test, its
+  start included). Serially they would need about 210 s, so the tier runs on 8 pytest-xdist
+  workers where xdist is installed (it is on the GPU image): 285 x 0.73 / 8 = 26 s, + 8 s for
+  each worker's start: 34 s, x 1.5 = 50 s. Without xdist, or past the deadline, its log names
+  every test that ran (``-v``).
+- ``ubatch`` 20 s: run 1's eager probe took 11.8 s (8192 tokens, hidden 4096); capturing the
+  split step once adds well under a second (run 2: 0.3 s a graph). 20 = 1.7 x.
+- ``cache`` 35 s: a warm start of the bench's 1B mode from freezeframe's cache, one process:
+  import 4.2 s + build 4.6 s (as above) + a warm first call of 5.8 s (run 2, tiny preset; the
+  1B preset has as many distinct pieces, 3) + the ladder's capture 11.8-19.5 s (runs 2 and
+  1): 34 s at the slower capture; 35 s.
+
+Total: 20 + 40 + 315 + 50 + 20 + 35 = 480 s. A step's deadline is its own plus what the steps
+before it left unused, never what the steps after it need (see ``CheckRun.deadline``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import re
 import shlex
-import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["CUDA_BUDGET_S", "CUDA_TESTS", "GPU_ONLY", "KERNEL_TESTS", "NEEDS_CUDA", "ROOT",
-           "STEPS", "STEP_FUNCS", "TIMEOUTS", "CheckOptions", "CheckRun", "ChildRun",
-           "StepResult", "cache_figures", "pytest_summary", "step_environment"]
+from freezeframe.bench.gpu_run import CheckRun, StepResult, pytest_summary
 
-ROOT = Path(__file__).resolve().parents[3]  # src/freezeframe/bench/gpu_steps.py -> repo root
-SRC = Path(__file__).resolve().parents[2]
+__all__ = ["CUDA_BUDGET_S", "CUDA_TESTS", "DEADLINES", "GPU_ONLY", "KERNEL_TESTS", "NEEDS_CUDA",
+           "STEPS", "STEP_FUNCS", "Deadline", "cache_figures", "step_deadline",
+           "step_environment"]
 
-STEPS = ("environment", "tests", "bench", "capture", "ubatch", "cache")
-GPU_ONLY = frozenset({"capture", "ubatch"})
+STEPS = ("environment", "kernels", "bench", "tests", "ubatch", "cache")
+GPU_ONLY = frozenset({"ubatch", "cache"})  # skipped on a CPU, except in a dry run
 NEEDS_CUDA = "needs CUDA (torch.cuda.is_available() is False)"
-# per-step deadlines in seconds, (on CUDA, on CPU). On CUDA they are the steps' shares of
-# CUDA_BUDGET_S and add up to it, so the default run fits its budget by construction. Shares
-# from the H100 runs of 2026-11-26 (environment 6-8 s, bench 135 s, ubatch 12 s; the cuda
-# tier's 33 tests in 24 s): the cuda tier now holds 285 tests, mostly the scenario suite's
-# small models (about 0.4 s each on the 2-core dev CPU), so the tests step has 150 s.
-TIMEOUTS: Mapping[str, tuple[float, float]] = {
-    "environment": (15, 120), "tests": (150, 900), "bench": (145, 600),
-    "capture": (80, 300), "ubatch": (30, 90), "cache": (60, 300),
-}
 CUDA_BUDGET_S = 480.0
 CUDA_TESTS = ("tests/cuda", "tests/scenarios")  # where every cuda-marked test lives
 # unmarked tests that run on the GPU when there is one (their DEVICE is cuda there)
 KERNEL_TESTS = ("tests/unit/test_paged_attention.py",)
+XDIST_WORKERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """A step's deadline: ``cuda`` seconds in the GPU plan (see the module docstring), ``cpu``
+    seconds on a CPU (no budget there; a dry run uses these), and where ``cuda`` comes from."""
+
+    cuda: float
+    cpu: float
+    basis: str
+
+
+DEADLINES: Mapping[str, Deadline] = {
+    "environment": Deadline(20, 120, "measured 5.8 s and 8.2 s (runs 1, 2)"),
+    "kernels": Deadline(40, 600, "measured 23.8 s and 20.2 s for 17 tests; 25 now"),
+    "bench": Deadline(315, 900, "run 1: 135 s for 3 modes; + breakable, reduce-overhead, HF "
+                                "(estimated)"),
+    "tests": Deadline(50, 900, "run 2: 0.73 s a test; 285 tests on 8 xdist workers"),
+    "ubatch": Deadline(20, 120, "measured 11.8 s (run 1) + one capture"),
+    "cache": Deadline(35, 300, "import 4.2 + build 4.6 + warm first call 5.8 + capture 19.5"),
+}
 MIN_STEP_S = 10.0  # a step is not started with less time than this left in the budget
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckOptions:
-    """What to run. ``out`` None means ``docs/results/<gpu-or-cpu>-<date>/``."""
-
-    out: Path | None = None
-    quick: bool = False
-    skip: frozenset[str] = frozenset()
-    emulated_tests: tuple[str, ...] = ("tests/emulated", "tests/scenarios")
-    emulated_tier: bool = False  # run the emulated tier on CUDA too (always on CPU)
-    peers: bool = False  # the bench also times torch.compile and reduce-overhead on CUDA
-    budget_s: float | None = None  # None: CUDA_BUDGET_S on CUDA, no budget on CPU; 0: none
-    timeouts: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        bad = sorted(set(self.skip) - set(STEPS[1:]))
-        if bad:
-            raise ValueError(f"--skip: unknown or unskippable step(s) {bad}; choose from "
-                             f"{list(STEPS[1:])} (environment always runs)")
-        bad = sorted(set(self.timeouts) - set(STEPS))
-        if bad:
-            raise ValueError(f"--timeout: unknown step(s) {bad}; choose from {list(STEPS)}")
-        if any(t <= 0 for t in self.timeouts.values()):
-            raise ValueError(f"--timeout: seconds must be > 0, got {dict(self.timeouts)}")
-        if self.budget_s is not None and self.budget_s < 0:
-            raise ValueError(f"--budget-s must be >= 0 (0: no budget), got {self.budget_s}")
-        if not self.emulated_tests:
-            raise ValueError("--emulated-tests: give at least one test path")
+def step_deadline(step: str, cuda: bool, timeouts: Mapping[str, float]) -> float:
+    """A step's own deadline: ``--timeout`` where given, else its plan's."""
+    return timeouts.get(step, DEADLINES[step].cuda if cuda else DEADLINES[step].cpu)
 
 
-@dataclasses.dataclass
-class StepResult:
-    """One step's outcome. ``summary`` is the one line the README's step table shows."""
+# -- tests ------------------------------------------------------------------------------------
 
-    name: str
-    status: str = "passed"  # "passed" | "failed" | "skipped"
-    reason: str = ""
-    seconds: float = 0.0
-    summary: str = ""
-    details: dict[str, Any] = dataclasses.field(default_factory=dict)
-    files: list[str] = dataclasses.field(default_factory=list)
-
-    def fail(self, reason: str) -> None:
-        """Mark failed; reasons of several failures are joined."""
-        self.status = "failed"
-        self.reason = f"{self.reason}; {reason}" if self.reason else reason
-
-
-@dataclasses.dataclass(frozen=True)
-class ChildRun:
-    argv: tuple[str, ...]
-    returncode: int | None  # None: killed at its deadline
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode is None
-
-    def tail(self, lines: int = 8) -> str:
-        text = (self.stderr.strip() or self.stdout.strip()).splitlines()
-        return " | ".join(line.strip() for line in text[-lines:])
-
-    def why(self, timeout: float) -> str:
-        if self.timed_out:
-            return f"killed after {timeout:.0f} s (its deadline)"
-        return f"exit {self.returncode}: {self.tail(4)}"
+def _pytest_tier(run: CheckRun, result: StepResult, tier: str, argv: list[str],
+                 timeout: float) -> str:
+    """Run one pytest tier into ``tests_<tier>.log``; its summary line. A dry run writes the
+    command into the log and runs nothing (collecting alone costs CI more than it checks)."""
+    if run.dry:
+        (run.raw / f"tests_{tier}.log").write_text(f"$ {shlex.join(argv)}\n# not run: a dry "
+                                                   "run writes the command only\n")
+        result.files.append(f"tests_{tier}.log")
+        result.details[tier] = {"command": shlex.join(argv[1:]), "status": "skipped",
+                                "reason": "dry run: the command only"}
+        return f"{tier}: not run (dry run)"
+    proc = run.child(argv, timeout, f"tests_{tier}.log", result)
+    line, counts = pytest_summary(proc.stdout)
+    info: dict[str, Any] = {"command": shlex.join(argv[1:]), "summary": line,
+                            "counts": counts, "seconds": round(proc.seconds, 1)}
+    if proc.timed_out:
+        info["status"] = "failed"
+        ran = sum(1 for text in proc.stdout.splitlines()
+                  if re.search(r" (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", text))
+        result.fail(f"{tier} tier: {proc.why(timeout)}, after {ran} tests (see "
+                    f"tests_{tier}.log)")
+    elif proc.returncode != 0 or not counts.get("passed"):
+        info["status"] = "failed"
+        result.fail(f"{tier} tier: {line} (pytest exit {proc.returncode}; see "
+                    f"tests_{tier}.log)")
+    else:
+        info["status"] = "passed"
+    result.details[tier] = info
+    return f"{tier}: {line}"
 
 
-def pytest_summary(output: str) -> tuple[str, dict[str, int]]:
-    """pytest's final summary line in ``output`` and its counts (``{"passed": 3, ...}``)."""
-    pattern = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|"
-                         r"warnings?)")
-    for line in reversed(output.strip().splitlines()):
-        text = line.strip().strip("=").strip()
-        counts = {("error" if k.startswith("error") else "warning" if k.startswith("warning")
-                   else k): int(n) for n, k in pattern.findall(text)}
-        if counts and re.search(r" in [\d.]+s", text):
-            return text, counts
-        if text.startswith("no tests ran"):
-            return text, {}
-    return "(no pytest summary line)", {}
+def _pytest(run: CheckRun) -> list[str]:
+    """pytest, verbose into its log: a tier stopped at its deadline still names every test
+    it ran, and ``-rA`` lists each outcome at the end of one that finished."""
+    return [run.python, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider"]
 
 
-class CheckRun:
-    """One check run: the out dir, the child environment and the clock."""
-
-    def __init__(self, opts: CheckOptions, python: str) -> None:
-        self.opts = opts
-        self.python = python
-        self.started = time.perf_counter()
-        self.cuda = False
-        self.env_info: dict[str, Any] = {}
-        self.out = Path()
-        self.budget_s: float | None = None
-        self.work = Path(tempfile.mkdtemp(prefix="ff_gpu_check_"))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(SRC), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-        # fresh compile caches: startup figures are cold starts, and nothing leaks into the
-        # user's caches; the capture step reuses what the bench compiled in this run
-        env["FREEZEFRAME_CACHE_DIR"] = str(self.work / "freezeframe_cache")
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(self.work / "inductor_cache")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.env = env
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def deadline(self, step: str) -> float | None:
-        """Seconds this step may take: its own deadline, cut to what is left of the budget;
-        None when the budget is already spent."""
-        own = self.opts.timeouts.get(step, TIMEOUTS[step][0 if self.cuda else 1])
-        if not self.budget_s:
-            return own
-        left = self.budget_s - self.elapsed()
-        return None if left < MIN_STEP_S else min(own, left)
-
-    def child(self, argv: Sequence[str], timeout: float, log: str | None = None,
-              result: StepResult | None = None) -> ChildRun:
-        """Run ``argv`` in the repo root; kill its whole process group at ``timeout``."""
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(list(argv), cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # the group of our own child
-                os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            code = None
-        run = ChildRun(tuple(argv), code, stdout, stderr, time.perf_counter() - t0)
-        if log is not None:
-            (self.out / log).write_text(
-                f"$ {shlex.join(argv)}\n# exit: {'killed at deadline' if code is None else code}"
-                f", {run.seconds:.1f} s\n\n{stdout}\n--- stderr ---\n{stderr}")
-            if result is not None:
-                result.files.append(log)
-        return run
-
-
-
-# -- steps ------------------------------------------------------------------------------------
-
-def _probe(run: CheckRun, name: str, args: Sequence[str], result: StepResult,
-           timeout: float) -> dict[str, Any] | None:
-    """A ``gpu_probes`` child writing ``<name>.json`` into the out dir; its JSON, or None with
-    the step failed when it crashed or timed out."""
-    target = run.out / f"{name}.json"
-    target.unlink(missing_ok=True)
-    proc = run.child([run.python, "-m", "freezeframe.bench.gpu_probes", *args,
-                      "--json", str(target)], timeout, f"{name}.log", result)
-    if proc.returncode not in (0, 1) or not target.exists():
-        result.fail(f"the {name} probe did not finish: {proc.why(timeout)}")
-        return None
-    result.files.append(target.name)
-    data: dict[str, Any] = json.loads(target.read_text())
-    for problem in data.get("problems", []):
-        result.fail(problem)
-    return data
+def _step_kernels(run: CheckRun, result: StepResult, timeout: float) -> None:
+    result.summary = _pytest_tier(run, result, "kernels", [*_pytest(run), *KERNEL_TESTS],
+                                  timeout)
 
 
 def _step_tests(run: CheckRun, result: StepResult, timeout: float) -> None:
     tiers: list[tuple[str, list[str]]] = []
-    pytest = [run.python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    if run.cuda:
+    if run.cuda or run.dry:
         # every cuda-marked test lives in CUDA_TESTS (a unit test checks this); collecting only
         # there keeps the tier independent of test-only extras such as hypothesis
-        tiers.append(("cuda", [*pytest, "-m", "cuda", *CUDA_TESTS]))
-        tiers.append(("kernels", [*pytest, *KERNEL_TESTS]))
+        workers = ["-n", str(XDIST_WORKERS)] if run.has("xdist") and not run.dry else []
+        tiers.append(("cuda", [*_pytest(run), *workers, "-m", "cuda", *CUDA_TESTS]))
     else:
         result.details["cuda"] = {"status": "skipped", "reason": NEEDS_CUDA}
-    if not run.cuda or run.opts.emulated_tier:
-        # the scenarios' cuda half ran in the cuda tier
+    if not run.dry and (not run.cuda or run.opts.emulated_tier):
         marks = ["-m", "not cuda and not inductor" if run.opts.quick else "not cuda"]
-        tiers.append(("emulated", [*pytest, *marks, *run.opts.emulated_tests]))
+        tiers.append(("emulated", [*_pytest(run), *marks, *run.opts.emulated_tests]))
     else:
         result.details["emulated"] = {
             "status": "skipped", "reason": "runs on CPU (CI runs it on every commit); "
-                                          "--emulated-tier runs it here too"}
+                                          "--emulated-tier runs it on a GPU too"}
     end = time.perf_counter() + timeout
     lines = []
     for tier, argv in tiers:
@@ -235,49 +179,48 @@ def _step_tests(run: CheckRun, result: StepResult, timeout: float) -> None:
         if left < 1:
             result.fail(f"{tier} tier: not started, the step's {timeout:.0f} s were spent")
             continue
-        proc = run.child(argv, left, f"tests_{tier}.log", result)
-        line, counts = pytest_summary(proc.stdout)
-        info: dict[str, Any] = {"command": shlex.join(argv[1:]), "summary": line,
-                                "counts": counts, "seconds": round(proc.seconds, 1)}
-        if proc.timed_out:
-            info["status"] = "failed"
-            result.fail(f"{tier} tier: {proc.why(left)}")
-        elif proc.returncode != 0 or not counts.get("passed"):
-            info["status"] = "failed"
-            result.fail(f"{tier} tier: {line} (pytest exit {proc.returncode}; see "
-                        f"tests_{tier}.log)")
-        else:
-            info["status"] = "passed"
-        result.details[tier] = info
-        lines.append(f"{tier}: {line}")
-    if not run.cuda:
+        lines.append(_pytest_tier(run, result, tier, argv, left))
+    if not run.cuda and not run.dry:
         lines.insert(0, "cuda: skipped, needs CUDA")
     result.summary = "; ".join(lines)
 
 
-def _bench_args(cuda: bool, quick: bool, peers: bool = False) -> list[str]:
+# -- bench ------------------------------------------------------------------------------------
+
+#: the bench's modes on a GPU, by value (a deadline that comes early costs the last)
+GPU_MODES = ("eager,full_and_piecewise,piecewise,breakable,reduce-overhead,"
+             "hf-eager,ff-hf,hf-compile,ff-hf-lookup")
+
+
+def bench_args(cuda: bool, quick: bool, dry: bool, peers: bool = False) -> list[str]:
+    """``freezeframe bench``'s arguments for this run."""
+    if dry:  # every mode of the GPU run, at the tiniest shapes and step counts
+        return ["--preset", "tiny", "--batch-sizes", "1,2", "--contexts", "128", "--grid",
+                "--modes", GPU_MODES, "--steps", "1", "--warmup", "1", "--prefill-len", "4",
+                "--mixed-chunk", "2", "--hf-new-tokens", "3", "--device", "cpu"]
     if cuda:
-        # breakable: the same graphs without a trace (startup without a compile)
-        modes = "eager,piecewise,full_and_piecewise,breakable" + (
-            ",compile,reduce-overhead" if peers else "")
+        modes = GPU_MODES + (",compile" if peers else "")
         if quick:
-            return ["--preset", "1b", "--batch-sizes", "1,8,64", "--modes", modes,
-                    "--steps", "5", "--warmup", "1", "--contexts", "128,4096"]
-        return ["--preset", "1b", "--batch-sizes", "1,4,16,64", "--modes", modes,
-                "--steps", "10", "--warmup", "2"]
+            return ["--preset", "1b", "--batch-sizes", "1,64", "--contexts", "128,4096",
+                    "--modes", "eager,full_and_piecewise,piecewise", "--steps", "5",
+                    "--warmup", "1", "--device", "cuda"]
+        return ["--preset", "1b", "--batch-sizes", "1,4,16,64", "--contexts", "128,1024,4096",
+                "--grid", "--modes", modes, "--steps", "10", "--warmup", "2",
+                "--hf-new-tokens", "64", "--device", "cuda"]
     if quick:
         return ["--preset", "tiny", "--batch-sizes", "1,2", "--modes",
-                "eager,none,full_and_piecewise", "--steps", "3", "--warmup", "1"]
-    return ["--preset", "tiny", "--batch-sizes", "1,2,4,8"]
+                "eager,none,full_and_piecewise", "--steps", "3", "--warmup", "1",
+                "--device", "cpu"]
+    return ["--preset", "tiny", "--batch-sizes", "1,2,4,8", "--device", "cpu"]
 
 
 def _step_bench(run: CheckRun, result: StepResult, timeout: float) -> None:
-    out = run.out / "bench"
-    args = [*_bench_args(run.cuda, run.opts.quick, run.opts.peers),
-            "--device", "cuda" if run.cuda else "cpu", "--out", str(out), "-q"]
+    out = run.raw / "bench"
+    args = [*bench_args(run.cuda, run.opts.quick, run.dry, run.opts.peers), "--out", str(out),
+            "-q"]
     result.details["command"] = "freezeframe bench " + " ".join(
         a if a != str(out) else "OUT/bench" for a in args)
-    (run.out / "bench").mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
     (out / "results.json").unlink(missing_ok=True)
     proc = run.child([run.python, "-m", "freezeframe.cli", "bench", *args], timeout,
                      "bench/bench.log", result)
@@ -287,104 +230,110 @@ def _step_bench(run: CheckRun, result: StepResult, timeout: float) -> None:
         if proc.returncode == 0:
             result.fail("freezeframe bench wrote no results.json")
         return
-    # the bench rewrites results.json after every mode: a bench stopped at its deadline
-    # still reports the modes it finished
+    # the bench rewrites results.json after every timed row: a bench stopped at its deadline
+    # still reports what it timed
     data = json.loads((out / "results.json").read_text())
     table = "\n".join(line for line in proc.stdout.strip().splitlines()
-                      if not line.startswith("wrote "))
+                      if not line.startswith(("wrote ", "USDT:")))
     if table:
         (out / "table.txt").write_text(table + "\n")
         result.details["table"] = table
-    result.files += [str(p.relative_to(run.out)) for p in sorted(out.iterdir())
+    result.files += [str(p.relative_to(run.raw)) for p in sorted(out.iterdir())
                      if p.name in ("results.json", "latency_vs_batch.png", "table.txt")]
-    result.details["notes"] = data.get("notes", [])
-    timed = [m for m, e in data.get("modes", {}).items() if "decode" in e]
-    skipped = {m: e["skipped"] for m, e in data.get("modes", {}).items() if "skipped" in e}
-    result.details["skipped_modes"] = skipped
-    result.details["decode_ms"] = {
-        m: {bs: row.get("median_ms") for bs, row in e["decode"].items()}
-        for m, e in data.get("modes", {}).items() if "decode" in e}
+    _bench_summary(result, data, proc.returncode != 0)
+
+
+def _bench_summary(result: StepResult, data: Mapping[str, Any], stopped: bool) -> None:
+    modes = data.get("modes", {})
+    timed = [m for m, e in modes.items() if "decode" in e or "generate" in e]
+    failed = {m: e["error"] for m, e in modes.items() if "error" in e}
+    skipped = {m: e["skipped"] for m, e in modes.items() if "skipped" in e}
+    planned = {m: f"{e['planned_steps']}/{e['timed_steps']}" for m, e in modes.items()
+               if e.get("planned_steps") is not None}
+    result.details.update(notes=data.get("notes", []), skipped_modes=skipped,
+                          failed_modes=failed, planned_steps=planned,
+                          comparisons=data.get("comparisons", {}))
+    for mode, error in failed.items():
+        result.fail(f"bench mode {mode}: {error[:300]}")
     unfinished = data.get("unfinished_modes", [])
     result.summary = (f"{data.get('preset')} preset on {data.get('device')}: "
                       f"{len(timed)} modes timed at batch sizes {data.get('batch_sizes')}"
+                      + (f"; planned steps {planned}" if planned else "")
                       + (f"; skipped {sorted(skipped)}" if skipped else "")
-                      + (f"; not reached {unfinished}" if unfinished and proc.returncode
-                         else ""))
+                      + (f"; not reached {unfinished}" if unfinished and stopped else ""))
 
 
-def _step_capture(run: CheckRun, result: StepResult, timeout: float) -> None:
-    data = _probe(run, "capture", ["capture", "--preset", "1b", "--compiler", "inductor"],
-                  result, timeout)
-    if data is None or "summary" not in data:
-        return
-    result.details = data
-    result.summary = (f"{data['summary']}; compile {data['compile_s']:.1f} s; "
-                      f"{len(data['replay_checks'])} replays checked against the uncompiled "
-                      "model")
+# -- probes -----------------------------------------------------------------------------------
 
-
-def _step_cache(run: CheckRun, result: StepResult, timeout: float) -> None:
-    target = run.out / "cache.json"
+def _probe(run: CheckRun, name: str, args: list[str], result: StepResult, timeout: float,
+           env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """A ``gpu_probes`` child writing ``<name>.json`` into the work directory (after each
+    measurement); its JSON (what it wrote before a kill too), or None when it wrote none."""
+    target = run.raw / f"{name}.json"
     target.unlink(missing_ok=True)
-    # the tiny preset on CUDA too: three Inductor compiles of the 1B preset in fresh processes
-    # do not fit the step's share of the budget, and the warm/cold ratio is what is measured
-    preset = "tiny"
-    argv = [run.python, str(ROOT / "scripts" / "bench_cache.py"), "--presets", preset,
-            "--device", "cuda" if run.cuda else "cpu", "--warm-runs",
-            "1" if run.opts.quick or run.cuda else "2", "--json", str(target)]
-    proc = run.child(argv, timeout, "cache.log", result)
-    if proc.returncode not in (0, 1) or not target.exists():
-        result.fail(f"scripts/bench_cache.py did not finish: {proc.why(timeout)}")
-        return
-    result.files.append(target.name)
-    # scripts/bench_cache.py writes one entry per preset it ran
-    data: dict[str, Any] = json.loads(target.read_text())[0]
-    result.details = cache_figures(data)
-    if not data["identical"]:
-        result.fail("warm-start outputs differ from the cold start's")
-    result.summary = (f"{preset} preset, Inductor: cold first call "
-                      f"{data['cold']['first_call_s']:.2f} s, warm/cold first call "
-                      f"{data['warm_cold_first_call']:.1%}, process minus baseline "
-                      f"{data['warm_cold_startup']:.1%}; outputs identical: "
-                      f"{data['identical']}")
-
-
-def cache_figures(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The figures of one ``scripts/bench_cache.py`` entry the report shows: each start's
-    first call, process time and counters (the outputs themselves are left out)."""
-    starts = {"baseline": data["baseline"], "cold": data["cold"],
-              **{f"warm{i + 1}": w for i, w in enumerate(data["warms"])}}
-    keys = ("inductor_compiles", "cache_hits", "cache_misses", "artifacts_loaded")
-    return {
-        "preset": data["preset"], "device": data["device"],
-        "starts": {name: {"first_call_s": s["first_call_s"], "process_s": s["process_s"],
-                          "stats": {k: s["stats"].get(k, 0) for k in keys}}
-                   for name, s in starts.items()},
-        "warm_cold_first_call": data["warm_cold_first_call"],
-        "warm_cold_startup": data["warm_cold_startup"],
-        "outputs_identical": data["identical"],
-    }
+    proc = run.child([run.python, "-m", "freezeframe.bench.gpu_probes", *args,
+                      "--json", str(target)], timeout, f"{name}.log", result, env)
+    data: dict[str, Any] | None = json.loads(target.read_text()) if target.exists() else None
+    if data is not None:
+        result.files.append(target.name)
+    if proc.returncode not in (0, 1) or data is None or not data.get("finished"):
+        result.fail(f"the {name} probe did not finish: {proc.why(timeout)}")
+    for problem in (data or {}).get("problems", []):
+        result.fail(problem)
+    return data
 
 
 def _step_ubatch(run: CheckRun, result: StepResult, timeout: float) -> None:
-    args = ["ubatch", "--trace", str(run.out / "ubatch_trace.json")]
-    if run.opts.quick:
+    args = ["ubatch", "--trace", str(run.raw / "ubatch_trace.json")]
+    if run.dry:
+        args += ["--tokens", "8", "--hidden", "16", "--steps", "1"]
+    elif run.opts.quick:
         args += ["--tokens", "4096", "--steps", "10"]
     data = _probe(run, "ubatch", args, result, timeout)
-    if data is None or "split_step_ms" not in data:
+    if data is None:
         return
     result.details = data
-    if (run.out / "ubatch_trace.json").exists():
+    if (run.raw / "ubatch_trace.json").exists():
         result.files.append("ubatch_trace.json")
-    result.summary = (f"{data['tokens']} tokens in {data['micro_batches']} micro-batches: "
-                      f"{data['split_step_ms']:.3f} ms vs {data['unsplit_step_ms']:.3f} ms "
-                      f"unsplit; overlapping kernel pairs in the trace: "
-                      f"{data['trace_overlap']['overlapping_pairs']}")
+    if "split_step_ms" in data:
+        overlaps = data.get("timeline", {}).get("comm_overlaps", [])
+        result.summary = (f"{data['tokens']} tokens in {data['micro_batches']} micro-batches, "
+                          f"captured as one FULL graph: replay {data['split_step_ms']:.3f} ms "
+                          f"vs {data.get('unsplit_step_ms', float('nan')):.3f} ms unsplit; "
+                          f"communication overlapping compute in {sum(overlaps)} of "
+                          f"{len(overlaps)} spin kernels")
+
+
+def _step_cache(run: CheckRun, result: StepResult, timeout: float) -> None:
+    bench = run.raw / "bench" / "results.json"
+    if not bench.exists():
+        result.fail("not run: the bench wrote no results.json to start its model warm")
+        return
+    inductor = run.work / "inductor_cache_warm"  # empty: only freezeframe's cache may help
+    env = dict(run.env, TORCHINDUCTOR_CACHE_DIR=str(inductor))
+    data = _probe(run, "cache", ["warmstart", "--bench", str(bench)], result, timeout, env)
+    if data is None:
+        return
+    result.details = cache_figures(data)
+    if "first_call_s" in data:
+        ratio = data.get("warm_cold_first_call")
+        result.summary = (f"{data['preset']} preset, warm start from freezeframe's cache: "
+                          f"first call {data['first_call_s']:.2f} s"
+                          + (f" against the bench's cold {data['cold_first_call_s']:.2f} s "
+                             f"({ratio:.1%})" if ratio is not None else "")
+                          + f"; counters {data['stats']}")
+
+
+def cache_figures(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures of a warm start the report shows (``gpu_probes warmstart``)."""
+    keys = ("preset", "device", "stages", "first_call_s", "cold_first_call_s",
+            "warm_cold_first_call", "stats", "capture", "process_s")
+    return {k: data[k] for k in keys if k in data}
 
 
 STEP_FUNCS: Mapping[str, Callable[[CheckRun, StepResult, float], None]] = {
-    "tests": _step_tests, "bench": _step_bench, "capture": _step_capture,
-    "cache": _step_cache, "ubatch": _step_ubatch,
+    "kernels": _step_kernels, "bench": _step_bench, "tests": _step_tests,
+    "ubatch": _step_ubatch, "cache": _step_cache,
 }
 
 
@@ -392,12 +341,12 @@ def step_environment(run: CheckRun) -> StepResult:
     """Probe into the work dir (the out dir's name depends on the GPU found)."""
     result = StepResult("environment")
     t0 = time.perf_counter()
-    target = run.work / "environment.json"
-    args = ["environment"] + (["--no-tests"] if "tests" in run.opts.skip else [])
-    timeout = run.opts.timeouts.get("environment", TIMEOUTS["environment"][1])
+    target = run.raw / "environment.json"
+    args = ["environment"] + (["--no-tests"] if {"kernels", "tests"} <= run.opts.skip else [])
+    timeout = step_deadline("environment", False, run.opts.timeouts)
+    result.deadline_s = timeout
     proc = run.child([run.python, "-m", "freezeframe.bench.gpu_probes", *args,
-                      "--json", str(target)], timeout)
-    result.details["probe_output"] = (proc.stdout + proc.stderr)[-4000:]
+                      "--json", str(target)], timeout, "environment.log", result)
     if proc.returncode not in (0, 1) or not target.exists():
         result.fail(f"the environment probe did not finish: {proc.why(timeout)}")
     else:
@@ -405,6 +354,7 @@ def step_environment(run: CheckRun) -> StepResult:
         run.env_info = info
         run.cuda = bool(info.get("cuda"))
         result.details = info
+        result.files.append("environment.json")
         for problem in info["problems"]:
             result.fail(problem)
         pk = info["packages"]
@@ -412,9 +362,10 @@ def step_environment(run: CheckRun) -> StepResult:
         device = (f"{gpu['name']} ({gpu['memory_bytes'] / 2**30:.0f} GiB), driver "
                   f"{gpu['driver']}, CUDA {info['torch_cuda_build']}" if gpu else "no CUDA device")
         result.summary = (f"{device}; Python {info['python']}, torch {pk['torch']}, triton "
-                          f"{pk['triton'] or 'not installed'}, freezeframe {info['freezeframe']}"
-                          + (f"; optional extras missing (degraded output): "
-                             f"{', '.join(info['missing_optional'])}"
+                          f"{pk['triton'] or 'not installed'}, transformers "
+                          f"{pk.get('transformers') or 'not installed'}, freezeframe "
+                          f"{info['freezeframe']}"
+                          + (f"; optional extras missing: {', '.join(info['missing_optional'])}"
                              if info["missing_optional"] else ""))
     result.seconds = time.perf_counter() - t0
     return result

@@ -19,8 +19,19 @@ if TYPE_CHECKING:
     from freezeframe.batch import BatchDescriptor
     from freezeframe.compilation.model import CompiledModel
 
-__all__ = ["StepBuilder", "StepShapes", "Timer", "device_used", "full_decode_launches",
-           "kv_read_bytes", "logits_of", "measure_bandwidth", "split_contexts", "sync"]
+__all__ = ["StepBuilder", "StepShapes", "Timer", "Timing", "device_used", "full_decode_graph",
+           "full_decode_launches", "kv_read_bytes", "logits_of", "measure_bandwidth",
+           "split_contexts", "sync"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per timed call: ``device_ms``, the step's time (CUDA events on a GPU, so the device time
+    between the step's start and end; the wall clock on a CPU), and ``host_ms``, the wall
+    clock of the call alone, without waiting for the device (on a CPU the two are one)."""
+
+    device_ms: list[float]
+    host_ms: list[float]
 
 
 class Timer:
@@ -30,24 +41,32 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def measure(self, fn: Callable[[], Any], steps: int, warmup: int) -> list[float]:
+        return self.timing(fn, steps, warmup).device_ms
+
+    def timing(self, fn: Callable[[], Any], steps: int, warmup: int) -> Timing:
+        """Time ``steps`` calls of ``fn`` after ``warmup`` untimed ones."""
         for _ in range(warmup):
             fn()
+        clock = time.perf_counter
         if not self.cuda:
             times = []
             for _ in range(steps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return times
+                times.append((clock() - t0) * 1e3)
+            return Timing(times, list(times))
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(steps)]
+        host = []
         for start, end in events:
+            t0 = clock()
             start.record()
             fn()
             end.record()
+            host.append((clock() - t0) * 1e3)
         torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in events]
+        return Timing([start.elapsed_time(end) for start, end in events], host)
 
 
 def measure_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -169,16 +188,10 @@ class StepBuilder:
         return tuple(range(r * per_req, (r + 1) * per_req))
 
 
-def full_decode_launches(compiled: CompiledModel, num_reqs: int) -> int | None:
-    """Launches one replay of the FULL uniform-decode graph for ``num_reqs`` one-token requests
-    issues (the graph of the smallest captured size that holds them), or None without one.
-
-    Emulated graphs record their launches: each recorded ATen op, or one per opaque kernel
-    call (a Triton launch, a compiled piece), counts one. A CUDA graph is replayed once under
-    ``torch.profiler`` and every device activity it shows (kernels, memcpy, memset) counts one.
-    """
+def full_decode_graph(compiled: CompiledModel, num_reqs: int) -> Any:
+    """The FULL uniform-decode graph a decode step of ``num_reqs`` one-token requests replays
+    (the graph of the smallest captured size that holds them), or None without one."""
     from freezeframe.config import CUDAGraphMode
-    from freezeframe.graphs.emulated import EmulatedGraph
 
     found: list[tuple[BatchDescriptor, Any]] = []
     for wrapper in compiled.graph_wrappers():
@@ -191,7 +204,22 @@ def full_decode_launches(compiled: CompiledModel, num_reqs: int) -> int | None:
         return None
     # a uniform-decode graph where the mode keys them apart (FULL_AND_PIECEWISE), else the
     # FULL graph a step of that many tokens replays (FULL)
-    _, graph = min(found, key=lambda item: (not item[0].uniform, item[0].num_tokens))
+    return min(found, key=lambda item: (not item[0].uniform, item[0].num_tokens))[1]
+
+
+def full_decode_launches(compiled: CompiledModel, num_reqs: int) -> int | None:
+    """Launches one replay of the FULL uniform-decode graph for ``num_reqs`` one-token requests
+    issues (:func:`full_decode_graph`), or None without one.
+
+    Emulated graphs record their launches: each recorded ATen op, or one per opaque kernel
+    call (a Triton launch, a compiled piece), counts one. A CUDA graph is replayed once under
+    ``torch.profiler`` and every device activity it shows (kernels, memcpy, memset) counts one.
+    """
+    from freezeframe.graphs.emulated import EmulatedGraph
+
+    graph = full_decode_graph(compiled, num_reqs)
+    if graph is None:
+        return None
     if isinstance(graph, EmulatedGraph):
         return len(graph.ops)
     from torch.autograd import DeviceType

@@ -1,5 +1,5 @@
-"""What a bench run reports: the notes, each mode's logits against eager's, speed-ups, the
-plain-text table, results.json and the plot.
+"""What a bench run reports: the notes, each mode's logits against eager's, speed-ups,
+results.json and the plot (the plain-text table is ``table``'s).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from freezeframe.bench.table import format_table
 
 __all__ = ["MATCH_TOLERANCE", "MATCH_TOLERANCE_16BIT", "add_speedups", "compare_with_eager",
            "format_table", "mismatched_modes", "setup_notes", "write_json", "write_outputs"]
@@ -45,22 +47,23 @@ MATCH_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 MATCH_TOLERANCE_16BIT = 5e-2
 
 
-def compare_with_eager(result: dict[str, Any], firsts: Mapping[str, list[torch.Tensor]],
+def compare_with_eager(result: dict[str, Any], firsts: Mapping[str, Mapping[int, torch.Tensor]],
                        dtype: torch.dtype, only: str | None = None) -> None:
-    """Record, per mode, how far its logits are from eager's on the same steps
-    (``max_rel_diff_vs_eager``) and whether that is within tolerance (``matches_eager``); a
-    mode that does not match is named in the notes. ``only``: that mode alone (else every mode
-    run so far). Nothing happens before the eager mode has run."""
+    """Record, per mode, how far its logits are from eager's on the same steps (each decode
+    batch size both ran: ``max_rel_diff_vs_eager``) and whether that is within tolerance
+    (``matches_eager``); a mode that does not match is named in the notes. ``only``: that
+    mode alone (else every mode run so far). Nothing happens before the eager mode has run."""
     reference = firsts.get("eager")
     if reference is None:
         return
     tolerance = MATCH_TOLERANCE.get(dtype, MATCH_TOLERANCE_16BIT)
     result["match_tolerance"] = tolerance
     for mode, outs in firsts.items():
-        if only is not None and mode != only:
+        shared = [bs for bs in outs if bs in reference]
+        if (only is not None and mode != only) or not shared:
             continue
-        diff = max(float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
-                   for got, want in zip(outs, reference, strict=True))
+        diff = max(float((outs[bs] - reference[bs]).abs().max())
+                   / max(float(reference[bs].abs().max()), 1e-12) for bs in shared)
         entry = result["modes"][mode]
         entry["max_rel_diff_vs_eager"] = diff
         entry["matches_eager"] = diff <= tolerance
@@ -82,60 +85,6 @@ def add_speedups(result: dict[str, Any], batch_sizes: Sequence[int]) -> None:
         for bs, row in entry.get("decode", {}).items():
             if eager_ms.get(int(bs)):
                 row["speedup_vs_eager"] = eager_ms[int(bs)] / row["median_ms"]
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """A plain-text table: one row per mode, decode latency per batch size, then the rest."""
-    sizes = result["batch_sizes"]
-    contexts = result["contexts"]
-    head = ["mode", *[f"decode bs{b} ms" for b in sizes], "floor% bs1" if 1 in sizes else
-            f"floor% bs{sizes[0]}", *[f"ctx{c} ms" for c in contexts],
-            *([f"ctx{contexts[-1]}/{contexts[0]}"] if len(contexts) > 1 else []),
-            f"mixed bs{sizes[-1]} ms", "prefill ms", "startup s", "launches", "vs eager"]
-    rows = [head]
-    for mode, e in result["modes"].items():
-        if "skipped" in e:
-            rows.append([mode, f"skipped: {e['skipped']}"])
-            continue
-        d = e["decode"]
-        first = d[str(1 if 1 in sizes else sizes[0])]
-        ctx = [e["decode_by_context"][str(c)]["median_ms"] for c in contexts]
-        rows.append([mode, *[f"{d[str(b)]['median_ms']:.3f}" for b in sizes],
-                     f"{100 * first['floor_share']:.1f}", *[f"{ms:.3f}" for ms in ctx],
-                     *([f"{ctx[-1] / ctx[0]:.2f}x"] if len(ctx) > 1 else []),
-                     f"{e['mixed'][str(sizes[-1])]['median_ms']:.3f}",
-                     f"{e['prefill_ms']:.3f}", f"{e['startup_s']:.2f}",
-                     str(e.get("full_decode_launches", "-")), _match_cell(e)])
-    width = [max(len(r[i]) for r in rows if i < len(r) and len(r) == len(head))
-             for i in range(len(head))]
-    lines = []
-    for r in rows:
-        if len(r) != len(head):
-            lines.append(f"{r[0]:<{width[0]}}  {r[1]}")
-        else:
-            lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(r, width, strict=True))))
-    tp = result.get("tensor_parallel", 1)
-    where = f"{tp} tensor-parallel ranks of {result['device']}" if tp > 1 else result["device"]
-    info = (f"{result['preset']} preset on {where} ({result['dtype']}, torch "
-            f"{result['torch']}, compiler {result['compiler']}, attention "
-            f"{result['attention_kernel']}), context {result['context']}, max_model_len "
-            f"{result['max_model_len']}, bandwidth "
-            f"{result['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
-    kv = [f"ctx{c}: torch {b['torch'] / 2**20:.3g} MiB, triton {b['triton'] / 2**20:.3g} MiB"
-          for c, b in result["kv_bytes_per_decode_token"].items()]
-    legend = [f"ctxN ms: decode at context N, batch size {sizes[0]}; launches: one FULL decode "
-              "replay (recorded ops when emulated, profiled device activities on CUDA)"]
-    if kv:
-        legend.append("KV bytes one decode token reads (all layers): " + "; ".join(kv))
-    return "\n".join([info, *lines, *legend, *[f"note: {n}" for n in result["notes"]]])
-
-
-def _match_cell(entry: Mapping[str, Any]) -> str:
-    if "matches_eager" not in entry:
-        return "-"
-    verdict = "ok" if entry["matches_eager"] else "DIFFERS"
-    return f"{verdict} {entry['max_rel_diff_vs_eager']:.0e}"
 
 
 def write_json(result: dict[str, Any], out: Path) -> Path:

@@ -29,7 +29,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--modes", default=None,
                    help="comma-separated subset of: eager, compile, reduce-overhead, none, "
                         "piecewise, full, full_and_piecewise, breakable, full_and_breakable "
-                        "(default: all)")
+                        "(default: all of these), and the Hugging Face generate modes hf-eager, "
+                        "hf-compile, ff-hf, ff-hf-lookup (run when named; need transformers)")
     p.add_argument("--steps", type=int_at_least(1), default=20,
                    help="timed steps per measurement (default 20)")
     p.add_argument("--warmup", type=int_at_least(0), default=3,
@@ -40,6 +41,12 @@ def add_parser(subparsers: Any) -> None:
                    help="comma-separated decode context lengths timed side by side at the "
                         "smallest batch size (default 128,1024,4096; lengths beyond the "
                         "preset's positions are skipped and named in the notes)")
+    p.add_argument("--grid", action="store_true",
+                   help="also time decode at every context and batch size")
+    p.add_argument("--mixed-chunk", type=int_at_least(1), default=16,
+                   help="prompt tokens of the mixed step's extra request (default 16)")
+    p.add_argument("--hf-new-tokens", type=int_at_least(2), default=64,
+                   help="tokens each Hugging Face mode's generate adds per prompt (default 64)")
     p.add_argument("--attention-kernel", choices=["auto", "torch", "triton"], default="auto",
                    help="who reads the KV cache: auto (triton on CUDA when installed, else "
                         "torch), torch (the pure-torch reference paths) or triton (our paged "
@@ -61,7 +68,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from freezeframe.bench.modes import ALL_MODES, TP_MODES, modes_from
+    from freezeframe.bench.modes import ALL_MODES, DEFAULT_MODES, TP_MODES, modes_from
     from freezeframe.bench.progress import Progress
     from freezeframe.bench.report import format_table, mismatched_modes
     from freezeframe.bench.run import BenchOptions, run_bench
@@ -75,13 +82,16 @@ def _main(args: argparse.Namespace) -> int:
         preset=args.preset,
         batch_sizes=tuple(args.batch_sizes),
         modes=modes_from(args.modes) if args.modes else (
-            TP_MODES if args.tp > 1 else ALL_MODES),
+            TP_MODES if args.tp > 1 else DEFAULT_MODES),
         steps=args.steps,
         warmup=args.warmup,
         context=args.context,
         contexts=tuple(args.contexts),
         attention_kernel=args.attention_kernel,
         prefill_len=args.prefill_len,
+        mixed_chunk=args.mixed_chunk,
+        grid=args.grid,
+        hf_new_tokens=args.hf_new_tokens,
         compiler=args.compiler,
         device=args.device,
         out=args.out,

@@ -112,7 +112,8 @@ class StepPlan:
 
     ``output`` is a FULL step's answer: views of the graph's static outputs, the same every
     replay. ``counts`` are the runner's counter increments of such a step, each a tally of the
-    runner's stats and the amount one step adds."""
+    runner's stats and the amount one step adds: the step's own (``steps``, its mode's,
+    ``padded_tokens``) and ``steps_planned``, which only steps run from a plan count."""
 
     staging: Staging
     replay: Callable[[], Any]
@@ -486,7 +487,8 @@ class Stepper:
         self.plans[key] = StepPlan(
             staging=self._static.staging(num_tokens, padded_tokens, reqs, padded_reqs),
             replay=replay, replay_key=replay_key, output=map_tensors(out, alias),
-            counts=tuple((self._stats.tally(name), by) for name, by in counters),
+            counts=tuple((self._stats.tally(name), by)
+                         for name, by in (*counters, ("steps_planned", 1))),
             num_tokens=num_tokens, num_reqs=reqs, context=context)
 
     def _replayer(self, mode: CUDAGraphMode, desc: BatchDescriptor, padded_tokens: int,
