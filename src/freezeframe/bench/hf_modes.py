@@ -10,8 +10,9 @@ the preset's shapes (random weights from a fixed seed, the same in every mode), 
   ``generate``;
 * ``ff-hf-lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens``) on a repetitive
   prompt, through ``ff.hf`` and through HF eager, each against its own plain ``generate`` of the
-  same prompt: the speed-up, and whether the tokens equal plain greedy's. Where ``ff.hf`` does
-  not take the argument the row says ``unsupported`` with its error.
+  same prompt: the speed-up, and whether the tokens equal plain greedy's (ff.hf's verification
+  steps replay FULL graphs keyed on ``1 + k`` tokens per request). Where a generate refuses the
+  argument the row says ``unsupported`` with its error.
 
 Per batch size (:data:`HF_BATCH_SIZES`) a mode generates once untimed (HF compiles, ff.hf
 captures) and once timed: tokens per second are ``batch * new_tokens / seconds``, the prefill
@@ -133,9 +134,13 @@ class HFBench:
 
             cuda = self.device.type == "cuda"
             model = build_hf_llama(self.preset, self.device, self.seed)
+            # num_speculative_tokens: ff-hf-lookup's verification steps (1 + k tokens per
+            # request) replay FULL graphs of their own, and a step may look k tokens past the
+            # last one it keeps, so the cache holds that much more
             self.ff_lm = ff.hf.compile(
                 model, max_batch_size=max(self.batch_sizes),
-                max_cache_len=PROMPT_TOKENS + self.new_tokens,
+                max_cache_len=PROMPT_TOKENS + self.new_tokens + LOOKUP_TOKENS + 1,
+                num_speculative_tokens=LOOKUP_TOKENS,
                 cudagraph_mode="full_and_piecewise", backend="inductor" if cuda else "eager",
                 graph_backend="cuda" if cuda else "emulated", progress=False)
             report = self.ff_lm.capture()
