@@ -116,15 +116,6 @@ def _split_range(n_keys, split, NUM_SPLITS: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _scores_to_probs(scores, key_ok, run_max):
-    """One online-softmax step in base 2: the new max, the rescale of the old state, the
-    probabilities (masked keys 0)."""
-    scores = tl.where(key_ok[None, :], scores, _NEG)
-    new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-    return new_max, tl.exp2(run_max - new_max), tl.exp2(scores - new_max[:, None])
-
-
-@triton.jit
 def _attend_tiles(q, k_base, v_base, row, first, last, n_keys, stride_ks, stride_vs, qk_scale,
                   d_mask, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, DIM_P2: tl.constexpr,
                   TILE: tl.constexpr, F32_DOT: tl.constexpr):
@@ -148,13 +139,19 @@ def _attend_tiles(q, k_base, v_base, row, first, last, n_keys, stride_ks, stride
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
                     mask=key_ok[:, None] & d_mask[None, :], other=0.0)  # [TILE, DIM_P2]
         if F32_DOT:
-            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee") * qk_scale
-            run_max, rescale, probs = _scores_to_probs(scores, key_ok, run_max)
-            part = tl.dot(probs.to(cache_type).to(tl.float32), v.to(tl.float32),
-                          input_precision="ieee")
+            v = v.to(tl.float32)
+            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
-            scores = tl.dot(q, k_t) * qk_scale  # [ROWS, TILE] fp32
-            run_max, rescale, probs = _scores_to_probs(scores, key_ok, run_max)
+            scores = tl.dot(q, k_t)  # [ROWS, TILE] fp32
+        # one online-softmax step in base 2 (inline: the interpreter pays for every call)
+        scores = tl.where(key_ok[None, :], scores * qk_scale, _NEG)
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(run_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        run_max = new_max
+        if F32_DOT:  # probabilities rounded as the 16-bit product would round them
+            part = tl.dot(probs.to(cache_type).to(tl.float32), v, input_precision="ieee")
+        else:
             part = tl.dot(probs.to(cache_type), v)
         run_sum = run_sum * rescale + tl.sum(probs, axis=1)
         acc = acc * rescale[:, None] + part

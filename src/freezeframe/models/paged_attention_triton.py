@@ -250,6 +250,8 @@ class _Launch:
         from triton import knobs
         from triton.runtime import driver
 
+        for hook in self.kernel.pre_run_hooks:  # as kernel[grid] runs them (profilers, counts)
+            hook(*args, **self.constants)
         compiled = self.bound.compiled
         stream = driver.active.get_current_stream(self.bound.device_index)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
