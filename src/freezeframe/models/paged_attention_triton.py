@@ -136,6 +136,7 @@ class _Key(NamedTuple):
     splits: int | str  # a count, or a split-KV mode
     device: torch.device
     aligned: bool
+    index_dtypes: tuple[torch.dtype | None, ...]  # positions, slot_mapping, token_req, valid
 
 
 def _facts(t: torch.Tensor) -> tuple[Any, ...]:
@@ -179,7 +180,9 @@ def plan_for(tensors: dict[str, Any], block_size: int, scale: float,
         None if rope is None else _facts(rope), _facts(k_cache), _facts(v_cache), _facts(out),
         _facts(tensors["block_tables"]), None if workspace is None else workspace.numel(),
         block_size, scale, splits, q.device,
-        _aligned(q, k, v, rope, out, k_cache, v_cache, workspace)))
+        _aligned(q, k, v, rope, out, k_cache, v_cache, workspace),
+        tuple(tensors[name].dtype if name in tensors else None
+              for name in ("positions", "slot_mapping", "token_req", "token_valid"))))
 
 
 def paged_attention(
@@ -216,10 +219,14 @@ def paged_attention(
 
 
 class _Bound(NamedTuple):
-    """A kernel compiled for one plan, with its own launcher (see :func:`_bind`)."""
+    """A kernel compiled for one plan, with its own launcher (see :func:`_bind`), and what a
+    launch reads: the current stream's getter and Triton's run-time settings (its launch
+    hooks, which profilers set)."""
 
     compiled: Any
     device_index: int | None
+    current_stream: Any
+    runtime: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,14 +254,11 @@ class _Launch:
         if self.bound is None:
             self.kernel[self.grid](*args, **self.constants, **self.options)
             return
-        from triton import knobs
-        from triton.runtime import driver
-
-        for hook in self.kernel.pre_run_hooks:  # as kernel[grid] runs them (profilers, counts)
+        for hook in getattr(self.kernel, "pre_run_hooks", ()):  # as kernel[grid] runs them
             hook(*args, **self.constants)
-        compiled = self.bound.compiled
-        stream = driver.active.get_current_stream(self.bound.device_index)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        compiled, runtime = self.bound.compiled, self.bound.runtime
+        stream = self.bound.current_stream(self.bound.device_index)
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         every = (*args, *self.constants.values())  # the kernel's parameters, in order
         meta = compiled.launch_metadata(self.grid, stream, *every) if enter is not None else None
         compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, meta,
@@ -284,14 +288,19 @@ def _bind(launch: _Launch, stand_ins: list[Any], device: torch.device) -> _Bound
     argument binder and cache lookup. A Triton whose run-time API differs is logged and
     launched through ``kernel[grid]``."""
     try:
+        from triton import knobs
+        from triton.runtime import driver
+
         compiled = launch.kernel.warmup(*stand_ins, grid=launch.grid, **launch.constants,
                                         **launch.options)
+        if hasattr(compiled, "result"):  # a compile still running in the background
+            compiled = compiled.result()
         compiled.run  # noqa: B018 - loads the module on the device and sets its handles
-    except (AttributeError, TypeError) as exc:
+    except (AttributeError, TypeError, ImportError) as exc:
         logger.warning("the Triton launcher of %s could not be bound (%s: %s); it launches "
                        "through kernel[grid]", launch.kernel.__name__, type(exc).__name__, exc)
         return None
-    return _Bound(compiled, device.index)
+    return _Bound(compiled, device.index, driver.active.get_current_stream, knobs.runtime)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +369,13 @@ def _check(key: _Key) -> None:
                          "their last (head_dim) dimension")
     if isinstance(key.splits, str):
         check_split_kv(key.splits, "freezeframe::attention split_kv")
+    wanted = (torch.int64, torch.int64, torch.int64, torch.bool)
+    given = (*key.index_dtypes, key.block_tables[2])
+    if any(dtype not in (want, None) for dtype, want in zip(given, (*wanted, torch.int64),
+                                                            strict=True)):
+        raise ValueError(
+            "paged_attention: positions, slot_mapping, token_req and block_tables must be int64 "
+            f"and token_valid bool (as token_layout makes them), got {given}")
 
 
 _INDEX = torch.int64
