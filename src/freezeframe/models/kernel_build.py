@@ -76,13 +76,14 @@ def compile_for_gpu(capability: int, *, dtype: torch.dtype, num_heads: int, num_
     one_pass = host.plan_for(tensors, block_size, head_dim ** -0.5, 1)
     split = host.plan_for(tensors, block_size, head_dim ** -0.5, splits)
     assert one_pass.write is not None and split.combine is not None
-    return {"write": _build(one_pass.write, tensors, capability),
-            "attention": _build(one_pass.attend, tensors, capability),
-            "split": _build(split.attend, tensors, capability),
-            "combine": _build(split.combine, tensors, capability)}
+    ordered = host.call_tensors(tensors)
+    return {"write": _build(one_pass.write, ordered, capability),
+            "attention": _build(one_pass.attend, ordered, capability),
+            "split": _build(split.attend, ordered, capability),
+            "combine": _build(split.combine, ordered, capability)}
 
 
-def _build(launch: Any, tensors: dict[str, torch.Tensor], capability: int) -> Any:
+def _build(launch: Any, tensors: tuple[Any, ...], capability: int) -> Any:
     """``launch`` compiled for the target, specialised as Triton's JIT specialises it."""
     import triton
     from triton.backends.compiler import GPUTarget

@@ -60,9 +60,18 @@ from freezeframe.models.attention import (
     workspace_floats,
 )
 
-__all__ = ["SPLIT_KV_MODES", "WORKSPACE_PROGRAMS", "interpreter_ready", "num_splits_for",
-           "paged_attention", "plan_for", "split_workspace", "workspace_floats",
-           "write_and_attend"]
+__all__ = [
+    "SPLIT_KV_MODES",
+    "WORKSPACE_PROGRAMS",
+    "call_tensors",
+    "interpreter_ready",
+    "num_splits_for",
+    "paged_attention",
+    "plan_for",
+    "split_workspace",
+    "workspace_floats",
+    "write_and_attend",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +148,34 @@ class _Key(NamedTuple):
     index_dtypes: tuple[torch.dtype | None, ...]  # positions, slot_mapping, token_req, valid
 
 
-def _facts(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.shape, t.stride(), t.dtype)
+#: a call's tensors, in the order a plan's launches find them
+_TENSORS = ("q", "k", "v", "rope", "out", "k_cache", "v_cache", "positions", "slot_mapping",
+            "token_req", "token_valid", "block_tables", "workspace")
 
 
-def _aligned(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+def _facts(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _key_of(tensors: tuple[Any, ...], block_size: int, scale: float,
+            splits: int | str) -> tuple[Any, ...]:
+    """A call's plan key (the fields of :class:`_Key`, as a plain tuple: cheaper to build and
+    to hash on every call)."""
+    (q, k, v, rope, out, k_cache, v_cache, positions, slot_mapping, token_req, token_valid,
+     block_tables, workspace) = tensors
+    pointers = q.data_ptr() | out.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+    for optional in (k, v, rope, workspace):
+        if optional is not None:
+            pointers |= optional.data_ptr()
+    return ((q.shape, q.stride(), q.dtype), _facts(k), _facts(v), _facts(rope),
+            (k_cache.shape, k_cache.stride(), k_cache.dtype),
+            (v_cache.shape, v_cache.stride(), v_cache.dtype),
+            (out.shape, out.stride(), out.dtype),
+            (block_tables.shape, block_tables.stride(), block_tables.dtype),
+            None if workspace is None else workspace.numel(), block_size, scale, splits,
+            q.device, pointers % 16 == 0,
+            (positions.dtype, None if slot_mapping is None else slot_mapping.dtype,
+             token_req.dtype, token_valid.dtype))
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -160,29 +191,22 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     int64, ``token_valid`` bool (:func:`~freezeframe.models.attention.token_layout`)."""
     if q.shape[0] == 0:
         return
-    tensors = dict(q=q, k=k, v=v, rope=rope, out=out, k_cache=k_cache, v_cache=v_cache,
-                   positions=positions, slot_mapping=slot_mapping, token_req=token_req,
-                   token_valid=token_valid, block_tables=block_tables, workspace=workspace)
-    _run(plan_for(tensors, block_size, scale, split_kv), tensors)
+    tensors = (q, k, v, rope, out, k_cache, v_cache, positions, slot_mapping, token_req,
+               token_valid, block_tables, workspace)
+    _run(_plan_for(_key_of(tensors, block_size, scale, split_kv)), tensors)
 
 
 def plan_for(tensors: dict[str, Any], block_size: int, scale: float,
              splits: int | str) -> _Plan:
     """The plan of a call with these tensors (named as :func:`write_and_attend`'s arguments;
-    without ``k`` and ``v`` the plan only attends) and ``splits`` (a count or a split-KV
-    mode), built on the first call of its shapes."""
-    q, k, v, rope, workspace = (tensors.get(name) for name in ("q", "k", "v", "rope",
-                                                                "workspace"))
-    out, k_cache, v_cache = tensors["out"], tensors["k_cache"], tensors["v_cache"]
-    assert q is not None
-    return _plan_for(_Key(
-        _facts(q), None if k is None else _facts(k), None if v is None else _facts(v),
-        None if rope is None else _facts(rope), _facts(k_cache), _facts(v_cache), _facts(out),
-        _facts(tensors["block_tables"]), None if workspace is None else workspace.numel(),
-        block_size, scale, splits, q.device,
-        _aligned(q, k, v, rope, out, k_cache, v_cache, workspace),
-        tuple(tensors[name].dtype if name in tensors else None
-              for name in ("positions", "slot_mapping", "token_req", "token_valid"))))
+    without ``k``, ``v`` and ``slot_mapping`` the plan only attends) and ``splits`` (a count
+    or a split-KV mode), built on the first call of its shapes."""
+    return _plan_for(_key_of(call_tensors(tensors), block_size, scale, splits))
+
+
+def call_tensors(tensors: dict[str, Any]) -> tuple[Any, ...]:
+    """A call's tensors by name as the tuple a plan's launches read (None where absent)."""
+    return tuple(tensors.get(name) for name in _TENSORS)
 
 
 def paged_attention(
@@ -211,11 +235,10 @@ def paged_attention(
                                    or not isinstance(num_splits, int) or num_splits < 1):
         raise ConfigError(f"paged_attention: num_splits={num_splits!r} must be an int >= 1 "
                           "or None (chosen from the shapes)")
-    tensors = dict(q=q, out=out, k_cache=k_cache, v_cache=v_cache, positions=positions,
-                   token_req=token_req, token_valid=token_valid.to(torch.bool),
-                   block_tables=block_tables, workspace=workspace)
-    _run(plan_for(tensors, block_size, scale, split_kv if num_splits is None else num_splits),
-         tensors)
+    tensors = (q, None, None, None, out, k_cache, v_cache, positions, None, token_req,
+               token_valid.to(torch.bool), block_tables, workspace)
+    splits = split_kv if num_splits is None else num_splits
+    _run(_plan_for(_key_of(tensors, block_size, scale, splits)), tensors)
 
 
 class _Bound(NamedTuple):
@@ -238,18 +261,19 @@ class _Launch:
     kernel: Any
     grid: tuple[int, int, int]
     fixed: tuple[Any, ...]
-    slots: tuple[tuple[int, str], ...]
+    slots: tuple[tuple[int, int], ...]  # (argument index, index in a call's tensors)
     constants: dict[str, Any]
     options: dict[str, int]
     bound: _Bound | None
 
-    def arguments(self, tensors: dict[str, Any]) -> list[Any]:
+    def arguments(self, tensors: tuple[Any, ...]) -> list[Any]:
+        """The runtime arguments for a call's ``tensors`` (in :data:`_TENSORS` order)."""
         args = list(self.fixed)
-        for index, name in self.slots:
-            args[index] = tensors[name]
+        for index, at in self.slots:
+            args[index] = tensors[at]
         return args
 
-    def __call__(self, tensors: dict[str, Any]) -> None:
+    def __call__(self, tensors: tuple[Any, ...]) -> None:
         args = self.arguments(tensors)
         if self.bound is None:
             self.kernel[self.grid](*args, **self.constants, **self.options)
@@ -273,7 +297,7 @@ def _make_launch(kernel: Any, grid: tuple[int, ...], named: list[tuple[str, Any]
     if params[len(named):] != list(constants):  # constants follow the runtime arguments
         raise AssertionError(f"{kernel.__name__}: constants {list(constants)} out of order")
     fixed = tuple(None if name else value for name, value in named)
-    slots = tuple((i, name) for i, (name, _) in enumerate(named) if name)
+    slots = tuple((i, _TENSORS.index(name)) for i, (name, _) in enumerate(named) if name)
     grid3: Any = (*grid, 1, 1)[:3]
     launch = _Launch(kernel, grid3, fixed, slots, constants, options, None)
     if key.device.type != "cuda" or not key.aligned:
@@ -334,8 +358,10 @@ class _Dims:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_for(key: _Key) -> _Plan:
-    """The plan of a call with ``key``: every check made and every argument laid out once."""
+def _plan_for(fields: tuple[Any, ...]) -> _Plan:
+    """The plan of a call whose key has these ``fields``: every check made and every argument
+    laid out once."""
+    key = _Key(*fields)
     _check(key)
     num_tokens, num_heads, head_dim = key.q[0]
     num_kv = key.k_cache[0][1]
@@ -434,14 +460,14 @@ def _combine_launch(key: _Key, dims: _Dims) -> _Launch:
 
 
 @opaque  # the emulated graph backend records the launches as one step (they write raw memory)
-def _launch_all(plan: _Plan, tensors: dict[str, Any]) -> None:
+def _launch_all(plan: _Plan, tensors: tuple[Any, ...]) -> None:
     for launch in (plan.write, plan.attend, plan.combine):
         if launch is not None:
             launch(tensors)
 
 
-def _run(plan: _Plan, tensors: dict[str, Any]) -> None:
+def _run(plan: _Plan, tensors: tuple[Any, ...]) -> None:
     if plan.scratch_floats:  # a direct caller without the model's workspace: its own
-        tensors["workspace"] = torch.empty(plan.scratch_floats, dtype=torch.float32,
-                                           device=plan.device)
+        tensors = (*tensors[:-1], torch.empty(plan.scratch_floats, dtype=torch.float32,
+                                              device=plan.device))
     _launch_all(plan, tensors)
