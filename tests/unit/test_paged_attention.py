@@ -442,32 +442,3 @@ def test_the_triton_kernel_reads_a_strided_token_layout_as_its_values() -> None:
     assert torch.equal(outs["strided"], outs["contiguous"])
     assert not outs["contiguous"][: batch.num_real_tokens].isnan().any()
 
-
-@pytest.mark.cuda
-def test_the_bound_launcher_gives_the_jit_launch_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA a plan binds each kernel's compiled launcher once (three: write, split pass,
-    combine); a call through them writes what a call through ``kernel[grid]`` writes."""
-    from freezeframe.models import paged_attention_triton as host
-
-    gen = torch.Generator().manual_seed(21)
-    batch = make_batch(gen, 4, 2, torch.bfloat16, [MAX_BLOCKS * BLOCK, 9, 1], [1, 1, 1])
-    bound_calls = []
-    real_bind = host._bind
-
-    def counting_bind(*args: Any) -> Any:
-        bound = real_bind(*args)
-        bound_calls.append(bound is not None)
-        return bound
-
-    host._plan_for.cache_clear()
-    monkeypatch.setattr(host, "_bind", counting_bind)
-    bound = run_op(batch, "triton", split_kv="on", rope=True)
-    assert bound_calls == [True, True, True]
-    bound_again = run_op(batch, "triton", split_kv="on", rope=True)  # the plan, reused
-    assert bound_calls == [True, True, True]
-    host._plan_for.cache_clear()
-    monkeypatch.setattr(host, "_bind", lambda *args: None)
-    jit = run_op(batch, "triton", split_kv="on", rope=True)
-    host._plan_for.cache_clear()
-    for a, b, c in zip(bound, bound_again, jit, strict=True):
-        assert torch.equal(a[:-1], c[:-1]) and torch.equal(b[:-1], c[:-1])
