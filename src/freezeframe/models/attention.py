@@ -24,13 +24,24 @@ Real requests come first; rows with ``seq_lens == 0`` are padding, whatever thei
 a fixed ``R`` = max requests works for every step). Tokens at or past the last real request's
 end, or with a negative slot, are padding: they write only the sink slot and get zeros.
 
+Three optional arguments let a model hand the op work that would otherwise be launches of its
+own: ``rope`` (``[T, head_dim]`` fp32, ``cos | sin`` per token; see
+:mod:`freezeframe.models.rope`): ``q`` and ``k`` come unrotated and the op rotates them, on the
+Triton path inside the kernel that writes the cache; ``workspace``
+(:func:`~freezeframe.models.paged_attention_triton.split_workspace`, allocated once by the
+model) for split-KV's partial results, so a call allocates nothing; and ``split_kv``
+(``KVCacheConfig.split_kv``: ``"auto"``, ``"on"``, ``"off"``), whether the Triton kernel splits
+each token's context (see :mod:`freezeframe.models.paged_attention_triton`). ``q``, ``k`` and
+``v`` may be strided views (of one fused projection, say) as long as the head dim is contiguous.
+
 Which kernel attends is the op's ``kernel`` argument (``KVCacheConfig.attention_kernel``):
 
-* ``"triton"`` – :mod:`freezeframe.models.paged_attention_triton`: per token, a loop over only
-  the blocks that hold its context, the bound read from device tensors. No host sync, one
-  captured graph for every context length, and it serves decode, prefill and mixed batches
-  alike (see that module for what a long prefill costs). Needs ``triton``; on CPU tensors it
-  runs in Triton's interpreter (for tests only).
+* ``"triton"`` – :mod:`freezeframe.models.paged_attention_triton`: one launch writes the cache
+  (RoPE fused), one attends over only the blocks that hold each token's context, the bound read
+  from device tensors (and one combines, with split-KV). No host sync, one captured graph for
+  every context length, and it serves decode, prefill and mixed batches alike (see that module
+  for what a long prefill costs). Needs ``triton``; on CPU tensors it runs in Triton's
+  interpreter (for tests only).
 * ``"torch"`` – the pure-torch reference paths below, for CPU and as the tests' oracle.
 * ``"auto"`` (the default) – ``"triton"`` when ``q`` is on CUDA and ``triton`` is installed,
   otherwise ``"torch"``. Resolved per call from ``q``'s device, so a model moved between devices
@@ -62,15 +73,19 @@ from freezeframe.config import CUDAGraphMode
 from freezeframe.context import get_forward_context
 from freezeframe.errors import ConfigError
 from freezeframe.models.ops import define_op
+from freezeframe.models.rope import apply_rope
 
 __all__ = [
     "ATTENTION_KERNELS",
     "ATTENTION_OP",
     "ATTN_METADATA_KEY",
+    "SPLIT_KV_MODES",
     "AttentionHostMetadata",
     "attention",
     "check_attention_kernel",
+    "check_split_kv",
     "resolve_attention_kernel",
+    "split_workspace",
     "token_layout",
 ]
 
@@ -81,6 +96,11 @@ ATTN_METADATA_KEY = "attn_metadata"
 
 #: The values of ``KVCacheConfig.attention_kernel`` (the op's ``kernel`` argument).
 ATTENTION_KERNELS = ("auto", "torch", "triton")
+#: The values of ``KVCacheConfig.split_kv`` (the op's ``split_kv`` argument).
+SPLIT_KV_MODES = ("auto", "on", "off")
+#: (token, KV head, split) programs whose partial results :func:`split_workspace` holds: a step
+#: that would need more runs fewer splits.
+WORKSPACE_PROGRAMS = 1024
 # whether triton can be imported (looked up once; importing it waits until it is used)
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
@@ -135,8 +155,12 @@ def _attention(
     kernel: str = "auto",
     token_req: torch.Tensor | None = None,  # [T], token_layout(...)[0]
     token_valid: torch.Tensor | None = None,  # [T], token_layout(...)[1]
+    rope: torch.Tensor | None = None,  # [T, D] cos | sin: q and k come unrotated
+    workspace: torch.Tensor | None = None,  # split-KV scratch, split_workspace(...)
+    split_kv: str = "auto",
 ) -> None:
-    """Write this step's K/V into the cache, then attend each token over its request's context."""
+    """Write this step's K/V into the cache (rotating q and k first when ``rope`` is given),
+    then attend each token over its request's context."""
     use_triton = resolve_attention_kernel(kernel, q.device) == "triton"
     num_tokens = q.shape[0]
     if num_tokens == 0:
@@ -147,18 +171,29 @@ def _attention(
         _check_layout(token_req, token_valid, slot_mapping)
         # the Triton kernel reads them as flat arrays
         token_req, token_valid = token_req.contiguous(), token_valid.contiguous()
+    if use_triton:
+        from freezeframe.models import paged_attention_triton
+
+        paged_attention_triton.write_and_attend(
+            q, k, v, out, k_cache, v_cache, positions, slot_mapping, token_req, token_valid,
+            block_tables, block_size, scale, rope=rope, workspace=workspace, split_kv=split_kv)
+        return
+    if rope is not None:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
     sink = k_cache.shape[0] - 1
     write_slot = torch.where(token_valid, slot_mapping, sink)
     k_cache.index_copy_(0, write_slot, k.to(k_cache.dtype))
     v_cache.index_copy_(0, write_slot, v.to(v_cache.dtype))
-    if use_triton:
-        from freezeframe.models import paged_attention_triton
+    _torch_attention(q, out, k_cache, v_cache, positions, query_start_loc, seq_lens,
+                     block_tables, block_size, scale, token_req, token_valid)
 
-        paged_attention_triton.paged_attention(
-            q, k_cache, v_cache, out, positions, token_req, token_valid, block_tables,
-            block_size, scale)
-        return
 
+def _torch_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, positions: torch.Tensor,
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, block_size: int, scale: float,
+                     token_req: torch.Tensor, token_valid: torch.Tensor) -> None:
+    """The pure-torch paths over a cache that holds this step's keys: static or varlen."""
     host = _choose_path()
     if host is None:
         result = _static_attention(
@@ -211,6 +246,9 @@ def _attention_fake(
     kernel: str = "auto",
     token_req: torch.Tensor | None = None,
     token_valid: torch.Tensor | None = None,
+    rope: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    split_kv: str = "auto",
 ) -> None:
     return None
 
@@ -220,7 +258,8 @@ _LIBRARY = define_op(
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
     "Tensor positions, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
     "Tensor block_tables, int block_size, float scale, str kernel=\"auto\", "
-    "Tensor? token_req=None, Tensor? token_valid=None) -> ()",
+    "Tensor? token_req=None, Tensor? token_valid=None, Tensor? rope=None, "
+    "Tensor(d!)? workspace=None, str split_kv=\"auto\") -> ()",
     _attention, _attention_fake)
 attention = torch.ops.freezeframe.attention
 """The op (see :func:`_attention` for what it computes), as ``attention(q, k, v, out, ...)``."""
@@ -237,6 +276,15 @@ def check_attention_kernel(kernel: object, what: str = "attention_kernel") -> st
             f"{what}='triton' but triton is not installed; pip install triton, or use "
             "'auto' (torch's reference path where triton is missing)")
     return str(kernel)
+
+
+def check_split_kv(split_kv: object, what: str = "split_kv") -> str:
+    """``split_kv`` if it is one of :data:`SPLIT_KV_MODES`, else a ConfigError."""
+    if split_kv not in SPLIT_KV_MODES:
+        raise ConfigError(
+            f"{what}={split_kv!r} is not a split-KV mode; choose one of {list(SPLIT_KV_MODES)} "
+            "('auto': split a token's context when the (token, KV head) programs are few)")
+    return str(split_kv)
 
 
 def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
@@ -396,6 +444,27 @@ def _varlen_attention(
         )
         res = torch.where(token_valid[idx][:, None, None], res, 0.0)
         out.index_copy_(0, idx, res.to(out.dtype))
+
+
+def split_floats(group: int, head_dim: int) -> int:
+    """fp32 values one (token, KV head, split) program of the Triton kernel leaves in the
+    workspace: its output rows (the group rounded up to a power of two, the head dim to one of
+    at least 16), then its max and sum per row."""
+    rows = 1 << max(group - 1, 0).bit_length()
+    return rows * (max(16, 1 << max(head_dim - 1, 0).bit_length()) + 2)
+
+
+def workspace_floats(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Size of :func:`split_workspace` in fp32 values."""
+    return WORKSPACE_PROGRAMS * split_floats(num_heads // num_kv_heads, head_dim)
+
+
+def split_workspace(num_heads: int, num_kv_heads: int, head_dim: int,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The split-KV scratch memory for a model's attention layers (the op's ``workspace``),
+    allocated once: the layers run one after another, so they share it."""
+    return torch.empty(workspace_floats(num_heads, num_kv_heads, head_dim),
+                       dtype=torch.float32, device=device)
 
 
 def default_scale(head_dim: int) -> float:

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from freezeframe.errors import ConfigError
-from freezeframe.models.attention import check_attention_kernel
+from freezeframe.models.attention import check_attention_kernel, check_split_kv
 
 __all__ = ["BlockAllocator", "KVCacheConfig", "allocate_layer_cache"]
 
@@ -42,12 +42,18 @@ class KVCacheConfig:
     ``attention_kernel`` picks who reads the cache (see :mod:`freezeframe.models.attention`):
     ``"triton"`` (our paged kernel; needs ``triton``), ``"torch"`` (the pure-torch reference
     paths) or ``"auto"`` (triton for CUDA tensors when it is installed, torch otherwise).
+
+    ``split_kv`` says whether the Triton kernel splits each token's context among several
+    programs (flash-decoding): ``"auto"`` when a step's (token, KV head) programs are few and
+    the block table long, ``"on"`` always (at least two splits), ``"off"`` never; see
+    :mod:`freezeframe.models.paged_attention_triton`. The torch paths ignore it.
     """
 
     num_blocks: int = 64
     block_size: int = 16
     max_model_len: int = 256
     attention_kernel: Literal["auto", "torch", "triton"] = "auto"
+    split_kv: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len"):
@@ -58,6 +64,7 @@ class KVCacheConfig:
                     f"{name}=16"
                 )
         check_attention_kernel(self.attention_kernel, "KVCacheConfig.attention_kernel")
+        check_split_kv(self.split_kv, "KVCacheConfig.split_kv")
 
     @property
     def max_blocks(self) -> int:

@@ -22,8 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from freezeframe.errors import ConfigError
-from freezeframe.models.attention import ATTENTION_OP, default_scale, token_layout
+from freezeframe.models.attention import (
+    ATTENTION_OP,
+    check_split_kv,
+    default_scale,
+    split_workspace,
+    token_layout,
+)
 from freezeframe.models.kv_cache import KVCacheConfig, allocate_layer_cache
+from freezeframe.models.rope import rope_table
 
 __all__ = ["ATTENTION_OP", "LlamaConfig", "LlamaModel", "build_llama"]
 
@@ -116,21 +123,7 @@ class RMSNorm(nn.Module):
 
 def _rope_tables(config: LlamaConfig, device: torch.device | str | None) -> torch.Tensor:
     """``[max_position, head_dim]``: cos in the first half of the last dim, sin in the second."""
-    half = config.resolved_head_dim // 2
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(half, dtype=torch.float64, device=device) / half)
-    )
-    angles = torch.arange(config.max_position, dtype=torch.float64, device=device)[:, None]
-    angles = angles * inv_freq[None, :]  # [P, half]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. ``x [T, heads, D]``, ``cos``/``sin`` ``[T, D/2]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return rope_table(config.resolved_head_dim, config.rope_theta, config.max_position, device)
 
 
 class Attention(nn.Module):
@@ -145,6 +138,7 @@ class Attention(nn.Module):
         self.head_dim = config.resolved_head_dim
         self.block_size = cache.block_size
         self.attention_kernel: str = cache.attention_kernel
+        self.split_kv: str = cache.split_kv
         self.scale = default_scale(self.head_dim)
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
@@ -159,7 +153,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: torch.Tensor,  # [T, head_dim]
+        rope: torch.Tensor,  # [T, head_dim]: cos | sin per token
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         query_start_loc: torch.Tensor,
@@ -167,23 +161,24 @@ class Attention(nn.Module):
         block_tables: torch.Tensor,
         token_req: torch.Tensor | None = None,
         token_valid: torch.Tensor | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        q = qkv[:, : h * d].reshape(num_tokens, h, d)
-        k = qkv[:, h * d : (h + kv) * d].reshape(num_tokens, kv, d)
-        v = qkv[:, (h + kv) * d :].reshape(num_tokens, kv, d)
-        cos, sin = rope[:, : d // 2], rope[:, d // 2 :]
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        out = torch.empty_like(q)  # [T, H, D], filled by the op
+        # views of the one projection, unrotated: the op applies RoPE as it writes the cache
+        # (on the Triton path in the same kernel), so no rope, copy or cache-write kernel of
+        # their own runs here
+        q = qkv[:, : h * d].view(num_tokens, h, d)
+        k = qkv[:, h * d : (h + kv) * d].view(num_tokens, kv, d)
+        v = qkv[:, (h + kv) * d :].view(num_tokens, kv, d)
+        out = torch.empty((num_tokens, h, d), dtype=qkv.dtype, device=qkv.device)  # the op's
         torch.ops.freezeframe.attention(
-            q, k, v.contiguous(), out, self.k_cache, self.v_cache, positions, slot_mapping,
+            q, k, v, out, self.k_cache, self.v_cache, positions, slot_mapping,
             query_start_loc, seq_lens, block_tables, self.block_size, self.scale,
-            self.attention_kernel, token_req, token_valid,
+            self.attention_kernel, token_req, token_valid, rope, workspace, self.split_kv,
         )
-        return self.o_proj(out.reshape(num_tokens, h * d))
+        return self.o_proj(out.view(num_tokens, h * d))
 
 
 class MLP(nn.Module):
@@ -222,6 +217,7 @@ class LlamaModel(nn.Module):
     """
 
     rope: torch.Tensor  # [max_position, head_dim] fp32: cos | sin
+    attn_workspace: torch.Tensor  # split-KV scratch the layers share (split_workspace)
 
     #: dims that vary per step, for ``ff.compile(..., dynamic_arg_dims=DYNAMIC_ARG_DIMS)``
     DYNAMIC_ARG_DIMS: ClassVar[dict[str, int]] = {
@@ -253,6 +249,9 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope", _rope_tables(config, device), persistent=False)
+        self.register_buffer("attn_workspace", split_workspace(
+            config.num_heads, config.num_kv_heads, config.resolved_head_dim, device),
+            persistent=False)
 
     def forward(
         self,
@@ -269,7 +268,7 @@ class LlamaModel(nn.Module):
         token_req, token_valid = token_layout(query_start_loc, seq_lens, slot_mapping)
         for layer in self.layers:
             x = layer(x, rope, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                      token_req, token_valid)
+                      token_req, token_valid, self.attn_workspace)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -278,6 +277,20 @@ class LlamaModel(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.attn for layer in self.layers]  # type: ignore[union-attr, misc]
+
+    def allocate_state(self, device: torch.device | str | None) -> None:
+        """(Re)allocate on ``device`` what is no weight: each layer's KV cache (zeroed, in the
+        weights' dtype), the split-KV workspace and the RoPE table."""
+        dtype = self.embed_tokens.weight.dtype
+        layers = self.attention_layers()
+        for attn in layers:
+            attn.k_cache, attn.v_cache = allocate_layer_cache(
+                self.cache_config, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
+        first = layers[0]
+        self.attn_workspace = split_workspace(first.num_heads, first.num_kv_heads,
+                                              first.head_dim, device)
+        self.rope = rope_table(first.head_dim, self.config.rope_theta, self.config.max_position,
+                               device)
 
     def reset_cache(self) -> None:
         for attn in self.attention_layers():
@@ -293,15 +306,20 @@ def build_llama(
     device: torch.device | str | None = None,
     seed: int = 0,
     init_std: float = 0.02,
+    split_kv: str | None = None,
 ) -> LlamaModel:
     """A model with seeded random weights, built directly on ``device`` in ``dtype``.
 
     ``dtype`` defaults to bfloat16 on CUDA and float32 elsewhere. Weights are drawn from a
-    private generator, so building a model never disturbs the global RNG.
+    private generator, so building a model never disturbs the global RNG. ``split_kv``, when
+    given, replaces ``cache.split_kv`` (``"auto"``, ``"on"``, ``"off"``).
     """
     if isinstance(config, str):
         config = LlamaConfig.preset(config)
     cache = cache or KVCacheConfig()
+    if split_kv is not None:
+        mode: Any = check_split_kv(split_kv, "split_kv")
+        cache = dataclasses.replace(cache, split_kv=mode)
     device = torch.device(device) if device is not None else torch.device("cpu")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -318,9 +336,5 @@ def build_llama(
             else:
                 param.normal_(0.0, init_std, generator=gen)
         model.to(dtype)
-        for attn in model.attention_layers():
-            attn.k_cache, attn.v_cache = allocate_layer_cache(
-                cache, config.num_kv_heads, config.resolved_head_dim, dtype=dtype, device=device
-            )
-        model.rope = _rope_tables(config, device)
+        model.allocate_state(device)
     return model.eval()

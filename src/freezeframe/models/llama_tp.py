@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from freezeframe.errors import ConfigError
-from freezeframe.models.kv_cache import KVCacheConfig, allocate_layer_cache
-from freezeframe.models.llama import DecoderLayer, LlamaConfig, LlamaModel, _rope_tables
+from freezeframe.models.kv_cache import KVCacheConfig
+from freezeframe.models.llama import DecoderLayer, LlamaConfig, LlamaModel
 from freezeframe.models.parallel import (
     RowParallelLinear,
     TensorParallel,
@@ -156,11 +156,7 @@ def build_tp_llama(config: LlamaConfig, state: Mapping[str, torch.Tensor],
     with torch.no_grad():
         model.load_state_dict(shards, strict=True)
         model.to(dtype)
-        for attn in model.attention_layers():
-            attn.k_cache, attn.v_cache = allocate_layer_cache(
-                cache, model.local.num_kv_heads, config.resolved_head_dim, dtype=dtype,
-                device=device)
-        model.rope = _rope_tables(config, device)
+        model.allocate_state(device)
     return model.eval()
 
 
