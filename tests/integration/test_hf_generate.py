@@ -44,6 +44,15 @@ def lm(llama: Any) -> hf.CompiledCausalLM:
     return lm
 
 
+@pytest.fixture(scope="module")
+def narrow(llama: Any) -> hf.CompiledCausalLM:
+    """The same model with two cache rows and 4-token steps (breakable graphs, no Dynamo): a
+    third row waits for a free row and a prompt over 4 tokens is prefilled in chunks."""
+    return ff.hf.compile(llama, max_batch_size=2, max_cache_len=40, max_num_tokens=4,
+                         capture_sizes=[1, 2, 4], backend="eager", graph_backend="emulated",
+                         trace=False, progress=False)
+
+
 def _hf(model: Any, ids: torch.Tensor, seed: int | None = None, **kwargs: Any) -> Any:
     if seed is not None:
         torch.manual_seed(seed)
@@ -230,3 +239,23 @@ def test_sampling_parameters_are_checked_by_transformers(lm: hf.CompiledCausalLM
         with pytest.raises(ff.ConfigError, match=message):
             lm.generate(prompts, 2, do_sample=True, **kwargs)
     assert not lm.batcher.requests()
+
+
+def test_prompts_prefilled_in_chunks_give_hfs_tokens(llama: Any,
+                                                     narrow: hf.CompiledCausalLM) -> None:
+    # Before: a prompt longer than a step (max_num_tokens, 512 by default; or a batch whose
+    # prompts add up to more) took its first new token from the logits of its first chunk's
+    # first token, and every later token followed from that wrong one.
+    prompts = _prompts(3, 6, seed=8)
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0
+    ids = prompts.masked_fill(mask == 0, 0)
+    for kwargs in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
+        expected = _hf(llama, ids, seed=9, attention_mask=mask, max_new_tokens=5, **kwargs)
+        out = narrow.generate(ids, 5, attention_mask=mask,
+                              generator=torch.Generator().manual_seed(9), **kwargs)
+        assert torch.equal(out, expected.sequences), kwargs
+    alone = _hf(llama, prompts[:1], max_new_tokens=5, do_sample=False).sequences
+    steps = narrow.stats.steps
+    assert torch.equal(narrow.generate(prompts[:1], 5), alone)
+    assert narrow.stats.steps - steps == 2 + 4  # the prompt in 4 + 2 tokens, then 4 decodes

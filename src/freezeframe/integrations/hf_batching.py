@@ -252,17 +252,19 @@ class Batcher:
             uniform = all(c.count == query and c.live.computed >= len(c.live.prompt)
                           for c in chunks)
             logits = self._model.step(ids, positions, rows, uniform_decode=uniform)
-            plain: list[Chunk] = []
+            # (decided before a prompt chunk moves its request's computed tokens on: after,
+            # a chunk that ends short of the prompt would look as if it reached its end)
+            picking = [c for c in chunks if c.samples]
+            plain = [c for c in picking if c.live.proposer is None
+                     or c.live.computed < len(c.live.prompt)]
             for chunk in chunks:
-                if not chunk.samples:
+                if not any(chunk is c for c in picking):
                     chunk.live.computed += chunk.count
-                elif chunk.live.proposer is None or chunk.live.computed < len(chunk.live.prompt):
-                    plain.append(chunk)
             if plain:
                 last = torch.tensor([c.first + c.count - 1 for c in plain], device=logits.device)
                 self._pick(plain, logits[last].float())
-            for chunk in chunks:
-                if chunk.samples and chunk not in plain and chunk.live in self._running:
+            for chunk in picking:
+                if not any(chunk is c for c in plain) and chunk.live in self._running:
                     self._verify(chunk, logits[chunk.first:chunk.first + chunk.count].float())
             return True
 
