@@ -259,3 +259,34 @@ def test_prompts_prefilled_in_chunks_give_hfs_tokens(llama: Any,
     steps = narrow.stats.steps
     assert torch.equal(narrow.generate(prompts[:1], 5), alone)
     assert narrow.stats.steps - steps == 2 + 4  # the prompt in 4 + 2 tokens, then 4 decodes
+
+
+class _StopOn(transformers.StoppingCriteria):
+    """A caller's criterion: a row stops once its last token is a multiple of ``mod`` and it is
+    ``length`` tokens long (HF decodes such a row on while others of its batch go on)."""
+
+    def __init__(self, mod: int, length: int) -> None:
+        self.mod, self.length = mod, length
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return (input_ids[:, -1] % self.mod == 0) & (input_ids.shape[-1] >= self.length)
+
+
+@pytest.mark.parametrize(("seed", "mod"), [(1, 2), (0, 3), (3, 3)])
+def test_rows_a_criterion_stops_decode_on_to_the_last_rows_stop_like_hf(
+        llama: Any, lm: hf.CompiledCausalLM, narrow: hf.CompiledCausalLM, seed: int,
+        mod: int) -> None:
+    # Before: when the last row a criterion stopped came before an earlier-stopped row in a
+    # step, generate raised a raw ValueError (list.remove); with rows running behind others
+    # (a third row waiting for a cache row) the call ended at the first all-stopped step and
+    # the rows behind got pad tokens where HF has their tokens.
+    prompts = _prompts(3, 6, seed=seed)
+    mask = torch.ones_like(prompts)
+    mask[1, :3], mask[2, :1] = 0, 0
+    ids = prompts.masked_fill(mask == 0, 0)
+    kwargs = {"attention_mask": mask, "pad_token_id": 0, "max_new_tokens": 10,
+              "stopping_criteria": transformers.StoppingCriteriaList([_StopOn(mod, 7)])}
+    expected = _hf(llama, ids, **kwargs).sequences
+    for served in (lm, narrow):
+        assert torch.equal(served.generate(ids, **kwargs), expected), served.max_batch_size
+        assert not served.batcher.requests()

@@ -266,6 +266,10 @@ class Batcher:
             for chunk in picking:
                 if not any(chunk is c for c in plain) and chunk.live in self._running:
                     self._verify(chunk, logits[chunk.first:chunk.first + chunk.count].float())
+            # (once every row of the step has its tokens: a row ended early would lose its own)
+            for owner in {id(c.live.owner): c.live.owner for c in chunks
+                          if c.live.owner is not None}.values():
+                self._end_if_all_stopped(owner)
             return True
 
     def _schedule(self) -> list[Chunk]:
@@ -356,22 +360,24 @@ class Batcher:
                 self._fail(live, exc)
                 return False
         going = reason == "stop" and live.owner is not None and not settings_.stop_ids
-        if going:  # HF keeps decoding such a row until its whole batch is done
-            live.stopped = True
+        if going and live.stopped is None:  # HF decodes such a row on until its batch ends
+            live.stopped = live.new_tokens
         made = NewToken(live.request_id, token, live.new_tokens - 1,
                         reason is not None and not going, reason)
         (live.owner.tokens if live.owner is not None else self._outbox).append(made)
         if reason is not None and not going:
             self._running.remove(live)
             self._finish(live, reason)
-        if live.owner is not None and reason is not None:
-            self._end_if_all_stopped(live.owner)
         return reason is None or going
 
     def _end_if_all_stopped(self, owner: Owner) -> None:
-        """Finish a call's rows once each of them was stopped (HF's loop ends there)."""
+        """Finish a call's rows once each was stopped and has its token of the column where the
+        last of them stopped: HF's loop ends there, every row decoding up to it (a row that
+        runs behind, waiting for a cache row or prefilling in chunks, decodes on to it)."""
         rows = [x for x in (*self._waiting, *self._running) if x.owner is owner]
-        if rows and all(x.stopped for x in rows):
+        ends = [x.stopped for x in rows if x.stopped is not None]
+        width = max([*ends, owner.widest])
+        if rows and len(ends) == len(rows) and all(x.new_tokens >= width for x in rows):
             for x in rows:
                 (self._waiting if x in self._waiting else self._running).remove(x)
                 owner.tokens.append(NewToken(x.request_id, x.tokens[-1], x.new_tokens - 1,
@@ -403,6 +409,8 @@ class Batcher:
             self._finished.append(done)
         else:
             live.owner.finished[live.request_id] = done
+            live.owner.widest = max(live.owner.widest, live.new_tokens if live.stopped is None
+                                    else live.stopped)
             live.owner.live -= 1
 
     # -- requests out ------------------------------------------------------------------------

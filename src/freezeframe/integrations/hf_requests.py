@@ -98,6 +98,8 @@ class Owner:
         self.finished: dict[str, Finished] = {}
         self.error: BaseException | None = None
         self.live = 0
+        # the most columns a row that left needs (its tokens, or where a criterion stopped it)
+        self.widest = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,7 +116,9 @@ class Live:
     keep_logits: bool = False
     keep_scores: bool = False
     proposer: Proposer | None = None
-    stopped: bool = False  # a criterion ended it, but its call's other rows go on (HF's rule)
+    # a criterion ended it after this many new tokens, but its call's other rows go on (HF's
+    # rule: the call ends at the first column where every row was stopped)
+    stopped: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt, then new tokens
     row: int = -1  # its cache row once admitted
     computed: int = 0  # tokens whose keys and values are in the cache
