@@ -222,6 +222,34 @@ def test_a_servers_request_whose_code_raises_ends_alone(
     _finish(lm, alone)
 
 
+@pytest.mark.parametrize("error", [RuntimeError("injected"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+def test_a_servers_criterion_that_raises_streams_every_token_its_request_kept(
+        lm: hf.CompiledCausalLM, alone: dict[str, list[int]], error: BaseException) -> None:
+    # Before: the token the failing criterion was judging was in the request's Finished
+    # tokens but never in a step's tokens (a stream lost it); after Ctrl-C the request went on.
+    batcher = lm.batcher
+    _serve(lm)
+    batcher.add(SERVER[0], transformers.GenerationConfig(max_new_tokens=6), request_id="bad",
+                stopping_criteria=[_Criterion(error, when=3)])
+    streamed: dict[str, list[int]] = {}
+    raised = 0
+    while batcher.has_unfinished():
+        try:
+            made = batcher.step()
+        except type(error):
+            raised += 1
+            continue
+        for token in made:
+            streamed.setdefault(token.request_id, []).append(token.token)
+    assert raised == 1
+    done = {f.request_id: f for f in batcher.take_finished()}
+    assert (done["bad"].finish_reason, done["bad"].error) == ("error", error)
+    assert list(done["bad"].tokens) == streamed["bad"] == alone["s0"][:3]
+    for rid in ("s0", "s1"):
+        assert list(done[rid].tokens) == streamed[rid] == alone[rid]
+
+
 def test_the_async_front_streams_each_request(lm: hf.CompiledCausalLM,
                                               alone: dict[str, list[int]]) -> None:
     front = ff.hf.AsyncFront(lm.batcher)

@@ -30,9 +30,12 @@ thread or several (the batcher holds a lock for each step). :meth:`Batcher.reque
 everything it holds.
 
 **Faults.** A model step that raises changes nothing (its requests run again at the next step).
-A processor or stopping criterion that raises ends its own request (``"error"``), the others of
-the step go on; for the caller's requests :meth:`Batcher.step` then raises it (the other tokens
-of that step come with the next step), a ``generate`` raises it after removing its requests.
+A processor or stopping criterion that raises ends its own request (``"error"``; the token a
+criterion was judging is its last, sent like any other), the others of the step go on; for the
+caller's requests :meth:`Batcher.step` then raises it (the other tokens of that step come with
+the next step), a ``generate`` raises it after removing its requests. Ctrl-C in a criterion
+ends its request so and is raised at once; in a processor (no token made yet) it changes
+nothing.
 
 One host read-back per step (the picked tokens: stopping and the next step's inputs need them).
 """
@@ -356,15 +359,18 @@ class Batcher:
             try:
                 kept = tuple(s[None] for s in live.scores) if live.keep_scores else None
                 reason = "stop" if live.decoder.stops(kept) else None
-            except Exception as exc:
-                self._fail(live, exc)
+            except BaseException as exc:  # (Ctrl-C too: the token is the request's, sent)
+                self._send(NewToken(live.request_id, token, live.new_tokens - 1, True, "error"),
+                           live.owner)
+                self._fail(live, exc, queue=isinstance(exc, Exception))
+                if not isinstance(exc, Exception):
+                    raise
                 return False
         going = reason == "stop" and live.owner is not None and not settings_.stop_ids
         if going and live.stopped is None:  # HF decodes such a row on until its batch ends
             live.stopped = live.new_tokens
-        made = NewToken(live.request_id, token, live.new_tokens - 1,
-                        reason is not None and not going, reason)
-        (live.owner.tokens if live.owner is not None else self._outbox).append(made)
+        self._send(NewToken(live.request_id, token, live.new_tokens - 1,
+                            reason is not None and not going, reason), live.owner)
         if reason is not None and not going:
             self._running.remove(live)
             self._finish(live, reason)
@@ -384,12 +390,18 @@ class Batcher:
                                              True, "stop"))
                 self._finish(x, "stop")
 
-    def _fail(self, live: Live, error: BaseException) -> None:
+    def _send(self, made: NewToken, owner: Owner | None) -> None:
+        (owner.tokens if owner is not None else self._outbox).append(made)
+
+    def _fail(self, live: Live, error: BaseException, queue: bool = True) -> None:
+        """End ``live`` with ``error`` (raised by its own code); the caller's :meth:`step`
+        raises it later unless ``queue`` is False (it is being raised now)."""
         if live in self._running:
             self._running.remove(live)
         self._finish(live, "error", error)
         if live.owner is None:
-            self._errors.append(error)
+            if queue:
+                self._errors.append(error)
         elif live.owner.error is None:
             live.owner.error = error
 
