@@ -268,3 +268,37 @@ def test_the_async_front_streams_each_request(lm: hf.CompiledCausalLM,
 
     first, left, second = asyncio.run(main())
     assert (first, second, left) == (alone["s0"], alone["s1"], alone["s1"][:2])
+
+
+def test_the_async_front_raises_a_failed_model_step_from_every_stream(
+        lm: hf.CompiledCausalLM, alone: dict[str, list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the front retried a failing model step forever (hundreds of thousands of steps
+    # a minute) and no stream ever ended or saw the error.
+    front = ff.hf.AsyncFront(lm.batcher)
+    fault = _Raise(RuntimeError("device lost"), when=2)
+    real = lm.step
+
+    def step(*args: Any, **kw: Any) -> torch.Tensor:
+        if fault.calls >= fault.when:
+            fault.calls += 1
+            raise fault.error
+        fault.hit()
+        return real(*args, **kw)
+    monkeypatch.setattr(lm, "step", step)
+
+    async def collect(prompt: list[int]) -> list[int] | BaseException:
+        try:
+            return [t async for t in front.stream(prompt, ff.hf.SamplingParams(max_new_tokens=6))]
+        except RuntimeError as exc:
+            return exc
+
+    async def main() -> list[list[int] | BaseException]:
+        return list(await asyncio.wait_for(
+            asyncio.gather(collect(SERVER[0]), collect(SERVER[1])), timeout=30))
+
+    assert asyncio.run(main()) == [fault.error, fault.error]
+    assert fault.calls == 2  # the failed step is not retried
+    monkeypatch.undo()
+    first = asyncio.run(main())  # the front serves again
+    assert first == [alone["s0"], alone["s1"]]
