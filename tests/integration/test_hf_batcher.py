@@ -137,6 +137,31 @@ def test_made_up_ids_never_collide_with_a_callers(lm: hf.CompiledCausalLM) -> No
     assert sorted(f.request_id for f in batcher.take_finished()) == sorted(taken + made)
 
 
+def test_a_generation_config_given_to_add_is_honoured_or_refused(lm: hf.CompiledCausalLM,
+                                                                  llama: Any) -> None:
+    # Before: Batcher.add took a GenerationConfig's num_return_sequences=2 and made one
+    # sequence, and ignored prompt_lookup_num_tokens, output_scores and output_logits.
+    batcher = lm.batcher
+    with pytest.raises(ff.ConfigError, match=r"Batcher\.add: num_return_sequences=2: a request "
+                                             r"is one sequence; add the prompt that many times"):
+        batcher.add(SERVER[0], transformers.GenerationConfig(max_new_tokens=3, do_sample=True,
+                                                             num_return_sequences=2))
+    prompt = [5, 6, 7, 8] * 3
+    with torch.no_grad():
+        greedy = llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    steps = lm.stats.steps
+    batcher.add(prompt, transformers.GenerationConfig(
+        max_new_tokens=8, prompt_lookup_num_tokens=3, output_scores=True, output_logits=True),
+        request_id="lookup")
+    while batcher.has_unfinished():
+        batcher.step()
+    (done,) = batcher.take_finished()
+    assert list(done.tokens) == greedy[0, len(prompt):].tolist()
+    assert lm.stats.steps - steps < 8  # candidates were verified several at a time
+    assert len(done.scores) == len(done.logits) == 8
+    assert torch.equal(done.scores[0], done.logits[0])  # (greedy, no processor)
+
+
 class _Raise:
     """User code that raises ``error`` at its ``when``-th call."""
 

@@ -99,12 +99,16 @@ class Batcher:
         its id (``request_id``, or a new one no other request holds). ``params`` is a
         :class:`SamplingParams` or a transformers ``GenerationConfig`` (its unset fields from
         ``model.generation_config``, as ``generate`` resolves them; lengths count from this
-        prompt); ``logits_processor`` and ``stopping_criteria`` are HF's lists, merged in as
+        prompt; ``prompt_lookup_num_tokens`` speculates, ``output_scores`` and
+        ``output_logits`` keep them, ``num_return_sequences > 1`` is refused: a request is one
+        sequence); ``logits_processor`` and ``stopping_criteria`` are HF's lists, merged in as
         ``generate`` merges them and called with this request's history. ``generator`` seeds
         its sampling (default: the device's default generator)."""
         tokens = check_prompt(self._model, prompt)
         resolved, key = request_settings(self._model, params, len(tokens), logits_processor,
                                          stopping_criteria)
+        keep_logits = keep_logits or bool(resolved.config.output_logits)
+        keep_scores = keep_scores or bool(resolved.config.output_scores)
         noise = NoiseDraws(1, generator, self._model.device) if resolved.do_sample else None
         with self._lock:
             live = self.make(tokens, resolved, padded=tokens, padding=None, owner=None,
