@@ -233,6 +233,9 @@ def test_sampling_parameters_are_checked_by_transformers(lm: hf.CompiledCausalLM
         ({"top_k": -1}, r"`top_k` has to be a strictly positive integer, but is -1"),
         ({"eos_token_id": "x"}, "eos_token_id='x' must be a token id"),
         ({"eos_token_id": 500}, "eos_token_id 500 is outside the vocabulary of 128 tokens"),
+        # (HF makes 3 tokens for 2.5, ff.hf made 2 before)
+        ({"max_new_tokens": 2.5}, r"max_new_tokens=2\.5 must be an int \(a token count\)"),
+        ({"max_length": 6.0}, r"max_length=6\.0 must be an int"),
         ({"attention_mask": torch.ones(2, 3)}, r"attention_mask must be a tensor shaped like "
                                                r"input_ids \(1, 3\), got \(2, 3\)"),
     ]:
