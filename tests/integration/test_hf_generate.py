@@ -275,7 +275,7 @@ class _StopOn(transformers.StoppingCriteria):
         return (input_ids[:, -1] % self.mod == 0) & (input_ids.shape[-1] >= self.length)
 
 
-@pytest.mark.parametrize(("seed", "mod"), [(1, 2), (0, 3), (3, 3)])
+@pytest.mark.parametrize(("seed", "mod"), [(1, 2), (0, 3)])
 def test_rows_a_criterion_stops_decode_on_to_the_last_rows_stop_like_hf(
         llama: Any, lm: hf.CompiledCausalLM, narrow: hf.CompiledCausalLM, seed: int,
         mod: int) -> None:
