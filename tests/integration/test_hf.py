@@ -9,6 +9,7 @@ logit's magnitude (float32), and the generated tokens identical.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -414,4 +415,12 @@ def test_longrope_is_served_only_below_its_switch() -> None:
     with pytest.raises(ff.ConfigError, match=r"Phi3ForCausalLM uses LongRoPE, .* Pass "
                                              r"max_cache_len <= 16 \(every sequence then uses"):
         _compile(phi3, max_cache_len=17, trace=False)
+    fresh = copy.deepcopy(phi3)  # never called yet
     _assert_generates_like_hf(phi3, max_cache_len=16, trace=False)
+    # Before: a model compiled before its first forward raised ff.CompileError at the first
+    # step ("rotary_emb.long_inv_freq was set after the trace": HF's rotary module sets it
+    # lazily, inside the step). ff.hf runs one token through the model before compiling it.
+    lm = _compile(fresh, max_cache_len=16, trace=False)
+    prompts = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(5))
+    out = lm.generate(prompts, NEW)
+    assert torch.equal(out, _hf_greedy(fresh, prompts)[0])

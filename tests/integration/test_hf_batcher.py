@@ -137,6 +137,31 @@ def test_made_up_ids_never_collide_with_a_callers(lm: hf.CompiledCausalLM) -> No
     assert sorted(f.request_id for f in batcher.take_finished()) == sorted(taken + made)
 
 
+def test_a_generation_config_given_to_add_is_honoured_or_refused(lm: hf.CompiledCausalLM,
+                                                                  llama: Any) -> None:
+    # Before: Batcher.add took a GenerationConfig's num_return_sequences=2 and made one
+    # sequence, and ignored prompt_lookup_num_tokens, output_scores and output_logits.
+    batcher = lm.batcher
+    with pytest.raises(ff.ConfigError, match=r"Batcher\.add: num_return_sequences=2: a request "
+                                             r"is one sequence; add the prompt that many times"):
+        batcher.add(SERVER[0], transformers.GenerationConfig(max_new_tokens=3, do_sample=True,
+                                                             num_return_sequences=2))
+    prompt = [5, 6, 7, 8] * 3
+    with torch.no_grad():
+        greedy = llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    steps = lm.stats.steps
+    batcher.add(prompt, transformers.GenerationConfig(
+        max_new_tokens=8, prompt_lookup_num_tokens=3, output_scores=True, output_logits=True),
+        request_id="lookup")
+    while batcher.has_unfinished():
+        batcher.step()
+    (done,) = batcher.take_finished()
+    assert list(done.tokens) == greedy[0, len(prompt):].tolist()
+    assert lm.stats.steps - steps < 8  # candidates were verified several at a time
+    assert len(done.scores) == len(done.logits) == 8
+    assert torch.equal(done.scores[0], done.logits[0])  # (greedy, no processor)
+
+
 class _Raise:
     """User code that raises ``error`` at its ``when``-th call."""
 
@@ -222,6 +247,34 @@ def test_a_servers_request_whose_code_raises_ends_alone(
     _finish(lm, alone)
 
 
+@pytest.mark.parametrize("error", [RuntimeError("injected"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+def test_a_servers_criterion_that_raises_streams_every_token_its_request_kept(
+        lm: hf.CompiledCausalLM, alone: dict[str, list[int]], error: BaseException) -> None:
+    # Before: the token the failing criterion was judging was in the request's Finished
+    # tokens but never in a step's tokens (a stream lost it); after Ctrl-C the request went on.
+    batcher = lm.batcher
+    _serve(lm)
+    batcher.add(SERVER[0], transformers.GenerationConfig(max_new_tokens=6), request_id="bad",
+                stopping_criteria=[_Criterion(error, when=3)])
+    streamed: dict[str, list[int]] = {}
+    raised = 0
+    while batcher.has_unfinished():
+        try:
+            made = batcher.step()
+        except type(error):
+            raised += 1
+            continue
+        for token in made:
+            streamed.setdefault(token.request_id, []).append(token.token)
+    assert raised == 1
+    done = {f.request_id: f for f in batcher.take_finished()}
+    assert (done["bad"].finish_reason, done["bad"].error) == ("error", error)
+    assert list(done["bad"].tokens) == streamed["bad"] == alone["s0"][:3]
+    for rid in ("s0", "s1"):
+        assert list(done[rid].tokens) == streamed[rid] == alone[rid]
+
+
 def test_the_async_front_streams_each_request(lm: hf.CompiledCausalLM,
                                               alone: dict[str, list[int]]) -> None:
     front = ff.hf.AsyncFront(lm.batcher)
@@ -240,3 +293,37 @@ def test_the_async_front_streams_each_request(lm: hf.CompiledCausalLM,
 
     first, left, second = asyncio.run(main())
     assert (first, second, left) == (alone["s0"], alone["s1"], alone["s1"][:2])
+
+
+def test_the_async_front_raises_a_failed_model_step_from_every_stream(
+        lm: hf.CompiledCausalLM, alone: dict[str, list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the front retried a failing model step forever (hundreds of thousands of steps
+    # a minute) and no stream ever ended or saw the error.
+    front = ff.hf.AsyncFront(lm.batcher)
+    fault = _Raise(RuntimeError("device lost"), when=2)
+    real = lm.step
+
+    def step(*args: Any, **kw: Any) -> torch.Tensor:
+        if fault.calls >= fault.when:
+            fault.calls += 1
+            raise fault.error
+        fault.hit()
+        return real(*args, **kw)
+    monkeypatch.setattr(lm, "step", step)
+
+    async def collect(prompt: list[int]) -> list[int] | BaseException:
+        try:
+            return [t async for t in front.stream(prompt, ff.hf.SamplingParams(max_new_tokens=6))]
+        except RuntimeError as exc:
+            return exc
+
+    async def main() -> list[list[int] | BaseException]:
+        return list(await asyncio.wait_for(
+            asyncio.gather(collect(SERVER[0]), collect(SERVER[1])), timeout=30))
+
+    assert asyncio.run(main()) == [fault.error, fault.error]
+    assert fault.calls == 2  # the failed step is not retried
+    monkeypatch.undo()
+    first = asyncio.run(main())  # the front serves again
+    assert first == [alone["s0"], alone["s1"]]

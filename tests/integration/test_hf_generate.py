@@ -44,6 +44,15 @@ def lm(llama: Any) -> hf.CompiledCausalLM:
     return lm
 
 
+@pytest.fixture(scope="module")
+def narrow(llama: Any) -> hf.CompiledCausalLM:
+    """The same model with two cache rows and 4-token steps (breakable graphs, no Dynamo): a
+    third row waits for a free row and a prompt over 4 tokens is prefilled in chunks."""
+    return ff.hf.compile(llama, max_batch_size=2, max_cache_len=40, max_num_tokens=4,
+                         capture_sizes=[1, 2, 4], backend="eager", graph_backend="emulated",
+                         trace=False, progress=False)
+
+
 def _hf(model: Any, ids: torch.Tensor, seed: int | None = None, **kwargs: Any) -> Any:
     if seed is not None:
         torch.manual_seed(seed)
@@ -224,9 +233,63 @@ def test_sampling_parameters_are_checked_by_transformers(lm: hf.CompiledCausalLM
         ({"top_k": -1}, r"`top_k` has to be a strictly positive integer, but is -1"),
         ({"eos_token_id": "x"}, "eos_token_id='x' must be a token id"),
         ({"eos_token_id": 500}, "eos_token_id 500 is outside the vocabulary of 128 tokens"),
+        # (HF makes 3 tokens for 2.5, ff.hf made 2 before)
+        ({"max_new_tokens": 2.5}, r"max_new_tokens=2\.5 must be an int \(a token count\)"),
+        ({"max_length": 6.0}, r"max_length=6\.0 must be an int"),
         ({"attention_mask": torch.ones(2, 3)}, r"attention_mask must be a tensor shaped like "
                                                r"input_ids \(1, 3\), got \(2, 3\)"),
     ]:
         with pytest.raises(ff.ConfigError, match=message):
             lm.generate(prompts, 2, do_sample=True, **kwargs)
     assert not lm.batcher.requests()
+
+
+def test_prompts_prefilled_in_chunks_give_hfs_tokens(llama: Any,
+                                                     narrow: hf.CompiledCausalLM) -> None:
+    # Before: a prompt longer than a step (max_num_tokens, 512 by default; or a batch whose
+    # prompts add up to more) took its first new token from the logits of its first chunk's
+    # first token, and every later token followed from that wrong one.
+    prompts = _prompts(3, 6, seed=8)
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0
+    ids = prompts.masked_fill(mask == 0, 0)
+    for kwargs in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
+        expected = _hf(llama, ids, seed=9, attention_mask=mask, max_new_tokens=5, **kwargs)
+        out = narrow.generate(ids, 5, attention_mask=mask,
+                              generator=torch.Generator().manual_seed(9), **kwargs)
+        assert torch.equal(out, expected.sequences), kwargs
+    alone = _hf(llama, prompts[:1], max_new_tokens=5, do_sample=False).sequences
+    steps = narrow.stats.steps
+    assert torch.equal(narrow.generate(prompts[:1], 5), alone)
+    assert narrow.stats.steps - steps == 2 + 4  # the prompt in 4 + 2 tokens, then 4 decodes
+
+
+class _StopOn(transformers.StoppingCriteria):
+    """A caller's criterion: a row stops once its last token is a multiple of ``mod`` and it is
+    ``length`` tokens long (HF decodes such a row on while others of its batch go on)."""
+
+    def __init__(self, mod: int, length: int) -> None:
+        self.mod, self.length = mod, length
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return (input_ids[:, -1] % self.mod == 0) & (input_ids.shape[-1] >= self.length)
+
+
+@pytest.mark.parametrize(("seed", "mod"), [(1, 2), (0, 3)])
+def test_rows_a_criterion_stops_decode_on_to_the_last_rows_stop_like_hf(
+        llama: Any, lm: hf.CompiledCausalLM, narrow: hf.CompiledCausalLM, seed: int,
+        mod: int) -> None:
+    # Before: when the last row a criterion stopped came before an earlier-stopped row in a
+    # step, generate raised a raw ValueError (list.remove); with rows running behind others
+    # (a third row waiting for a cache row) the call ended at the first all-stopped step and
+    # the rows behind got pad tokens where HF has their tokens.
+    prompts = _prompts(3, 6, seed=seed)
+    mask = torch.ones_like(prompts)
+    mask[1, :3], mask[2, :1] = 0, 0
+    ids = prompts.masked_fill(mask == 0, 0)
+    kwargs = {"attention_mask": mask, "pad_token_id": 0, "max_new_tokens": 10,
+              "stopping_criteria": transformers.StoppingCriteriaList([_StopOn(mod, 7)])}
+    expected = _hf(llama, ids, **kwargs).sequences
+    for served in (lm, narrow):
+        assert torch.equal(served.generate(ids, **kwargs), expected), served.max_batch_size
+        assert not served.batcher.requests()

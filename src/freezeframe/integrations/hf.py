@@ -503,6 +503,15 @@ def _default_config(max_batch_size: int, trace: bool, *, max_num_tokens: int | N
         graph_backend=graph_backend or "auto")
 
 
+def _settle(model: nn.Module, device: torch.device) -> None:
+    """One token through the model as it is, before freezeframe records its state: modules
+    that set attributes on their first forward (LongRoPE's ``long_inv_freq``, or its re-registered
+    ``inv_freq`` buffer on older transformers) have set them, so the first served step is not
+    refused as a change of the module after its first call."""
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+
+
 def _serve(model: nn.Module, config: CompilationConfig, shape: _CacheShape, max_batch_size: int,
            max_cache_len: int, progress: bool) -> CompiledCausalLM:
     """Switch ``model`` to the ``"freezeframe"`` attention, wrap it with its static KV cache,
@@ -511,6 +520,7 @@ def _serve(model: nn.Module, config: CompilationConfig, shape: _CacheShape, max_
     flat = _FlatCausalLM(model, shape, max_batch_size, max_cache_len, parameter.dtype,
                          parameter.device).eval()
     model.eval()
+    _settle(model, parameter.device)
     hf_model: Any = model  # a transformers PreTrainedModel (untyped here)
     if hasattr(hf_model, "set_attn_implementation"):
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)

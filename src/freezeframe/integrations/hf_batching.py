@@ -30,9 +30,12 @@ thread or several (the batcher holds a lock for each step). :meth:`Batcher.reque
 everything it holds.
 
 **Faults.** A model step that raises changes nothing (its requests run again at the next step).
-A processor or stopping criterion that raises ends its own request (``"error"``), the others of
-the step go on; for the caller's requests :meth:`Batcher.step` then raises it (the other tokens
-of that step come with the next step), a ``generate`` raises it after removing its requests.
+A processor or stopping criterion that raises ends its own request (``"error"``; the token a
+criterion was judging is its last, sent like any other), the others of the step go on; for the
+caller's requests :meth:`Batcher.step` then raises it (the other tokens of that step come with
+the next step), a ``generate`` raises it after removing its requests. Ctrl-C in a criterion
+ends its request so and is raised at once; in a processor (no token made yet) it changes
+nothing.
 
 One host read-back per step (the picked tokens: stopping and the next step's inputs need them).
 """
@@ -96,12 +99,16 @@ class Batcher:
         its id (``request_id``, or a new one no other request holds). ``params`` is a
         :class:`SamplingParams` or a transformers ``GenerationConfig`` (its unset fields from
         ``model.generation_config``, as ``generate`` resolves them; lengths count from this
-        prompt); ``logits_processor`` and ``stopping_criteria`` are HF's lists, merged in as
+        prompt; ``prompt_lookup_num_tokens`` speculates, ``output_scores`` and
+        ``output_logits`` keep them, ``num_return_sequences > 1`` is refused: a request is one
+        sequence); ``logits_processor`` and ``stopping_criteria`` are HF's lists, merged in as
         ``generate`` merges them and called with this request's history. ``generator`` seeds
         its sampling (default: the device's default generator)."""
         tokens = check_prompt(self._model, prompt)
         resolved, key = request_settings(self._model, params, len(tokens), logits_processor,
                                          stopping_criteria)
+        keep_logits = keep_logits or bool(resolved.config.output_logits)
+        keep_scores = keep_scores or bool(resolved.config.output_scores)
         noise = NoiseDraws(1, generator, self._model.device) if resolved.do_sample else None
         with self._lock:
             live = self.make(tokens, resolved, padded=tokens, padding=None, owner=None,
@@ -252,18 +259,24 @@ class Batcher:
             uniform = all(c.count == query and c.live.computed >= len(c.live.prompt)
                           for c in chunks)
             logits = self._model.step(ids, positions, rows, uniform_decode=uniform)
-            plain: list[Chunk] = []
+            # (decided before a prompt chunk moves its request's computed tokens on: after,
+            # a chunk that ends short of the prompt would look as if it reached its end)
+            picking = [c for c in chunks if c.samples]
+            plain = [c for c in picking if c.live.proposer is None
+                     or c.live.computed < len(c.live.prompt)]
             for chunk in chunks:
-                if not chunk.samples:
+                if not any(chunk is c for c in picking):
                     chunk.live.computed += chunk.count
-                elif chunk.live.proposer is None or chunk.live.computed < len(chunk.live.prompt):
-                    plain.append(chunk)
             if plain:
                 last = torch.tensor([c.first + c.count - 1 for c in plain], device=logits.device)
                 self._pick(plain, logits[last].float())
-            for chunk in chunks:
-                if chunk.samples and chunk not in plain and chunk.live in self._running:
+            for chunk in picking:
+                if not any(chunk is c for c in plain) and chunk.live in self._running:
                     self._verify(chunk, logits[chunk.first:chunk.first + chunk.count].float())
+            # (once every row of the step has its tokens: a row ended early would lose its own)
+            for owner in {id(c.live.owner): c.live.owner for c in chunks
+                          if c.live.owner is not None}.values():
+                self._end_if_all_stopped(owner)
             return True
 
     def _schedule(self) -> list[Chunk]:
@@ -350,38 +363,49 @@ class Batcher:
             try:
                 kept = tuple(s[None] for s in live.scores) if live.keep_scores else None
                 reason = "stop" if live.decoder.stops(kept) else None
-            except Exception as exc:
-                self._fail(live, exc)
+            except BaseException as exc:  # (Ctrl-C too: the token is the request's, sent)
+                self._send(NewToken(live.request_id, token, live.new_tokens - 1, True, "error"),
+                           live.owner)
+                self._fail(live, exc, queue=isinstance(exc, Exception))
+                if not isinstance(exc, Exception):
+                    raise
                 return False
         going = reason == "stop" and live.owner is not None and not settings_.stop_ids
-        if going:  # HF keeps decoding such a row until its whole batch is done
-            live.stopped = True
-        made = NewToken(live.request_id, token, live.new_tokens - 1,
-                        reason is not None and not going, reason)
-        (live.owner.tokens if live.owner is not None else self._outbox).append(made)
+        if going and live.stopped is None:  # HF decodes such a row on until its batch ends
+            live.stopped = live.new_tokens
+        self._send(NewToken(live.request_id, token, live.new_tokens - 1,
+                            reason is not None and not going, reason), live.owner)
         if reason is not None and not going:
             self._running.remove(live)
             self._finish(live, reason)
-        if live.owner is not None and reason is not None:
-            self._end_if_all_stopped(live.owner)
         return reason is None or going
 
     def _end_if_all_stopped(self, owner: Owner) -> None:
-        """Finish a call's rows once each of them was stopped (HF's loop ends there)."""
+        """Finish a call's rows once each was stopped and has its token of the column where the
+        last of them stopped: HF's loop ends there, every row decoding up to it (a row that
+        runs behind, waiting for a cache row or prefilling in chunks, decodes on to it)."""
         rows = [x for x in (*self._waiting, *self._running) if x.owner is owner]
-        if rows and all(x.stopped for x in rows):
+        ends = [x.stopped for x in rows if x.stopped is not None]
+        width = max([*ends, owner.widest])
+        if rows and len(ends) == len(rows) and all(x.new_tokens >= width for x in rows):
             for x in rows:
                 (self._waiting if x in self._waiting else self._running).remove(x)
                 owner.tokens.append(NewToken(x.request_id, x.tokens[-1], x.new_tokens - 1,
                                              True, "stop"))
                 self._finish(x, "stop")
 
-    def _fail(self, live: Live, error: BaseException) -> None:
+    def _send(self, made: NewToken, owner: Owner | None) -> None:
+        (owner.tokens if owner is not None else self._outbox).append(made)
+
+    def _fail(self, live: Live, error: BaseException, queue: bool = True) -> None:
+        """End ``live`` with ``error`` (raised by its own code); the caller's :meth:`step`
+        raises it later unless ``queue`` is False (it is being raised now)."""
         if live in self._running:
             self._running.remove(live)
         self._finish(live, "error", error)
         if live.owner is None:
-            self._errors.append(error)
+            if queue:
+                self._errors.append(error)
         elif live.owner.error is None:
             live.owner.error = error
 
@@ -401,6 +425,8 @@ class Batcher:
             self._finished.append(done)
         else:
             live.owner.finished[live.request_id] = done
+            live.owner.widest = max(live.owner.widest, live.new_tokens if live.stopped is None
+                                    else live.stopped)
             live.owner.live -= 1
 
     # -- requests out ------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 
 from freezeframe.errors import ConfigError
 from freezeframe.integrations.hf_batching import Batcher
-from freezeframe.integrations.hf_requests import Finished, Owner
+from freezeframe.integrations.hf_requests import Finished, Owner, check_greedy, prompt_lookup
 from freezeframe.integrations.hf_sampling import NoiseDraws
 from freezeframe.integrations.hf_settings import Settings, Speculation, resolve, settings
 
@@ -116,31 +116,14 @@ def generate(lm: Any, input_ids: Any, call: GenerateCall, kwargs: dict[str, Any]
 
 
 def _speculation(lm: Any, cfg: Any, assistant: Any) -> Speculation | None:
-    lookup = getattr(cfg, "prompt_lookup_num_tokens", None)
-    if assistant is None and lookup is None:
-        return None
-    which = "assistant_model" if assistant is not None else \
-        f"prompt_lookup_num_tokens={lookup}"
-    if cfg.do_sample:
-        raise ConfigError(f"generate: {which} with do_sample=True: ff.hf's speculative "
-                          "decoding is greedy only; pass do_sample=False, or drop it to sample")
-    if (cfg.num_return_sequences or 1) > 1:
-        raise ConfigError(f"generate: {which} with num_return_sequences="
-                          f"{cfg.num_return_sequences}: speculative decoding returns one "
-                          "sequence per prompt (as in HF)")
+    if assistant is None:
+        return prompt_lookup(lm, cfg)
+    check_greedy("assistant_model", cfg)
     if assistant is not None:
         draft = lm.draft(assistant)
         k = lm.num_speculative_tokens or int(getattr(cfg, "num_assistant_tokens", None) or 5)
         return Speculation(num_tokens=k, draft=draft)
-    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1:
-        raise ConfigError(f"generate: prompt_lookup_num_tokens={lookup!r} must be an int >= 1")
-    if lm.num_speculative_tokens and lookup > lm.num_speculative_tokens:
-        raise ConfigError(
-            f"generate: prompt_lookup_num_tokens={lookup} is more than the "
-            f"num_speculative_tokens={lm.num_speculative_tokens} this model's graphs verify; "
-            f"pass at most that many, or ff.hf.compile with num_speculative_tokens={lookup}")
-    return Speculation(num_tokens=lookup,
-                       max_matching_ngram_size=int(cfg.max_matching_ngram_size or 2))
+    return prompt_lookup(lm, cfg)
 
 
 def _run(batcher: Batcher, device: torch.device, host: torch.Tensor,

@@ -18,11 +18,12 @@ import torch
 from freezeframe.errors import ConfigError
 from freezeframe.integrations.hf_processing import Decoder, Row, row_wise
 from freezeframe.integrations.hf_sampling import NoiseDraws, SamplingParams
-from freezeframe.integrations.hf_settings import Settings, resolve, settings
+from freezeframe.integrations.hf_settings import Settings, Speculation, resolve, settings
 from freezeframe.integrations.hf_speculation import Proposer
 
 __all__ = ["Chunk", "Finished", "Live", "Model", "NewToken", "Owner", "RequestInfo",
-           "check_prompt", "make_request", "request_settings", "spec_width"]
+           "check_greedy", "check_prompt", "make_request", "prompt_lookup", "request_settings",
+           "spec_width"]
 
 
 class Model(Protocol):
@@ -98,6 +99,8 @@ class Owner:
         self.finished: dict[str, Finished] = {}
         self.error: BaseException | None = None
         self.live = 0
+        # the most columns a row that left needs (its tokens, or where a criterion stopped it)
+        self.widest = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,7 +117,9 @@ class Live:
     keep_logits: bool = False
     keep_scores: bool = False
     proposer: Proposer | None = None
-    stopped: bool = False  # a criterion ended it, but its call's other rows go on (HF's rule)
+    # a criterion ended it after this many new tokens, but its call's other rows go on (HF's
+    # rule: the call ends at the first column where every row was stopped)
+    stopped: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt, then new tokens
     row: int = -1  # its cache row once admitted
     computed: int = 0  # tokens whose keys and values are in the cache
@@ -153,11 +158,47 @@ def request_settings(model: Model, params: Any, width: int, processors: Any,
     elif type(params).__name__ == "GenerationConfig":
         cfg, _ = resolve(getattr(model.model, "config", None),
                          getattr(model.model, "generation_config", None), params, {}, width)
+        if (cfg.num_return_sequences or 1) > 1:
+            raise ConfigError(
+                f"Batcher.add: num_return_sequences={cfg.num_return_sequences}: a request is "
+                "one sequence; add the prompt that many times (each with its own generator), "
+                "or use lm.generate")
         key = None
     else:
         raise ConfigError(f"Batcher.add: params must be a SamplingParams or a transformers "
                           f"GenerationConfig, got {type(params).__name__}")
-    return settings(cfg, width, logits_processor=processors, stopping_criteria=criteria), key
+    return settings(cfg, width, logits_processor=processors, stopping_criteria=criteria,
+                    speculation=prompt_lookup(model, cfg)), key
+
+
+def check_greedy(which: str, cfg: Any) -> None:
+    """Refuse speculative decoding (``which`` asks for it) where it cannot give the tokens."""
+    if cfg.do_sample:
+        raise ConfigError(f"generate: {which} with do_sample=True: ff.hf's speculative "
+                          "decoding is greedy only; pass do_sample=False, or drop it to sample")
+    if (cfg.num_return_sequences or 1) > 1:
+        raise ConfigError(f"generate: {which} with num_return_sequences="
+                          f"{cfg.num_return_sequences}: speculative decoding returns one "
+                          "sequence per prompt (as in HF)")
+
+
+def prompt_lookup(model: Model, cfg: Any) -> Speculation | None:
+    """The prompt-lookup speculation a resolved config asks for (``prompt_lookup_num_tokens``),
+    checked against what the model's graphs verify, or None."""
+    lookup = getattr(cfg, "prompt_lookup_num_tokens", None)
+    if lookup is None:
+        return None
+    check_greedy(f"prompt_lookup_num_tokens={lookup}", cfg)
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1:
+        raise ConfigError(f"generate: prompt_lookup_num_tokens={lookup!r} must be an int >= 1")
+    if model.num_speculative_tokens and lookup > model.num_speculative_tokens:
+        raise ConfigError(
+            f"generate: prompt_lookup_num_tokens={lookup} is more than the "
+            f"num_speculative_tokens={model.num_speculative_tokens} this model's graphs "
+            f"verify; pass at most that many, or ff.hf.compile with "
+            f"num_speculative_tokens={lookup}")
+    return Speculation(num_tokens=lookup,
+                       max_matching_ngram_size=int(cfg.max_matching_ngram_size or 2))
 
 
 def spec_width(model: Model, resolved: Settings) -> int:

@@ -13,7 +13,10 @@ A step is the model's work, run on the event loop's thread (a step is millisecon
 between two steps the loop runs everyone else, so new requests join the next step and every
 stream gets its tokens as they are made. A stream the consumer leaves early (``break``, a
 cancelled task) aborts its request, freeing its cache row. A request whose own code raised (a
-processor, a stopping criterion) raises that error from its stream; the other streams go on.
+processor, a stopping criterion) raises that error from its stream; the other streams go on. A
+step that fails for all (the model step raised: a refused module change, a device error) raises
+its error from every open stream and aborts their requests; a later stream starts stepping
+again.
 The front owns the caller's side of the batcher: do not step it elsewhere meanwhile
 (``lm.generate`` may still run beside it, from another thread).
 """
@@ -65,21 +68,38 @@ class AsyncFront:
 
     async def _steps(self) -> None:
         while self.batcher.has_unfinished():
+            failure: Exception | None = None
             try:
                 made = self.batcher.step()
-            except Exception:
-                made = []
+            except Exception as exc:  # (one request's error, or the step's own)
+                made, failure = [], exc
             for token in made:
                 queue = self._queues.get(token.request_id)
                 if queue is not None:
                     queue.put_nowait(token)
-            self._collect()
+            ended = self._collect()
+            if failure is not None and not any(error is failure for error in ended):
+                self._fail_all(failure)  # the model step failed: retrying would spin
+                return
             await asyncio.sleep(0)  # let the streams and new requests run
         self._collect()
 
-    def _collect(self) -> None:
-        """Hand each finished request's end (or its error) to its stream."""
+    def _collect(self) -> list[BaseException]:
+        """Hand each finished request's end (or its error) to its stream; returns the
+        errors."""
+        errors = []
         for done in self.batcher.take_finished():
             queue = self._queues.get(done.request_id)
+            if done.error is not None:
+                errors.append(done.error)
             if queue is not None:
                 queue.put_nowait(done.error if done.error is not None else _END)
+        return errors
+
+    def _fail_all(self, failure: Exception) -> None:
+        """A step failed for every request (the model step raised): each open stream raises
+        it and its request is aborted."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(failure)
+            self.batcher.abort(rid)
+        self._collect()

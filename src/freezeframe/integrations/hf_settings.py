@@ -198,6 +198,10 @@ def _alternative(field: str) -> str:
 def _lengths(cfg: Any, model_config: Any, width: int, default_max_length: bool,
              default_min_length: bool) -> None:
     """HF's length rules (module docstring, step 5), in place."""
+    for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, int):  # (HF would count 2.5 as 3)
+            raise ConfigError(f"generate: {name}={value!r} must be an int (a token count)")
     if cfg.max_new_tokens is not None:
         cfg.max_length = cfg.max_new_tokens + width
     elif default_max_length:
