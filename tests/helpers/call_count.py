@@ -108,9 +108,8 @@ def count_calls(fn: Callable[[], Any]) -> Counted:
                 switches += 1
             calls.append((module, frame.f_code.co_qualname))
             stack.append((frame, module))
-        elif event == "return":
-            if stack and stack[-1][0] is frame:
-                stack.pop()
+        elif event == "return" and stack and stack[-1][0] is frame:
+            stack.pop()
 
     sys.setprofile(hook)
     try:
