@@ -1,12 +1,11 @@
 """The plans of GraphRunner steps (runtime/plan.py, runtime/steps.py), end to end: the first
 step of a captured shape makes a plan, later steps of that shape stage new data and replay
 without routing the call through the model (FULL) or run the piece chain without the model's
-Python (PIECEWISE). A plan
-still refuses a changed module and inputs of another dtype or kind, goes back through the model
-when its graphs were dropped, counts and answers as the whole way does, rebuilds the output
-containers every step, and is never made (or is dropped) where a step must run the model's
-Python or copy a written input back; padding rows hold their fill at every step. Every scenario
-runs on every graph backend present (the ``rig`` fixture)."""
+Python (PIECEWISE). A plan still refuses a changed module and inputs of another dtype or kind,
+goes back through the model when its graphs were dropped, counts and answers as the whole way
+does, rebuilds the output containers every step, and is never made (or is dropped) where a
+step must run the model's Python or copy a written input back; padding rows hold their fill at
+every step. Every scenario runs on every graph backend present (the ``rig`` fixture)."""
 
 from __future__ import annotations
 
