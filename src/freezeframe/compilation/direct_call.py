@@ -57,7 +57,8 @@ __all__ = ["DirectCall", "Stitched", "direct_call", "free_of_side_effects", "pla
 class Stitched:
     """What Dynamo's code (or a saved trace) calls with the flat graph inputs: the compiled
     stitching graph, which records its calls' inputs and outputs while ``recording`` is a
-    list (:meth:`CompiledModel.plan_piecewise`)."""
+    list (a runner's first PIECEWISE step of a shape: ``graph_steps.PieceRecording``; the
+    direct call's construction)."""
 
     __slots__ = ("fn", "recording")
 
