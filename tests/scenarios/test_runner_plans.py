@@ -94,6 +94,8 @@ def test_a_planned_full_step_whose_graph_was_dropped_goes_back_through_the_model
         assert torch.equal(rig.host(runner(x)), torch.full((3, 3), 28.0))
     with model.stats.expect(graphs_captured=0, replays=1):
         assert torch.equal(rig.host(runner(2 * x)), torch.full((3, 3), 37.0))
+    # each step counted once, the one whose plan went stale too
+    assert (runner.stats.steps, runner.size_histogram) == (4, {3: 4})
 
 
 def test_planned_steps_count_and_answer_as_the_first_step_of_their_shape_did(rig: Rig) -> None:

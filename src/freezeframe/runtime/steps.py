@@ -236,16 +236,14 @@ class Stepper:
         static.stage_into(plan.staging, inputs)
         sizes, n = self.sizes, plan.num_tokens
         sizes[n] = sizes.get(n, 0) + 1
-        tallies = plan.tallies
-        if not tallies:
-            for name, by in plan.counters:
-                self._stats.inc(name, by)
+        tallies, work = plan.tallies, plan.work
+        if work.__class__ is ModelCall:  # (counted even when the model raises)
+            self._count(plan)
         verifier = self._verifier
         before = verifier.begin(self._held.module) if (  # type: ignore[union-attr]
             verifier is not None and plan.route.mode is not _NONE and self._held is not None
             and verifier.due(plan.graph_key)) else None
         versions = static.versions() if plan.watch else None
-        work = plan.work
         try:
             if work.__class__ is ModelCall:
                 out = self._call_model(plan, work, extras)  # type: ignore[arg-type]
@@ -264,8 +262,11 @@ class Stepper:
         except BaseException:
             self._after_failure(plan, inputs, versions)
             raise
-        for tally, by in tallies:
-            tally.n += by
+        if tallies:
+            for tally, by in tallies:
+                tally.n += by
+        elif work.__class__ is not ModelCall:  # the first step of a replay plan
+            self._count(plan)
         if versions is None:  # a FULL replay: new views of its static outputs
             out = plan.output
             out = out.detach() if out.__class__ is torch.Tensor else map_tensors(out, alias)
@@ -281,6 +282,11 @@ class Stepper:
         if self._options.copy_outputs or self.copy_after_overlap:
             return map_tensors(out, lambda t: t.clone())
         return out
+
+    def _count(self, plan: StepPlan) -> None:
+        """A step's counters, for a plan that has no tallies (not kept yet)."""
+        for name, by in plan.counters:
+            self._stats.inc(name, by)
 
     def _call_model(self, plan: StepPlan, work: ModelCall,
                     extras: Mapping[str, Any] | None) -> Any:
@@ -402,6 +408,7 @@ class Stepper:
         self._forget(plan)
         route = plan.route
         self._works.pop((route.mode, route.desc, route.padded_reqs), None)
+        self.sizes[plan.num_tokens] -= 1  # (the step is counted when it runs again)
         return STALE
 
     def capture_again(self) -> None:
