@@ -38,9 +38,12 @@ round by round, so load on a shared machine hits both alike. Rows: a planned FUL
 planned PIECEWISE step of ``ExampleMLP`` (2 layers: 3 capturable pieces, 2 splitting-op calls;
 3 tokens padded to 4) with their emulated graphs emptied (what is left is the step's host path,
 an empty replay per graph and the splitting ops), the first step of a shape (it plans the shape:
-binding, checks, dispatch, staging, the model's Python once), FULL and PIECEWISE, and the first
-call of ``ff.compile(ExampleMLP())`` (trace, split, compile; a fresh process per sample). Each
-row gives both checkouts' best and median and the ratio of the medians.
+binding, checks, dispatch, staging), FULL and PIECEWISE, once where another shape padded to
+the same size was stepped before ("of a shape": 1..255 tokens padded to 256) and once where
+none was ("of a size": sizes 1..96 each captured, so a PIECEWISE step runs the model's Python
+to record its piece chain), and the first call of ``ff.compile(ExampleMLP())`` (trace, split,
+compile; a fresh process per sample). Each row gives both checkouts' best and median (per
+round; a first-step round is the median of its steps) and the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -407,6 +410,7 @@ class Doubler(torch.nn.Module):
 
 # -- side by side with another checkout (--against) -------------------------------------------
 FIRST_SHAPES = 256  # the first-step runners serve 1..256 tokens, all padded to 256
+FRESH_SIZES = 96  # the first-size runners capture sizes 1..96, each shape a size of its own
 
 
 def _example_runner(graph_mode: str, sizes: list[int]) -> GraphRunner:
@@ -438,9 +442,16 @@ def _worker() -> None:
     for runner in planned.values():
         runner(x3)  # the first step of the shape plans it
         runner(x3)
-    first = {mode: _example_runner(mode, [FIRST_SHAPES]) for mode in ("full", "piecewise")}
-    fresh = {mode: iter(range(1, FIRST_SHAPES + 1)) for mode in first}
     inputs = {n: torch.randn(n, 32) for n in range(1, FIRST_SHAPES + 1)}
+    # "first": every shape padded to one size, whose first shape was stepped in the set-up;
+    # "first-size": every shape a size of its own (each captured)
+    first = {("first", mode): _example_runner(mode, [FIRST_SHAPES])
+             for mode in ("full", "piecewise")}
+    for runner in first.values():
+        runner(inputs[FIRST_SHAPES])
+    first.update({("first-size", mode): _example_runner(mode, list(range(1, FRESH_SIZES + 1)))
+                  for mode in ("full", "piecewise")})
+    fresh = {key: iter(range(1, FIRST_SHAPES)) for key in first}
     print("ready", flush=True)
     for line in sys.stdin:
         command, mode, count = line.split()
@@ -452,9 +463,9 @@ def _worker() -> None:
                 runner(x3)
             us = (time.thread_time() - start) / n * 1e6
         else:  # the first step of each of n shapes not seen yet
-            runner, times = first[mode], []
+            runner, times = first[command, mode], []
             for _ in range(n):
-                x = inputs[next(fresh[mode])]
+                x = inputs[next(fresh[command, mode])]
                 start = time.thread_time()
                 runner(x)
                 times.append(time.thread_time() - start)
@@ -507,7 +518,10 @@ def against(other: Path, rounds: int, first_calls: int) -> None:
             "planned PIECEWISE step": "planned piecewise 200",
             "first FULL step of a shape": f"first full {FIRST_SHAPES // rounds // 2 or 1}",
             "first PIECEWISE step of a shape":
-                f"first piecewise {FIRST_SHAPES // rounds // 2 or 1}"}
+                f"first piecewise {FIRST_SHAPES // rounds // 2 or 1}",
+            "first FULL step of a size": f"first-size full {FRESH_SIZES // rounds or 1}",
+            "first PIECEWISE step of a size":
+                f"first-size piecewise {FRESH_SIZES // rounds or 1}"}
     samples: dict[str, dict[str, list[float]]] = {row: {s: [] for s in sides} for row in rows}
     for r in range(rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
