@@ -200,9 +200,7 @@ class Stepper:
             return  # its FULL graphs are the micro-batch wrapper's: through the model
         known = self._works.get((mode, route.desc, route.padded_reqs))
         if known is not None and _live(known):
-            plan.work, plan.check, plan.context = known, held.state_check(), self._context(plan)
-            if known.__class__ is PieceReplays:
-                return
+            plan.work = known
         else:
             args, kwargs = self._forward.arguments(route.padded_tokens, route.padded_reqs)
             replay = held.graph_replay(mode, route.desc, args, kwargs, owner)
@@ -211,14 +209,16 @@ class Stepper:
                     plan.work = ModelCall(None, held.record_pieces(args, kwargs, route.desc,
                                                                    owner))
                 return
-            plan.work, plan.check = GraphReplay(replay), held.state_check()
-            plan.context = self._context(plan)
+            plan.work = GraphReplay(replay)
+        plan.check = held.state_check()
         if mode is _FULL:  # it reads no context; its answer: the same static outputs every
             # replay, cut once
-            plan.watch, plan.context = False, None
+            plan.watch = False
             replay = plan.work.replay  # type: ignore[union-attr]
             plan.output = self._cut.cut(replay.output, route.padded_tokens, plan.num_tokens,
                                         route.padded_reqs, plan.num_reqs)
+        else:
+            plan.context = self._context(plan)
 
     def _context(self, plan: StepPlan) -> ForwardContext:
         """The forward context a replay in context runs in (its splitting ops read it)."""
