@@ -43,7 +43,9 @@ the same size was stepped before ("of a shape": 1..255 tokens padded to 256) and
 none was ("of a size": sizes 1..96 each captured, so a PIECEWISE step runs the model's Python
 to record its piece chain), and the first call of ``ff.compile(ExampleMLP())`` (trace, split,
 compile; a fresh process per sample). Each row gives both checkouts' best and median (per
-round; a first-step round is the median of its steps) and the ratio of the medians.
+round; a first-step round is the median of its steps), the ratio of the medians and the median
+of the per-round ratios ("paired": the two sides of a round run back to back, so a drift of the
+machine's speed between rounds cancels out).
 """
 
 from __future__ import annotations
@@ -533,7 +535,8 @@ def against(other: Path, rounds: int, first_calls: int) -> None:
         proc.stdin.close()
         proc.wait()
     row = "first ff.compile call (ms)"
-    samples[row] = {s: [] for s in sides}
+    if first_calls:
+        samples[row] = {s: [] for s in sides}
     for r in range(first_calls):
         for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
             out = subprocess.run([sys.executable, script, "--first-call", "--src",
@@ -543,12 +546,15 @@ def against(other: Path, rounds: int, first_calls: int) -> None:
     print(f"\nside by side: this = {REPO}, other = {other.resolve()}; {rounds} rounds "
           f"(first calls: {first_calls}), CPU time per step in us (first call: ms)")
     print(f"  {'':34} {'this best':>10} {'median':>9} {'other best':>11} {'median':>9} "
-          f"{'this/other':>11}")
+          f"{'this/other':>11} {'paired':>8}")
     for row, by_side in samples.items():
         this, them = by_side["this"], by_side["other"]
+        # the median over rounds of each round's ratio: the two sides of one round ran
+        # back to back, so a drift of the machine's speed between rounds cancels out
+        paired = statistics.median(a / b for a, b in zip(this, them, strict=True))
         print(f"  {row:34} {min(this):10.1f} {statistics.median(this):9.1f} "
               f"{min(them):11.1f} {statistics.median(them):9.1f} "
-              f"{statistics.median(this) / statistics.median(them):10.2f}x")
+              f"{statistics.median(this) / statistics.median(them):10.2f}x {paired:7.2f}x")
 
 
 def main() -> None:
@@ -559,7 +565,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20,
                         help="rounds of --against (default 20)")
     parser.add_argument("--first-calls", type=int, default=5,
-                        help="first-call samples per checkout with --against (default 5)")
+                        help="first-call samples per checkout with --against (default 5; 0: "
+                             "none)")
     parser.add_argument("--src", help=argparse.SUPPRESS)  # (read before the imports)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
