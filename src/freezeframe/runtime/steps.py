@@ -237,7 +237,8 @@ class Stepper:
         sizes, n = self.sizes, plan.num_tokens
         sizes[n] = sizes.get(n, 0) + 1
         tallies, work = plan.tallies, plan.work
-        if work.__class__ is ModelCall:  # (counted even when the model raises)
+        model_call = work.__class__ is ModelCall
+        if model_call:  # (counted even when the model raises)
             self._count(plan)
         verifier = self._verifier
         before = verifier.begin(self._held.module) if (  # type: ignore[union-attr]
@@ -245,7 +246,7 @@ class Stepper:
             and verifier.due(plan.graph_key)) else None
         versions = static.versions() if plan.watch else None
         try:
-            if work.__class__ is ModelCall:
+            if model_call:
                 out = self._call_model(plan, work, extras)  # type: ignore[arg-type]
             elif plan.context is None:  # a FULL replay (it reads no context)
                 check = plan.check
@@ -255,7 +256,7 @@ class Stepper:
             else:
                 out = self._replay_in_context(plan, extras)
         except StaleReplay:
-            if work.__class__ is ModelCall:
+            if model_call:
                 self._after_failure(plan, inputs, versions)
                 raise
             return self._stale(plan)
@@ -265,7 +266,7 @@ class Stepper:
         if tallies:
             for tally, by in tallies:
                 tally.n += by
-        elif work.__class__ is not ModelCall:  # the first step of a replay plan
+        elif not model_call:  # the first step of a replay plan
             self._count(plan)
         if versions is None:  # a FULL replay: new views of its static outputs
             out = plan.output
