@@ -208,3 +208,19 @@ def test_steps_by_name_and_with_extras_are_planned(rig: Rig, graph_mode: str) ->
         assert same(rig, got, want), scale
         assert same(rig, runner(x, extras={"scale": scale}), want)
     assert runner.planned_shapes == 1
+
+
+def test_the_dispatch_options_of_a_step_are_part_of_its_plan_key(rig: Rig) -> None:
+    """``invalid_modes={FULL}`` sends a uniform decode step of FULL_AND_PIECEWISE to its
+    PIECEWISE graphs: it gets a plan of its own, and the plain decode steps of that shape keep
+    replaying the FULL graph."""
+    model, runner = silly_runner(rig, "full_and_piecewise")
+    x = rig.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    decode = {"uniform_decode": True, "num_reqs": 3}
+    no_full = {ff.CUDAGraphMode.FULL}
+    for _ in range(3):
+        with runner.stats.expect(steps_full=1), model.stats.expect(replays=1):
+            assert same(rig, runner(x, **decode), eager_silly(x))
+        with runner.stats.expect(steps_piecewise=1), model.stats.expect(replays=3):
+            assert same(rig, runner(x, invalid_modes=no_full, **decode), eager_silly(x))
+    assert runner.planned_shapes == 2

@@ -122,11 +122,14 @@ def plan_key(inputs: Sequence[Any], num_reqs: int | None, uniform_decode: bool,
              options: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
     """The key of a step's plan (see the module docstring); None when an input is no tensor
     (the step takes the whole way and fails there with a clear error). One dict lookup of
-    this key is the whole input check of a planned step."""
+    this key is the whole input check of a planned step. The step options come last, and
+    only when given (a runner's inputs are as many at every step, so a key with options is
+    one element longer)."""
     try:
-        return (num_reqs, uniform_decode, options, *map(input_key, inputs))
+        key = (num_reqs, uniform_decode, *map(input_key, inputs))
     except AttributeError:
         return None
+    return key if options is None else (*key, options)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -316,9 +316,9 @@ class GraphRunner:
     def _overlapped(self) -> None:
         """This step waited for another thread's: threads share the runner, so outputs are
         copies from now on (the next thread's step would overwrite a view)."""
-        if self._stepper.copy_after_overlap:
+        if self._stepper.copy_outputs:  # (copies already: said so, or seen before)
             return
-        self._stepper.copy_after_overlap = True
+        self._stepper.copy_outputs = True
         if not self.options.copy_outputs:
             logger.warning(
                 "GraphRunner: steps from several threads overlapped; they run one at a "

@@ -56,6 +56,7 @@ from freezeframe.runtime.plan import (
     StepPlan,
     input_key,
     plan_key,
+    step_options,
 )
 from freezeframe.runtime.route import StepRouter
 from freezeframe.runtime.verify import Verifier
@@ -94,7 +95,9 @@ class Stepper:
         self._stats, self._verifier, self._cut = parts.stats, parts.verifier, parts.cut
         self._names = tuple(parts.static.specs)
         self._on_cuda = parts.static.device.type == "cuda"
-        self.copy_after_overlap = False  # set once threads were seen sharing the runner
+        # return copies of the outputs: copy_outputs=True, or since threads were seen sharing
+        # the runner (GraphRunner sets it then)
+        self.copy_outputs = options.copy_outputs
         self.plans: dict[Any, StepPlan] = {}  # plan key -> the kept plan of that shape
         # (mode, descriptor, padded requests) -> the replay work of the plans that run it: the
         # shapes padded to one size share it, so only the first of them asks the model
@@ -116,20 +119,22 @@ class Stepper:
         plans = self.plans
         # lead: use compilation's one hooked-rule
         if plans and not self.model_hooked():
-            inputs = args if not kwargs else self._by_name(args, kwargs)
-            if inputs is not None and (num_scheduled_tokens is None
-                                       or self._forward.ubatch is None):
-                options = None if not (has_lora or num_active_loras or invalid_modes) else (
-                    bool(has_lora), num_active_loras, frozenset(invalid_modes))
-                try:  # (plan_key, written out: this lookup is the planned step's input check)
-                    plan = plans.get((num_reqs, uniform_decode, options,
-                                      *map(input_key, inputs)))
+            if kwargs or has_lora or num_active_loras or invalid_modes \
+                    or num_scheduled_tokens is not None:
+                plan, inputs = self._lookup(args, kwargs, num_reqs, uniform_decode,
+                                            step_options(has_lora, num_active_loras,
+                                                         invalid_modes),
+                                            num_scheduled_tokens)
+            else:  # most steps: plan_key written out (this lookup is their input check)
+                inputs = args
+                try:
+                    plan = plans.get((num_reqs, uniform_decode, *map(input_key, args)))
                 except AttributeError:  # an input is no tensor: the whole way says so
                     plan = None
-                if plan is not None:
-                    out = self.run(plan, inputs, extras)
-                    if out is not STALE:
-                        return out
+            if plan is not None:
+                out = self.run(plan, inputs, extras)
+                if out is not STALE:
+                    return out
         call = StepCall(args, kwargs, uniform_decode, has_lora, num_active_loras, num_reqs,
                         invalid_modes, extras, num_scheduled_tokens)
         plan, staged = self.plan(call)
@@ -139,16 +144,22 @@ class Stepper:
             out = self.run(plan, staged, extras)
         return out
 
-    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-        """The inputs in the runner's order, given (partly) by name; None when the names do
-        not fit (the whole way says how)."""
+    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any], num_reqs: int | None,
+                uniform_decode: bool, options: tuple[Any, ...] | None,
+                num_scheduled_tokens: Sequence[int] | None
+                ) -> tuple[StepPlan | None, tuple[Any, ...]]:
+        """The kept plan of a step with inputs by name or with step options, and its inputs
+        in the runner's order; no plan where the names do not fit (the whole way says how)
+        or the micro-batch split depends on ``num_scheduled_tokens``."""
         names, count = self._names, len(args)
-        if count + len(kwargs) != len(names):
-            return None
+        if count + len(kwargs) != len(names) or (num_scheduled_tokens is not None
+                                                 and self._forward.ubatch is not None):
+            return None, args
         try:
-            return (*args, *map(kwargs.__getitem__, names[count:]))
+            inputs = (*args, *map(kwargs.__getitem__, names[count:]))
         except KeyError:
-            return None
+            return None, args
+        return self.plans.get(plan_key(inputs, num_reqs, uniform_decode, options)), inputs
 
     # -- making a plan: the whole way ---------------------------------------------------------
     def plan(self, call: StepCall, replays: bool = True) -> tuple[StepPlan, list[Any]]:
@@ -280,7 +291,7 @@ class Stepper:
             values = dict(zip(self._names, inputs, strict=True))
             verifier.finish(plan.graph_key, before, out, self._held.module,
                             lambda: self._eagerly(values, n, extras or {}))
-        if self._options.copy_outputs or self.copy_after_overlap:
+        if self.copy_outputs:
             return map_tensors(out, lambda t: t.clone())
         return out
 
