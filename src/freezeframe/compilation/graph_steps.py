@@ -164,8 +164,11 @@ class PieceRecording:
         variant, calls = self._variant, self.calls
         backend, stitched = variant.backend, variant.stitched
         stitching = backend.stitching
-        if calls is None or len(calls) != 1 or stitching is None or stitched is None \
-                or not free_of_side_effects(variant.trace):
+        if calls is None or len(calls) != 1 or stitching is None or stitched is None:
+            return None
+        if stitched.pure is None:
+            stitched.pure = free_of_side_effects(variant.trace)
+        if not stitched.pure:
             return None
         flat_args, flat_out = calls[0]
         rebuild = rebuilder(out, flat_out)
@@ -183,7 +186,7 @@ class PieceRecording:
         ordered = tuple((p.name, bound.get(p.name, getattr(stitching, p.name)))
                         for p in backend.pieces)
         return PieceChain(self._descriptor, ordered, tuple(replays), tuple(flat_args),
-                          planned_stitching(stitching, bound).forward, rebuild,
+                          planned_stitching(stitching, bound), rebuild,
                           self._inference, self._model_key)
 
 
