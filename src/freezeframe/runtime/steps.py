@@ -245,8 +245,11 @@ class Stepper:
         of the plan was dropped before anything ran."""
         static = self._static
         static.stage_into(plan.staging, inputs)
-        sizes, n = self.sizes, plan.num_tokens
-        sizes[n] = sizes.get(n, 0) + 1
+        n = plan.num_tokens
+        try:
+            self.sizes[n] += 1
+        except KeyError:  # (the first step of this many tokens)
+            self.sizes[n] = 1
         tallies, work = plan.tallies, plan.work
         model_call = work.__class__ is ModelCall
         if model_call:  # (counted even when the model raises)
