@@ -29,6 +29,23 @@ planned PIECEWISE steps of chains of 1 and 5 splitting ops (a low-level torch.li
 at a few microseconds) with their graphs emptied, against their bare parts: the host time per
 piece and what one more piece adds. A benchmark script, not a test; the figures move with the
 machine's speed, so compare rows of one run.
+
+    python scripts/call_overhead.py --against /path/to/other/checkout
+
+times a runner's steps in this checkout and in another one side by side, in one run: two worker
+processes (one imports this checkout's ``src``, the other the other checkout's), asked in turn
+round by round, so load on a shared machine hits both alike. Rows: a planned FULL step and a
+planned PIECEWISE step of ``ExampleMLP`` (2 layers: 3 capturable pieces, 2 splitting-op calls;
+3 tokens padded to 4) with their emulated graphs emptied (what is left is the step's host path,
+an empty replay per graph and the splitting ops), the first step of a shape (it plans the shape:
+binding, checks, dispatch, staging), FULL and PIECEWISE, once where another shape padded to
+the same size was stepped before ("of a shape": 1..255 tokens padded to 256) and once where
+none was ("of a size": sizes 1..96 each captured, so a PIECEWISE step runs the model's Python
+to record its piece chain), and the first call of ``ff.compile(ExampleMLP())`` (trace, split,
+compile; a fresh process per sample). Each row gives both checkouts' best and median (per
+round; a first-step round is the median of its steps), the ratio of the medians and the median
+of the per-round ratios ("paired": the two sides of a round run back to back, so a drift of the
+machine's speed between rounds cancels out).
 """
 
 from __future__ import annotations
@@ -46,7 +63,10 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src"), str(REPO)]  # this checkout's freezeframe, and its tests/
+# this checkout's freezeframe (or, for a worker of --against, the checkout named by --src),
+# and this checkout's tests/
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1] else str(REPO / "src")
+sys.path[:0] = [_SRC, str(REPO)]
 
 from tests.helpers.toy_models import (  # noqa: E402
     LlamaConfig,
@@ -390,9 +410,173 @@ class Doubler(torch.nn.Module):
         return x * 2
 
 
+# -- side by side with another checkout (--against) -------------------------------------------
+FIRST_SHAPES = 256  # the first-step runners serve 1..256 tokens, all padded to 256
+FRESH_SIZES = 96  # the first-size runners capture sizes 1..96, each shape a size of its own
+
+
+def _example_runner(graph_mode: str, sizes: list[int]) -> GraphRunner:
+    """``ExampleMLP`` (2 layers) compiled with the eager compiler behind a captured runner
+    (emulated graphs of ``graph_mode`` at ``sizes``), its graphs emptied: a replay re-runs
+    nothing, so a step's time is its host path, the splitting ops and empty replays."""
+    from freezeframe.models.example import MIX_OP, ExampleMLP
+    module = ExampleMLP()
+    cfg = ff.CompilationConfig(
+        mode="piecewise", backend="eager", splitting_ops=[MIX_OP], cudagraph_mode=graph_mode,
+        graph_backend="emulated", cudagraph_capture_sizes=sizes, max_num_tokens=max(sizes),
+        max_num_seqs=8, use_cache=False)
+    model = ff.compile(module, cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(module.hidden_size)}, progress=False)
+    runner.capture()
+    for wrapper in model.graph_wrappers():
+        for desc in wrapper.captured_descriptors:
+            graph = wrapper.graph_for(desc)
+            graph._steps = []  # type: ignore[union-attr]
+    return runner
+
+
+def _worker() -> None:
+    """A worker of --against: set the runners up, then answer the parent's commands (one per
+    line on stdin, one figure per line on stdout, in microseconds)."""
+    torch.set_num_threads(1)
+    x3 = torch.randn(3, 32)
+    planned = {mode: _example_runner(mode, [1, 2, 4, 8]) for mode in ("full", "piecewise")}
+    for runner in planned.values():
+        runner(x3)  # the first step of the shape plans it
+        runner(x3)
+    inputs = {n: torch.randn(n, 32) for n in range(1, FIRST_SHAPES + 1)}
+    # "first": every shape padded to one size, whose first shape was stepped in the set-up;
+    # "first-size": every shape a size of its own (each captured)
+    first = {("first", mode): _example_runner(mode, [FIRST_SHAPES])
+             for mode in ("full", "piecewise")}
+    for runner in first.values():
+        runner(inputs[FIRST_SHAPES])
+    first.update({("first-size", mode): _example_runner(mode, list(range(1, FRESH_SIZES + 1)))
+                  for mode in ("full", "piecewise")})
+    fresh = {key: iter(range(1, FIRST_SHAPES)) for key in first}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command, mode, count = line.split()
+        n = int(count)
+        if command == "planned":
+            runner = planned[mode]
+            start = time.thread_time()
+            for _ in range(n):
+                runner(x3)
+            us = (time.thread_time() - start) / n * 1e6
+        else:  # the first step of each of n shapes not seen yet
+            runner, times = first[command, mode], []
+            for _ in range(n):
+                x = inputs[next(fresh[command, mode])]
+                start = time.thread_time()
+                runner(x)
+                times.append(time.thread_time() - start)
+            us = statistics.median(times) * 1e6
+        print(us, flush=True)
+
+
+def _first_call() -> None:
+    """--first-call: the CPU time of ff.compile(ExampleMLP()) and its first call, printed in
+    microseconds (a fresh process per sample: nothing of an earlier trace is cached)."""
+    from freezeframe.models.example import MIX_OP, ExampleMLP
+    torch.set_num_threads(1)
+    module = ExampleMLP()
+    x = module.example_input(3)
+    cfg = ff.CompilationConfig(mode="piecewise", backend="eager", splitting_ops=[MIX_OP],
+                               cudagraph_mode="none", use_cache=False)
+    start = time.process_time()
+    ff.compile(module, cfg)(x)
+    print((time.process_time() - start) * 1e6)
+
+
+def against(other: Path, rounds: int, first_calls: int) -> None:
+    """The step rows of this checkout and ``other``, side by side (see the module docstring)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sides = {"this": REPO / "src", "other": other.resolve() / "src"}
+    for side, src in sides.items():
+        if not (src / "freezeframe").is_dir():
+            raise SystemExit(f"--against: no freezeframe package under {src} ({side})")
+    script = str(Path(__file__).resolve())
+    workers = {side: subprocess.Popen([sys.executable, script, "--worker", "--src", str(src)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=env)
+               for side, src in sides.items()}
+
+    def ask(side: str, line: str) -> float:
+        proc = workers[side]
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        return float(proc.stdout.readline())
+
+    for side, proc in workers.items():
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise SystemExit(f"--against: the {side} worker failed to start")
+    rows = {"planned FULL step": "planned full 200",
+            "planned PIECEWISE step": "planned piecewise 200",
+            "first FULL step of a shape": f"first full {FIRST_SHAPES // rounds // 2 or 1}",
+            "first PIECEWISE step of a shape":
+                f"first piecewise {FIRST_SHAPES // rounds // 2 or 1}",
+            "first FULL step of a size": f"first-size full {FRESH_SIZES // rounds or 1}",
+            "first PIECEWISE step of a size":
+                f"first-size piecewise {FRESH_SIZES // rounds or 1}"}
+    samples: dict[str, dict[str, list[float]]] = {row: {s: [] for s in sides} for row in rows}
+    for r in range(rounds):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for row, line in rows.items():
+            for side in order:
+                samples[row][side].append(ask(side, line))
+    for proc in workers.values():
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+    row = "first ff.compile call (ms)"
+    if first_calls:
+        samples[row] = {s: [] for s in sides}
+    for r in range(first_calls):
+        for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+            out = subprocess.run([sys.executable, script, "--first-call", "--src",
+                                  str(sides[side])], env=env, capture_output=True, text=True,
+                                 check=True)
+            samples[row][side].append(float(out.stdout.split()[-1]) / 1000)
+    print(f"\nside by side: this = {REPO}, other = {other.resolve()}; {rounds} rounds "
+          f"(first calls: {first_calls}), CPU time per step in us (first call: ms)")
+    print(f"  {'':34} {'this best':>10} {'median':>9} {'other best':>11} {'median':>9} "
+          f"{'this/other':>11} {'paired':>8}")
+    for row, by_side in samples.items():
+        this, them = by_side["this"], by_side["other"]
+        # the median over rounds of each round's ratio: the two sides of one round ran
+        # back to back, so a drift of the machine's speed between rounds cancels out
+        paired = statistics.median(a / b for a, b in zip(this, them, strict=True))
+        print(f"  {row:34} {min(this):10.1f} {statistics.median(this):9.1f} "
+              f"{min(them):11.1f} {statistics.median(them):9.1f} "
+              f"{statistics.median(this) / statistics.median(them):10.2f}x {paired:7.2f}x")
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__,  # no options; --help says what it times
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", type=Path, metavar="CHECKOUT",
+                        help="time the runner's steps here and in CHECKOUT side by side")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="rounds of --against (default 20)")
+    parser.add_argument("--first-calls", type=int, default=5,
+                        help="first-call samples per checkout with --against (default 5; 0: "
+                             "none)")
+    parser.add_argument("--src", help=argparse.SUPPRESS)  # (read before the imports)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return _worker()
+    if args.first_call:
+        return _first_call()
+    if args.against is not None:
+        return against(args.against, args.rounds, args.first_calls)
     torch.set_num_threads(1)
     with torch.inference_mode():
         # The lean op first: silly::attention's own 30-50 us call is noisy enough to move the

@@ -1,11 +1,11 @@
-"""The plans of GraphRunner steps (runtime/plan.py), end to end: the first step of a captured shape
-makes a plan, later steps of that shape stage new data and replay without routing the call
-through the model (FULL) or run the piece chain without the model's Python (PIECEWISE). A plan
-still refuses a changed module and inputs of another dtype or kind, goes back through the model
-when its graphs were dropped, counts and answers as the whole way does, rebuilds the output
-containers every step, and is never made (or is dropped) where a step must run the model's
-Python or copy a written input back; padding rows hold their fill at every step. Every scenario
-runs on every graph backend present (the ``rig`` fixture)."""
+"""The plans of GraphRunner steps (runtime/plan.py, runtime/steps.py), end to end: the first
+step of a captured shape makes a plan, later steps of that shape stage new data and replay
+without routing the call through the model (FULL) or run the piece chain without the model's
+Python (PIECEWISE). A plan still refuses a changed module and inputs of another dtype or kind,
+goes back through the model when its graphs were dropped, counts and answers as the whole way
+does, rebuilds the output containers every step, and is never made (or is dropped) where a
+step must run the model's Python or copy a written input back; padding rows hold their fill at
+every step. Every scenario runs on every graph backend present (the ``rig`` fixture)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import freezeframe as ff
 from freezeframe import CompilationConfig
 from freezeframe.errors import InputMismatchError
 from freezeframe.runtime import GraphRunner, Tokens
+from freezeframe.runtime.plan import PieceReplays
 from tests.helpers.silly import attention, get_counter, reset_counter
 from tests.helpers.toy_models import KeepsLast, SillyModel
 from tests.scenarios.conftest import Rig
@@ -93,6 +94,8 @@ def test_a_planned_full_step_whose_graph_was_dropped_goes_back_through_the_model
         assert torch.equal(rig.host(runner(x)), torch.full((3, 3), 28.0))
     with model.stats.expect(graphs_captured=0, replays=1):
         assert torch.equal(rig.host(runner(2 * x)), torch.full((3, 3), 37.0))
+    # each step counted once, the one whose plan went stale too
+    assert (runner.stats.steps, runner.size_histogram) == (4, {3: 4})
 
 
 def test_planned_steps_count_and_answer_as_the_first_step_of_their_shape_did(rig: Rig) -> None:
@@ -283,14 +286,18 @@ def test_a_planned_step_that_sees_an_input_written_finishes_the_whole_way(rig: R
     runner(full(rig, 3, 1.0))
     plans = runner._stepper.plans  # (a fault injected into the one plan)
     (key, plan), = plans.items()
-    replay = plan.replay
+    assert isinstance(plan.work, PieceReplays)
+    chain = plan.work.chain
 
-    def writes() -> Any:
-        out = replay()
-        runner.buffers["x"][:3].add_(1)
-        return out
+    class Writes:
+        replays = chain.replays
 
-    plans[key] = dataclasses.replace(plan, replay=writes)
+        def __call__(self) -> Any:
+            out = chain()
+            runner.buffers["x"][:3].add_(1)
+            return out
+
+    plans[key] = dataclasses.replace(plan, work=PieceReplays(Writes()))
     x = full(rig, 3, 1.0)
     with runner.stats.expect(inputs_copied_back=1, steps_piecewise=1):
         assert torch.equal(rig.host(runner(x)), torch.full((3, 3), 28.0))

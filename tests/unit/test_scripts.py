@@ -17,7 +17,7 @@ DOCS = "\n".join(p.read_text(encoding="utf-8")
                  for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
 
 
-@pytest.mark.parametrize("script", ["capture_policies.py", "call_overhead.py"])
+@pytest.mark.parametrize("script", ["capture_policies.py", "call_overhead.py", "count_calls.py"])
 def test_script_runs_as_the_readme_runs_it(script: str) -> None:
     commands = re.findall(r"`(python scripts/[\w.]+)`", DOCS)
     command = f"python scripts/{script}"

@@ -25,13 +25,12 @@ the generated code has no Python side effect (:func:`free_of_side_effects`), eve
 has a plain source, every returned tensor is a graph output, and, on the call that builds it,
 the bound inputs are the very objects (tensors) and values (sizes) Dynamo's code passed.
 Anything else keeps calling the bytecode. For calls of one exact shape, :func:`sized_call`
-makes the same function call a copy of the stitching graph with each piece's compiled entry for
-that shape bound in, so no piece picks its entry per call.
+makes the same function call the stitching graph's code with each piece's compiled entry for
+that shape bound in (:func:`planned_stitching`), so no piece picks its entry per call.
 """
 
 from __future__ import annotations
 
-import copy
 import dis
 import inspect
 import operator
@@ -57,17 +56,22 @@ __all__ = ["DirectCall", "Stitched", "direct_call", "free_of_side_effects", "pla
 class Stitched:
     """What Dynamo's code (or a saved trace) calls with the flat graph inputs: the compiled
     stitching graph, which records its calls' inputs and outputs while ``recording`` is a
-    list (:meth:`CompiledModel.plan_piecewise`)."""
+    list (a runner's first PIECEWISE step of a shape: ``graph_steps.PieceRecording``; the
+    direct call's construction)."""
 
-    __slots__ = ("fn", "recording")
+    __slots__ = ("fn", "pure", "recording")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.recording: list[tuple[tuple[Any, ...], Any]] | None = None
+        # whether the trace's generated code does nothing but call this graph
+        # (free_of_side_effects), once worked out: a runner asks at each padded size
+        self.pure: bool | None = None
 
     def calls(self, stitching: Any) -> bool:
         """Whether this calls ``stitching``'s own forward (not behind cudagraph_copy_inputs'
-        copies), so that a copy of it with other piece attributes does the same work."""
+        copies), so that its code with other piece attributes (:func:`planned_stitching`)
+        does the same work."""
         fn = self.fn
         return inspect.ismethod(fn) and fn.__self__ is stitching
 
@@ -270,32 +274,41 @@ def sized_call(direct: DirectCall, stitching: fx.GraphModule,
     its exact shapes and plain values (each piece's size is a dynamic size of the inputs), so
     a caller keys the result by :func:`~freezeframe.compilation.signature.exact_key`.
 
-    ``known`` keeps the stitching copies already made, by the entries they hold: the shapes
-    of one compile range share one copy. The call runs on a copy of its own, so a thread that
-    calls the model meanwhile sees nothing of it."""
+    ``known`` keeps the planned stitching calls already made (:func:`planned_stitching`), by
+    the entries they hold: the shapes of one compile range share one. The call runs on
+    attributes of its own, so a thread that calls the model meanwhile sees nothing of it."""
     choosers = {name: _Chooser(backend) for name, backend in backends.items()}
-    probe = planned_stitching(stitching, choosers).forward
+    probe = planned_stitching(stitching, choosers)
     out = direct.rebuild(probe(*direct.bind(*args, **kwargs)))
     entries = {name: chooser.chosen for name, chooser in choosers.items()}
     if any(fn is None for fn in entries.values()):  # a piece the call skipped: keep dispatch
         return out, direct
     ids = tuple(id(fn) for fn in entries.values())
     forward = known.get(ids)
-    if forward is None:  # (the copy holds the entries, so their ids stay theirs)
-        forward = known[ids] = planned_stitching(stitching, entries).forward
+    if forward is None:  # (it holds the entries, so their ids stay theirs)
+        forward = known[ids] = planned_stitching(stitching, entries)
     return out, direct.calling(forward)
 
 
+class _Attributes:
+    """The attributes a stitching graph's generated code reads from ``self``."""
+
+
 def planned_stitching(stitching: fx.GraphModule,
-                      pieces: Mapping[str, Any]) -> fx.GraphModule:
-    """A shallow copy of the stitching module whose piece attributes are ``pieces``: it shares
-    the graph and its generated code, and the original keeps its own attributes (the
-    splitting-op pieces among them are plain functions already: see ``CompileBackend``)."""
-    planned = copy.copy(stitching)
-    planned.__dict__ = dict(stitching.__dict__)
-    for name, piece in pieces.items():
-        planned.__dict__[name] = piece
-    return planned
+                      pieces: Mapping[str, Any]) -> Callable[..., Any]:
+    """The stitching module's generated ``forward`` with ``pieces`` in place of its piece
+    attributes: the same code object, bound to an object of its own that holds the module's
+    attributes (its submodules, parameters and buffers too) with ``pieces`` over them. The
+    module keeps its own attributes (the splitting-op pieces among them are plain functions
+    already: see ``CompileBackend``), and nothing is copied or generated again (a copy of the
+    GraphModule would generate and compile its code anew: milliseconds per copy)."""
+    holder = _Attributes()
+    attributes = holder.__dict__
+    for group in ("_parameters", "_buffers", "_modules"):
+        attributes.update(getattr(stitching, group, None) or {})
+    attributes.update(stitching.__dict__)
+    attributes.update(pieces)
+    return types.MethodType(stitching.forward.__func__, holder)  # type: ignore[attr-defined]
 
 
 def direct_call(module: Any, trace: TraceOnce, sources: Sequence[str | None] | None,

@@ -1,30 +1,34 @@
-"""What a compiled model hands a runner for a graph step it repeats on the same buffers.
+"""What a compiled model hands a runner to plan a graph step it repeats on the same buffers.
 
 A :class:`~freezeframe.runtime.GraphRunner` calls the model on its static buffers, step after
 step. Once a size is captured, the model's Python (routing, Dynamo's bytecode, the input checks
-of each replay) gives the same answer every time, so it is worked out once, here, and the
-runner keeps a zero-argument function:
+of each replay) gives the same answer every time, so the runner plans the step once and keeps
+what it runs as data (``runtime/plan.py``):
 
-* FULL: :func:`full_replay` -- the FULL graph's :class:`~freezeframe.graphs.replay.Replay` on
-  the buffers it was captured reading, checked once;
-* PIECEWISE: :func:`piecewise_replay` -- the stitching graph called directly on the flat
-  inputs Dynamo's code passed it, each capturable piece its graph's ``Replay`` (the same
-  argument checks a call through the wrapper makes), the splitting ops called as the graph
-  calls them, the output rebuilt from the graph's outputs.
+* FULL (and a breakable model's PIECEWISE step): :func:`graph_replay` -- the graph's
+  :class:`~freezeframe.graphs.replay.Replay`, when it was captured reading exactly the
+  runner's buffers; the runner calls :meth:`~freezeframe.graphs.replay.Replay.on_captured`;
+* PIECEWISE: a :class:`PieceChain` -- the pieces in the order the stitching graph calls them
+  (each capturable piece its graph's ``Replay``, each splitting op as the graph calls it), the
+  flat inputs Dynamo's code passed the stitching graph, and how the model's output is rebuilt.
+  The runner's first step of a shape records it (:class:`PieceRecording`): the runner enters
+  the recording around its own call of the model, then asks for the chain; nothing calls back
+  into the runner.
 
-Both keep the module-state check of every call (``check``: parameters replaced since the plan
-drop every graph, and the replay then raises :class:`~freezeframe.graphs.StaleReplay`).
+The runner runs the model's every-call state check before either (parameters replaced since
+the plan drop every graph, and the replay then raises :class:`~freezeframe.graphs.StaleReplay`).
 
 And :func:`refuse_graphs_under_autograd`: a graph step is refused while autograd records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import operator
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +36,6 @@ from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation.direct_call import (
-    Stitched,
     free_of_side_effects,
     planned_stitching,
     rebuilder,
@@ -45,7 +48,8 @@ from freezeframe.graphs import GraphWrapper
 from freezeframe.graphs.replay import Replay, StaleReplay
 from freezeframe.stats import Stats
 
-__all__ = ["drop_graphs", "full_replay", "piecewise_replay", "refuse_graphs_under_autograd"]
+__all__ = ["PieceChain", "PieceRecording", "drop_graphs", "graph_replay",
+           "refuse_graphs_under_autograd"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,72 +82,112 @@ def drop_graphs(wrappers: list[Any], moved: list[str], model_key: str, stats: St
     return True
 
 
-def full_replay(wrapper: GraphWrapper | None, descriptor: BatchDescriptor,
-                args: tuple[Any, ...], kwargs: dict[str, Any],
-                check: Callable[[], None] | None, owner: object) -> Callable[[], Any] | None:
-    """A zero-argument replay of ``wrapper``'s FULL graph that ``owner`` captured for
-    ``descriptor`` on these arguments, running ``check`` (the model's every-call state check)
-    first; None when there is no such graph."""
+def graph_replay(wrapper: GraphWrapper | None, descriptor: BatchDescriptor,
+                 args: tuple[Any, ...], kwargs: dict[str, Any], owner: object
+                 ) -> Replay | None:
+    """The :class:`Replay` of ``wrapper``'s graph that ``owner`` captured for ``descriptor``,
+    when it was captured reading exactly these arguments; None otherwise."""
     replay = wrapper.replay_for(descriptor, owner) if wrapper is not None else None
     if replay is None or not replay.reads_captured(args, kwargs):
         return None
-    on_captured = replay.on_captured
-    if check is None:
-        return on_captured
-
-    def checked() -> Any:
-        check()
-        return on_captured()
-
-    return checked
+    return replay
 
 
-def piecewise_replay(variant: Variant, stitched: Stitched, descriptor: BatchDescriptor,
-                     calls: list[tuple[tuple[Any, ...], Any]], out: Any,
-                     check: Callable[[], None] | None, inference: bool,
-                     model_key: str, owner: object) -> Callable[[], Any] | None:
-    """The PIECEWISE step of ``variant`` for ``descriptor`` (its graphs those ``owner``
-    captured), repeated without the model's
-    Python: ``calls`` is what one watched call passed to the stitching graph and got back,
-    ``out`` what it returned. None when anything about it is not plannable (Python side
-    effects in the generated code, an output that is not the graph's own, a piece without a
-    graph)."""
-    backend = variant.backend
-    stitching = backend.stitching
-    if len(calls) != 1 or stitching is None or not free_of_side_effects(variant.trace):
-        return None
-    flat_args, flat_out = calls[0]
-    rebuild = rebuilder(out, flat_out)
-    if rebuild is None or not stitched.calls(stitching):
-        return None
-    names = backend.capturable_names
-    wrappers = [getattr(stitching, name) for name in names]
-    if not all(isinstance(w, GraphWrapper) for w in wrappers):
-        return None
-    found = [w.replay_for(descriptor, owner) for w in wrappers]
-    if any(r is None or not r.positional for r in found):
-        return None
-    pieces = cast(list[Replay], found)
-    forward = planned_stitching(stitching, dict(zip(names, pieces, strict=True))).forward
+@dataclasses.dataclass(frozen=True, slots=True)
+class PieceChain:
+    """A PIECEWISE step of one shape, as data (see the module docstring). Calling it runs the
+    pieces in order through the stitching graph's own generated code, with ``calls`` bound in
+    (``forward``), on the recorded ``flat_args``, and rebuilds the model's output."""
 
-    def replay() -> Any:
-        if check is not None:  # first: parameters replaced since the plan drop every graph
-            check()
-        if not all(piece.live for piece in pieces):
-            raise StaleReplay(f"a PIECEWISE graph for {descriptor} was dropped")
+    descriptor: BatchDescriptor
+    #: (stitching attribute, what it runs): each capturable piece's Replay, each splitting
+    #: op's callable, in the order the stitching graph calls them
+    calls: tuple[tuple[str, Any], ...]
+    replays: tuple[Replay, ...]
+    flat_args: tuple[Any, ...]
+    forward: Callable[..., Any]
+    rebuild: Callable[[Any], Any]
+    inference: bool
+    model_key: str
+
+    def __call__(self) -> Any:
+        for piece in self.replays:  # first: nothing runs when a graph was dropped
+            if piece.graph is None:
+                raise StaleReplay(f"a PIECEWISE graph for {self.descriptor} was dropped")
         try:
-            if inference:  # (the guard torch.inference_mode() enters, for less)
+            if self.inference:  # (the guard torch.inference_mode() enters, for less)
                 with torch._C._InferenceMode(True):
-                    flat = forward(*flat_args)
+                    flat = self.forward(*self.flat_args)
             else:
-                flat = forward(*flat_args)
+                flat = self.forward(*self.flat_args)
         except StaleReplay as exc:  # part of the step ran: it must not run again
             raise CaptureError(
-                f"{model_key}: a PIECEWISE graph of the planned step for {descriptor} was "
-                f"dropped halfway through the step ({exc})") from None
-        return rebuild(flat)
+                f"{self.model_key}: a PIECEWISE graph of the planned step for "
+                f"{self.descriptor} was dropped halfway through the step ({exc})") from None
+        return self.rebuild(flat)
 
-    return replay
+
+class PieceRecording:
+    """The stitching graph's calls during one model call, for :meth:`chain`: entered by the
+    runner around its first PIECEWISE step of a shape (a call of ``variant`` for
+    ``descriptor``, its graphs those ``owner`` captured)."""
+
+    __slots__ = ("_descriptor", "_inference", "_model_key", "_owner", "_variant", "calls")
+
+    def __init__(self, variant: Variant, descriptor: BatchDescriptor, owner: object,
+                 inference: bool, model_key: str) -> None:
+        self._variant, self._descriptor, self._owner = variant, descriptor, owner
+        self._inference, self._model_key = inference, model_key
+        # (flat inputs, flat outputs) of each stitching call; None: not recording (another
+        # recording was under way)
+        self.calls: list[tuple[tuple[Any, ...], Any]] | None = []
+
+    def __enter__(self) -> PieceRecording:
+        stitched = self._variant.stitched
+        if stitched is None or stitched.recording is not None:
+            self.calls = None
+        else:
+            stitched.recording = self.calls
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stitched = self._variant.stitched
+        if self.calls is not None and stitched is not None \
+                and stitched.recording is self.calls:
+            stitched.recording = None
+
+    def chain(self, out: Any) -> PieceChain | None:
+        """The recorded call as a :class:`PieceChain` (``out``: what the model returned); None
+        when it cannot be repeated without the model's Python (Python side effects in the
+        generated code, not one stitching call, an output that is not the graph's own, a piece
+        without a graph of this owner)."""
+        variant, calls = self._variant, self.calls
+        backend, stitched = variant.backend, variant.stitched
+        stitching = backend.stitching
+        if calls is None or len(calls) != 1 or stitching is None or stitched is None:
+            return None
+        if stitched.pure is None:
+            stitched.pure = free_of_side_effects(variant.trace)
+        if not stitched.pure:
+            return None
+        flat_args, flat_out = calls[0]
+        rebuild = rebuilder(out, flat_out)
+        if rebuild is None or not stitched.calls(stitching):
+            return None
+        names = backend.capturable_names
+        wrappers = [getattr(stitching, name) for name in names]
+        if not all(isinstance(w, GraphWrapper) for w in wrappers):
+            return None
+        found = [w.replay_for(self._descriptor, self._owner) for w in wrappers]
+        replays = [r for r in found if r is not None and r.positional]
+        if len(replays) != len(found):
+            return None
+        bound = dict(zip(names, replays, strict=True))
+        ordered = tuple((p.name, bound.get(p.name, getattr(stitching, p.name)))
+                        for p in backend.pieces)
+        return PieceChain(self._descriptor, ordered, tuple(replays), tuple(flat_args),
+                          planned_stitching(stitching, bound), rebuild,
+                          self._inference, self._model_key)
 
 
 def refuse_graphs_under_autograd(ctx: ForwardContext | None, graph_mode: CUDAGraphMode,

@@ -3,8 +3,8 @@
 The model owns its compile state and its hot path; the parts live next to it: the compile
 stack (:mod:`~freezeframe.compilation.assemble`), which trace serves a call and the memos of
 repeated calls (:mod:`~freezeframe.compilation.routing`), what a trace refuses and how a failed
-one reads (:mod:`~freezeframe.compilation.trace_checks`), and the planned replays a runner
-keeps (:mod:`~freezeframe.compilation.graph_steps`).
+one reads (:mod:`~freezeframe.compilation.trace_checks`), and what a runner plans its graph
+steps from (:mod:`~freezeframe.compilation.graph_steps`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.context import get_forward_context
 from freezeframe.errors import CompileError, ConfigError
 from freezeframe.graphs import GraphBackend
+from freezeframe.graphs.replay import Replay
 from freezeframe.stats import Stats
 
 __all__ = ["MAX_TRACES", "CompiledModel", "compile"]
@@ -201,9 +202,9 @@ class CompiledModel(nn.Module):
             "forward reads) before the first call, or compile again after them: "
             "ff.compile(module, config)")
 
-    def _state_check(self) -> Callable[[], None] | None:
-        """The every-call module-state check as a function of nothing (for planned replays),
-        or None before the first trace."""
+    def state_check(self) -> Callable[[], None] | None:
+        """The every-call module-state check as a function of nothing (a runner's planned
+        step runs it before its replays), or None before the first trace."""
         state, every_call, check = self._state, self._check_state_every_call, self._check_state
         if state is None:
             return None
@@ -346,55 +347,42 @@ class CompiledModel(nn.Module):
                 self._check_state(state)
         return untraced.call(*args, **kwargs)
 
-    # -- graph steps a runner repeats (see graph_steps) ---------------------------------------
-    def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], owner: object) -> Callable[[], Any] | None:
-        """A zero-argument function that replays this model's FULL graph for ``descriptor``,
-        captured on exactly these arguments (a runner's static buffers), for callers that
-        pass them again and again: the call-structure routing and the replay's input checks
-        are done once, here; each call keeps the module-state check of every call (the cheap
-        tier, or the full one with ``debug``). ``owner`` is the forward context's owner the
-        graph was captured under (the runner's static buffers). ``None`` when there is no such
-        graph.
-
-        Call it under no autograd recording (the runner calls under ``torch.no_grad()``); it
-        raises :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped."""
+    # -- what a runner plans its graph steps from (see graph_steps) ------------------------
+    def graph_replay(self, mode: CUDAGraphMode, descriptor: BatchDescriptor,
+                     args: tuple[Any, ...], kwargs: dict[str, Any], owner: object
+                     ) -> Replay | None:
+        """The :class:`~freezeframe.graphs.replay.Replay` of this model's graph of the whole
+        forward for ``descriptor`` (the FULL graph, or under PIECEWISE a breakable model's
+        graph) that ``owner`` (a runner's static buffers) captured reading exactly these
+        arguments, or None. A runner's planned step replays it on them directly
+        (:meth:`Replay.on_captured`), after :meth:`state_check`: the call-structure routing
+        and the replay's input checks are done once, here. Call it under no autograd
+        recording (the runner steps under ``torch.no_grad()``)."""
         if self._untraced is not None:
-            wrapper = self._untraced.full
-        elif self._router is None:
+            untraced = self._untraced
+            wrapper = untraced.full if mode is CUDAGraphMode.FULL else untraced.breakable
+        elif self._router is None or mode is not CUDAGraphMode.FULL:
             wrapper = None
         else:
             variant = self._router.routed(args, kwargs)
             wrapper = variant.full_wrapper if variant is not None else None
-        return graph_steps.full_replay(wrapper, descriptor, args, kwargs, self._state_check(),
-                                       owner)
+        return graph_steps.graph_replay(wrapper, descriptor, args, kwargs, owner)
 
-    def plan_piecewise(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], run: Callable[[], Any], owner: object
-                       ) -> tuple[Any, Callable[[], Any] | None]:
-        """Call ``run()`` (this model on ``args``/``kwargs``, a runner's static buffers, inside
-        a PIECEWISE forward context for ``descriptor``) and watch it: the flat inputs Dynamo's
-        code passed to the stitching graph and what it returned. Return ``run()``'s output and,
-        when the call can be repeated without the model's Python, a zero-argument function
-        that repeats it on the same buffers (:func:`graph_steps.piecewise_replay`); the
-        module-state check stays on every call, the caller keeps the forward context."""
-        if self._untraced is not None and self._untraced.breakable is not None:
-            out = run()  # breakable: the whole forward is one wrapper's replay
-            return out, graph_steps.full_replay(self._untraced.breakable, descriptor, args,
-                                                kwargs, self._state_check(), owner)
-        variant = self._router.routed(args, kwargs) if self._router is not None else None
-        stitched = variant.stitched if variant is not None else None
-        if variant is None or stitched is None:
-            return run(), None
-        calls: list[tuple[tuple[Any, ...], Any]] = []
-        stitched.recording = calls
-        try:
-            out = run()
-        finally:
-            stitched.recording = None
-        return out, graph_steps.piecewise_replay(variant, stitched, descriptor, calls, out,
-                                                 self._state_check(), self.inference_mode,
-                                                 self.model_key, owner)
+    def record_pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      descriptor: BatchDescriptor, owner: object
+                      ) -> graph_steps.PieceRecording | None:
+        """A recording of the stitching graph's calls, for a runner to enter around its own
+        call of this model on ``args``/``kwargs`` (its static buffers) in a PIECEWISE step
+        for ``descriptor``; its :meth:`~graph_steps.PieceRecording.chain` then says how later
+        steps of that shape run without the model's Python. None where the call has no
+        stitching graph (a breakable model: see :meth:`graph_replay`)."""
+        if self._router is None:
+            return None
+        variant = self._router.routed(args, kwargs)
+        if variant is None or variant.stitched is None:
+            return None
+        return graph_steps.PieceRecording(variant, descriptor, owner, self.inference_mode,
+                                          self.model_key)
 
     # -- public surface --------------------------------------------------------------------
     @property

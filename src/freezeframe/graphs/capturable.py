@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from freezeframe.batch import BatchDescriptor
-    from freezeframe.config import CompilationConfig
+    from freezeframe.config import CompilationConfig, CUDAGraphMode
     from freezeframe.graphs.backend import GraphBackend
+    from freezeframe.graphs.replay import Replay
     from freezeframe.graphs.wrapper import CaptureWindow, GraphWrapper
     from freezeframe.stats import Stats
 
-__all__ = ["Capturable"]
+__all__ = ["Capturable", "Chain", "PieceRecording"]
 
 
 @runtime_checkable
@@ -54,16 +55,42 @@ class Capturable(Protocol):
         parameters or buffers were replaced, raising if the module changed in a way its trace
         cannot serve); returns :attr:`graph_generation`."""
 
-    def replayer(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], owner: object) -> Callable[[], Any] | None:
-        """A zero-argument replay of the model's FULL graph that ``owner`` (the runner's
-        forward-context owner) captured for ``descriptor`` on exactly these arguments, or None
-        (see :meth:`~freezeframe.compilation.CompiledModel.replayer`)."""
+    def state_check(self) -> Callable[[], None] | None:
+        """The model's every-call state check as a function of nothing (a runner's planned
+        step runs it before its replays; it drops the graphs when parameters were replaced,
+        so the replay then raises :class:`~freezeframe.graphs.StaleReplay`), or None."""
 
-    def plan_piecewise(self, descriptor: BatchDescriptor, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], run: Callable[[], Any], owner: object
-                       ) -> tuple[Any, Callable[[], Any] | None]:
-        """Call ``run()`` (this model on these arguments inside a PIECEWISE forward context for
-        ``descriptor``) and return its output with, when the call can be repeated without the
-        model's Python, a zero-argument function that repeats it (see
-        :meth:`~freezeframe.compilation.CompiledModel.plan_piecewise`)."""
+    def graph_replay(self, mode: CUDAGraphMode, descriptor: BatchDescriptor,
+                     args: tuple[Any, ...], kwargs: dict[str, Any], owner: object
+                     ) -> Replay | None:
+        """The replay of the model's graph of the whole forward (FULL, or a breakable model's
+        PIECEWISE graph) that ``owner`` (the runner's forward-context owner) captured for
+        ``descriptor`` on exactly these arguments, or None (see
+        :meth:`~freezeframe.compilation.CompiledModel.graph_replay`)."""
+
+    def record_pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      descriptor: BatchDescriptor, owner: object) -> PieceRecording | None:
+        """A recording to enter around the runner's own call of the model in a PIECEWISE step
+        (see :meth:`~freezeframe.compilation.CompiledModel.record_pieces`), or None."""
+
+
+class Chain(Protocol):
+    """A PIECEWISE step of one shape without the model's Python: calling it runs each
+    capturable piece's replay (``replays``) and each splitting op in order, and returns the
+    model's output (see :class:`~freezeframe.compilation.graph_steps.PieceChain`)."""
+
+    @property
+    def replays(self) -> tuple[Replay, ...]: ...
+
+    def __call__(self) -> Any: ...
+
+
+class PieceRecording(Protocol):
+    """The stitching graph's calls during one model call (a context manager the runner enters
+    around it); :meth:`chain` turns them into the step's :class:`Chain`."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def chain(self, out: Any) -> Chain | None: ...

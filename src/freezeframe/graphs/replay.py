@@ -15,6 +15,12 @@ So the rules for the arguments are stated here, once:
   (or may have: an inference tensor has no version counter to tell) — unless it is the
   graph's own output memory (its last output passed in again, ``y = f(y)``), which the replay
   has just filled with the answer;
+* in a step of an owner (the forward context's ``owner``: a runner's static buffers), a
+  captured tensor a new argument was copied into is put back as it was once the replay is done
+  (unless it is the graph's output memory): the copy is the replay's own, not a write of the
+  model's, and the owner must see only what the model wrote (a forward pre-hook that returns
+  new inputs makes the replay copy them into the runner's buffers, which eagerly would be the
+  caller's untouched tensors);
 * anything else is an :class:`~freezeframe.errors.InputMismatchError` naming the argument: a
   replay cannot change a shape. The graph does not run.
 
@@ -34,29 +40,20 @@ at the same moment may lose a count, never an answer.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
+from freezeframe.context import get_forward_context
 from freezeframe.errors import InputMismatchError
 from freezeframe.graphs.backend import CapturedGraph
 from freezeframe.stats import Stats, Tally
 
-__all__ = ["INPUT_COPIES", "Replay", "ReplayShared", "StaleReplay", "TensorArg", "layout_of",
-           "tensor_args"]
-
-# Called with the captured tensor before a replay copies a new argument into it. A GraphRunner
-# sets it for a step whose model runs hooks (runtime/plan.py): a forward pre-hook that returns
-# new inputs makes the replay copy them into the runner's static buffer, a write that is the
-# library's own and must not reach the caller's input.
-INPUT_COPIES: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = \
-    contextvars.ContextVar("freezeframe_input_copies", default=None)
+__all__ = ["Replay", "ReplayShared", "StaleReplay", "TensorArg", "layout_of", "tensor_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,23 +177,33 @@ class Replay:
         graph = self.graph
         if graph is None:
             raise StaleReplay(f"the {self._shared.mode} graph for {self.key} was dropped")
-        copied: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        copied: list[tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]] | None = None
         for name, then, written in self._inputs:
             now = args[name] if name.__class__ is int else kwargs[name]  # type: ignore[index]
             if now is then or _reads_captured(now, then):
                 continue
-            self._copy_in(name, now, then)
-            if written:
+            kept = self._copy_in(name, now, then)
+            if written or kept is not None:
                 if copied is None:
                     copied = []
-                copied.append((now, then))
+                copied.append((now, then, written, kept))
         graph.replay()
         if copied is not None:
-            for now, then in copied:  # the graph wrote into its copy: the caller's tensor too
-                if now.untyped_storage().data_ptr() not in self._output_memory:
-                    now.copy_(then)
+            self._after_copies(copied)
         self._shared.replays.n += 1
         return self.output
+
+    def _after_copies(self, copied: list[tuple[torch.Tensor, torch.Tensor, bool,
+                                               torch.Tensor | None]]) -> None:
+        """After a replay that copied new arguments in: what the graph wrote into a copy
+        reaches the caller's tensor, and an owner's captured tensor is put back (see the
+        module docstring); neither where it is the graph's output memory."""
+        output = self._output_memory
+        for now, then, written, kept in copied:
+            if written and now.untyped_storage().data_ptr() not in output:
+                now.copy_(then)
+            if kept is not None and then.untyped_storage().data_ptr() not in output:
+                then.copy_(kept)
 
     def on_captured(self) -> Any:
         """Replay on the very tensors of the capture, for a caller that checked its arguments
@@ -209,17 +216,17 @@ class Replay:
         self._shared.replays.n += 1
         return self.output
 
-    def _copy_in(self, name: int | str, now: Any, then: torch.Tensor) -> None:
-        """Copy a new argument into the captured tensor, or refuse it."""
+    def _copy_in(self, name: int | str, now: Any, then: torch.Tensor) -> torch.Tensor | None:
+        """Copy a new argument into the captured tensor, or refuse it. Returns the captured
+        tensor as it was before the copy in a step of an owner (to be put back), else None."""
         shared = self._shared
         if not isinstance(now, torch.Tensor) or now.shape != then.shape \
                 or now.dtype != then.dtype or now.device != then.device:
             raise self._misfit(name, now, then)
         if shared.debug:
             raise self._moved(name, now, then)
-        watch = INPUT_COPIES.get()
-        if watch is not None:
-            watch(then)
+        ctx = get_forward_context()
+        kept = then.clone() if ctx is not None and ctx.owner is not None else None
         then.copy_(now)
         shared.copies.n += 1
         if not shared.copy_logged:
@@ -228,6 +235,7 @@ class Replay:
                         "copied into the captured buffer before each such replay (counted in "
                         "stats.replay_input_copies); write into the captured buffer to avoid "
                         "the copy", where(name), shared.mode, self.key)
+        return kept
 
     def _misfit(self, name: int | str, now: Any, then: torch.Tensor) -> InputMismatchError:
         graph = f"the {self._shared.mode} graph for {self.key}"

@@ -21,6 +21,7 @@ caller's tensors would have written them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = ["Padding", "SavedBuffers", "Slot", "Staging", "StaticBuffers", "alias
            "share_elements"]
 
 Slot = tuple[str, str, torch.Tensor]  # (input name, kind, buffer)
+_version = operator.attrgetter("_version")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,7 +191,8 @@ class StaticBuffers:
 
     # -- what the model wrote ---------------------------------------------------------------
     def versions(self) -> list[int]:
-        return [buf._version for buf in self.buffer_list]
+        """Each buffer's version counter, in spec order (a planned step's write check)."""
+        return list(map(_version, self.buffer_list))
 
     def written(self, versions: list[int], graph_writes: frozenset[str] | None) -> list[Slot]:
         """The input slots the step wrote into.

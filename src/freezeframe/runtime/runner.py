@@ -63,8 +63,10 @@ from freezeframe.runtime.lock import StepLock
 from freezeframe.runtime.lockstep import Lockstep
 from freezeframe.runtime.options import RunnerOptions, resolve_device, runner_config
 from freezeframe.runtime.outputs import OutputCut
-from freezeframe.runtime.plan import STALE, StepCall, StepOptions, Stepper
+from freezeframe.runtime.plan import StepOptions
 from freezeframe.runtime.report import CaptureReport, GraphCapture
+from freezeframe.runtime.route import StepRouter
+from freezeframe.runtime.steps import StepParts, Stepper
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.verify import Verifier
 from freezeframe.stats import Stats
@@ -185,21 +187,22 @@ class GraphRunner:
 
     def _new_stepper(self, held: Capturable | None, static: StaticBuffers, cut: OutputCut,
                      forward: ModelForward) -> Stepper:
-        """The step path (plan.py) over the runner's parts, with its input checks and, with
-        ``verify``, its verifier."""
+        """The step path (steps.py) over the runner's parts, with its input checks, its
+        router and, with ``verify``, its verifier."""
         options, config = self.options, self.config
         checker = InputChecker(self.specs, self.device, max_num_tokens=config.max_num_tokens,
                                max_num_seqs=config.max_num_seqs,
                                query_len=self.dispatcher.uniform_decode_query_len)
         verifier = Verifier(options.verify, options.verify_tolerance, self.stats) \
             if options.verify else None
-        return Stepper(held, config, self.dispatcher, self.stats, static, checker, cut, forward,
-                       self._capturer, verifier,
-                       StepOptions(strict=options.strict, copy_outputs=options.copy_outputs,
+        step_options = StepOptions(strict=options.strict, copy_outputs=options.copy_outputs,
                                    dp_sync=options.dp_sync, dp_group=options.dp_group,
                                    invalid_modes=frozenset(options.invalid_modes),
-                                   policy_name=options.policy.value),
-                       self.graphs_available)
+                                   policy_name=options.policy.value)
+        router = StepRouter(config, self.dispatcher, self._capturer, self.stats, step_options,
+                            self.graphs_available)
+        return Stepper(StepParts(held, static, checker, router, forward, self._capturer, cut,
+                                 self.stats, verifier, self.graphs_available), step_options)
 
     def _micro_batching(self, model: Any, config: CompilationConfig
                         ) -> MicroBatchWrapper | None:
@@ -304,14 +307,8 @@ class GraphRunner:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            if not (kwargs or extras or invalid_modes or has_lora
-                    or num_scheduled_tokens is not None):  # (options a plan covers)
-                out = self._stepper.planned(args, num_reqs, uniform_decode)
-                if out is not STALE:
-                    return out
-            return self._stepper.step(StepCall(
-                args, kwargs, uniform_decode, has_lora, num_active_loras, num_reqs,
-                invalid_modes, extras, num_scheduled_tokens))
+            return self._stepper.step(args, kwargs, uniform_decode, has_lora, num_active_loras,
+                                      num_reqs, invalid_modes, extras, num_scheduled_tokens)
         finally:
             torch._C._set_grad_enabled(grad)
             self._lock.exit()
@@ -319,9 +316,9 @@ class GraphRunner:
     def _overlapped(self) -> None:
         """This step waited for another thread's: threads share the runner, so outputs are
         copies from now on (the next thread's step would overwrite a view)."""
-        if self._stepper.copy_after_overlap:
+        if self._stepper.copy_outputs:  # (copies already: said so, or seen before)
             return
-        self._stepper.copy_after_overlap = True
+        self._stepper.copy_outputs = True
         if not self.options.copy_outputs:
             logger.warning(
                 "GraphRunner: steps from several threads overlapped; they run one at a "
