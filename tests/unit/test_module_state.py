@@ -485,7 +485,8 @@ def test_the_every_call_check_is_generated_once_per_layout() -> None:
     """The every-call tier is one generated function: a hook registered elsewhere (which moves
     torch's hook-handle counter) or an attribute set to an equal new object only updates the
     values it compares with; an attribute torch keeps itself, added to a submodule, changes
-    its layout and generates it anew. Either way the next call passes it."""
+    its layout and generates it anew. Either way the next call passes it, and the model's
+    per-call check is the state's current one."""
     mine, theirs = _pair()
     model = ff.compile(mine, _config())
     x = torch.randn(3, 4)
@@ -493,22 +494,32 @@ def test_the_every_call_check_is_generated_once_per_layout() -> None:
     model(x)
     state = model._state
     assert state is not None
-    check = state.changed_cheaply
-    assert not check()
+    full: list[int] = []
+    difference = state.difference
+    state.difference = lambda *a: full.append(1) or difference(*a)  # type: ignore[method-assign]
+    check = state.check
+    assert model._check is check
+    check()
+    assert full == []
     assert "sub0['training'] is not flag0" in state.source
     elsewhere = torch.ones(1, requires_grad=True).register_hook(lambda g: g)
-    assert check()  # the counter moved: the full tier runs on the next call
+    check()  # the counter moved: the full tier runs, finds nothing and refreshes
+    assert full == [1]
     assert torch.equal(model(x), theirs(x).detach())
-    assert state.changed_cheaply is check and not check()
+    assert state.check is check and model._check is check and full == [1]
     elsewhere.remove()
     mine.scale = float("2.0")  # another object, the same value
-    assert check()
     assert torch.equal(model(x), theirs(x).detach())
-    assert state.changed_cheaply is check and not check()
+    assert full == [1, 1]
+    assert state.check is check
+    check()
+    assert full == [1, 1]
     mine.lin.__orig_class__ = nn.Linear  # type: ignore[attr-defined]  # (as typing sets it)
-    assert check()
     assert torch.equal(model(x), theirs(x).detach())
-    assert state.changed_cheaply is not check and not state.changed_cheaply()
+    assert full == [1, 1, 1]
+    assert state.check is not check and model._check is state.check
+    state.check()
+    assert full == [1, 1, 1]
 
 
 def test_a_root_dict_replaced_is_still_read() -> None:
@@ -554,7 +565,11 @@ def test_a_training_flag_that_is_no_bool_is_compared_by_identity() -> None:
         for _ in range(3):
             assert torch.equal(model(x), theirs(x).detach())
     state = model._state
-    assert state is not None and not state.changed_cheaply()
+    assert state is not None
+    full: list[int] = []
+    state.difference = lambda *a: full.append(1)  # type: ignore[method-assign,assignment]
+    state.check()
+    assert full == []  # the cheap tier compares the flag by identity and sees no change
 
 
 class Adaptable(nn.Module):

@@ -221,11 +221,15 @@ class ModuleState:
     """A snapshot of ``module``'s Python state; see the module docstring."""
 
     def __init__(self, module: nn.Module, *, every_call: bool = True,
-                 class_reads: tuple[tuple[type, str], ...] = ()) -> None:
+                 class_reads: tuple[tuple[type, str], ...] = (),
+                 on_change: Callable[[], None] | None = None) -> None:
         """``every_call=False``: a snapshot for :meth:`difference` only (no every-call tier
         is generated). ``class_reads``: the class attributes forward read (:func:`class_reads`
-        of the trace's value sources), compared as attributes are."""
+        of the trace's value sources), compared as attributes are. ``on_change``: what
+        :attr:`check` calls when its every-call tier sees something that may have changed
+        (the owner's full check: :meth:`difference`, then :meth:`refresh` or a refusal)."""
         self.module = module
+        self._on_change = on_change if on_change is not None else _nothing
         self._class_reads = class_reads
         self._class_tokens = tuple(_class_token(cls, name) for cls, name in class_reads)
         self._every_call = every_call
@@ -259,17 +263,18 @@ class ModuleState:
                                  for dicts in (m._parameters, m._buffers))
         self._held: tuple[tuple[str, dict[str, Any], str, Any, int], ...] = ()
         # the every-call check and its source
-        self._made: tuple[Callable[[], bool], str] | None = None
-        self.changed_cheaply: Callable[[], bool]
+        self._made: tuple[Callable[[], None], str] | None = None
+        self.check: Callable[[], None]
         self.source = ""
         self.refresh()
 
     def refresh(self) -> None:
         """Take the every-call tier's references again, after a full check found nothing
         changed (an attribute set to an equal new value, an internal attribute torch added,
-        a hook registered elsewhere). :attr:`changed_cheaply` is generated anew only when its
-        text changes (a count, an attribute added that the full tier accepts); otherwise the
-        objects it compares with are updated in its globals."""
+        a hook registered elsewhere). :attr:`check` is generated anew only when its text
+        changes (a count, an attribute added that the full tier accepts); otherwise the
+        objects it compares with are updated in its globals. An owner keeping :attr:`check`
+        takes it again after each refresh."""
         if not self._every_call:
             return
         # a hook added anywhere: every hook handle takes the next id of one process-wide
@@ -283,16 +288,17 @@ class ModuleState:
         source, names = _every_call_source(self, _user_attrs(self.module),
                                            tuple(map(_user_attrs, self._sub_dicts)))
         names["handle_mark"] = handle_mark
+        names["changed"] = self._on_change
         made = self._made
         if made is None or made[1] != source:
             exec(compile(source, f"<every-call check of {type(self.module).__name__}>",
                          "exec"), names)
             # (one tuple: two threads refreshing at once leave a check and its source that
             # belong together, whichever wrote last)
-            made = self._made = (names["changed_cheaply"], source)
+            made = self._made = (names["check"], source)
         else:
             made[0].__globals__.update(names)
-        self.changed_cheaply, self.source = made
+        self.check, self.source = made
 
     def moved_tensors(self) -> list[str]:
         """The parameters and buffers that, since the last refresh, were replaced by other
@@ -337,7 +343,8 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
                        below: tuple[dict[str, Any], ...]) -> tuple[str, dict[str, Any]]:
     """The source of the every-call tier of ``state`` as one function, and the objects it
     reads by name (its globals). ``user`` and ``below`` are the root's and each submodule's
-    user attributes as they are now.
+    user attributes as they are now. The function returns when nothing it reads moved, and
+    calls ``changed`` (the owner's full check) otherwise.
 
     Every object it reads is a name of the function's globals (``handle_mark``, the root's
     attribute names and objects ``attr_0``/``held_0``..., each submodule's
@@ -351,10 +358,10 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     replaced); below the root, each submodule's ``__dict__`` is the one the trace saw. For a
     two-layer model with no hooks::
 
-        def changed_cheaply():
+        def check():
             try:
                 root = module.__dict__
-                return (root['training'] is not root_flag
+                if not (root['training'] is not root_flag
                         or hook_handles.next_id != handle_mark
                         or len(root) != 31
                         or len(torch_module._global_forward_hooks) != 0 or ...
@@ -366,9 +373,11 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
                         or unhooked0 or unhooked1 or ...
                         or parent0['_modules'] != children0 or ...
                         or root[attr_0] is not held_0 or ...
-                        or sub1[attr1_0] is not held1_0 or ...)
-            except KeyError:  # nn.Module's own attributes deleted, a __dict__ emptied
-                return True
+                        or sub1[attr1_0] is not held1_0 or ...):
+                    return
+            except (KeyError, AttributeError):  # nn.Module's own attributes deleted...
+                pass
+            changed()
 
     Each part of the condition is made by its own helper, in this order: the root and the
     process-wide state, the submodules, the parameters and buffers, the user attributes.
@@ -377,9 +386,10 @@ def _every_call_source(state: ModuleState, user: dict[str, Any],
     terms = [*_root_terms(state, names), *_submodule_terms(state, names),
              *_slot_terms(state, names), *_attribute_terms(user, below, names),
              *_class_terms(state._class_reads, names)]
-    source = ("def changed_cheaply():\n    try:\n        root = module.__dict__\n"
-              "        return (" + "\n                or ".join(terms) +
-              ")\n    except (KeyError, AttributeError):\n        return True\n")
+    source = ("def check():\n    try:\n        root = module.__dict__\n"
+              "        if not (" + "\n                or ".join(terms) +
+              "):\n            return\n    except (KeyError, AttributeError):\n        pass\n"
+              "    changed()\n")
     return source, names
 
 
@@ -488,6 +498,10 @@ def _class_terms(reads: tuple[tuple[type, str], ...], names: dict[str, Any]) -> 
         names[f"class_{j}"], names[f"class_held_{j}"] = cls, getattr(cls, name, _MISSING)
         terms.append(f"class_{j}.{name} is not class_held_{j}")
     return terms
+
+
+def _nothing() -> None:
+    return None
 
 
 def has_uninitialised_lazy(module: nn.Module) -> bool:

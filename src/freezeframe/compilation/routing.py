@@ -25,9 +25,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from torch import nn
-from torch.nn.modules import module as _nn_module
 
 from freezeframe.compilation.assemble import Variant
 from freezeframe.compilation.direct_call import direct_call, sized_call
@@ -54,12 +52,9 @@ from freezeframe.compilation.trace_checks import (
 from freezeframe.errors import CompileError, InputMismatchError
 from freezeframe.stats import Stats
 
-__all__ = ["MAX_EXACT_KEYS", "MAX_TRACES", "Router", "may_skip_module_call"]
+__all__ = ["MAX_EXACT_KEYS", "MAX_TRACES", "Router"]
 
 logger = logging.getLogger(__name__)
-
-_is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
 
 # A model gets one trace per distinct call structure (see freezeframe.compilation.signature); a
 # forward whose structure keeps changing (an int argument that counts steps) would otherwise
@@ -80,7 +75,8 @@ class Router:
 
     def __init__(self, model_key: str, signer: Signer, dims: Mapping[str, tuple[int, ...]],
                  stats: Stats, new_variant: Callable[[CallSignature | None], Variant], *,
-                 warned: set[str], inductor: bool) -> None:
+                 warned: set[str], inductor: bool,
+                 on_state_change: Callable[[], None] | None = None) -> None:
         self.model_key = model_key
         self.signer = signer
         self.dims = dims
@@ -88,6 +84,7 @@ class Router:
         self._new_variant = new_variant
         self._warned = warned  # what the model warned about (once each)
         self._inductor = inductor
+        self._on_state_change = on_state_change  # the full module-state check (the model's)
         self.variants: list[Variant] = []
         self.routes: dict[tuple[Any, ...], list[Variant]] = {}
         self.exact: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -215,8 +212,8 @@ class Router:
         trace = variant.trace
         variant.guards = SizeGuards.of_trace(trace.size_conditions, trace.size_symbols, sizes,
                                              self._inductor)
-        state = ModuleState(module, class_reads=class_reads(trace.value_sources, module)) \
-            if first else None
+        state = ModuleState(module, class_reads=class_reads(trace.value_sources, module),
+                            on_change=self._on_state_change) if first else None
         warn_about_branches(trace, self.model_key, self._warned, self.stats)
         self.variants.append(variant)
         self.routes.setdefault(key, []).append(variant)
@@ -295,19 +292,3 @@ class Router:
                                      calls, out, args, kwargs)
         return out
 
-
-def may_skip_module_call(model: Any) -> bool:
-    """Whether a call of the compiled ``model`` may skip ``nn.Module.__call__`` and go from its
-    memo straight to the trace (see ``CompiledModel.__call__``): nothing that call would do is
-    registered (no hooks on the model, none global, no compiled call implementation), the
-    model is not inside someone else's trace, keeps no autograd, has no ``forward`` set on the
-    instance, and has remembered a call."""
-    return not (_is_compiling() or _tracing_state() is not None or not model._exact
-                or not model.inference_mode
-                or "forward" in model.__dict__  # a wrapper set on the instance (accelerate)
-                or model._forward_hooks or model._forward_pre_hooks or model._backward_hooks
-                or model._backward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_backward_hooks
-                or _nn_module._global_backward_pre_hooks
-                or model._compiled_call_impl is not None)

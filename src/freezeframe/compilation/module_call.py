@@ -1,0 +1,48 @@
+"""Whether a call of a module may skip ``nn.Module.__call__``: the one definition of "hooked".
+
+A compiled model's remembered call (``CompiledModel.__call__``) and a runner's planned step go
+straight to a trace or a replay. That is the same work ``nn.Module.__call__`` would do only when
+``__call__`` would run nothing but ``forward``; this module says when, for every caller::
+
+    hooked(module)                 any hook __call__ runs: the module's forward, forward-pre,
+                                   backward and backward-pre hooks, or torch's global ones
+    may_skip_module_call(module)   not hooked, no ``forward`` set on the instance (a wrapper
+                                   such as accelerate's), no ``module.compile()`` call
+                                   implementation, and not inside someone else's trace
+                                   (Dynamo, TorchScript)
+
+A caller with conditions of its own (the compiled model's memo must hold a call) adds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _nn_module
+
+__all__ = ["hooked", "may_skip_module_call"]
+
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether ``nn.Module.__call__`` of ``module`` would run a hook: one registered on the
+    module itself (forward, forward-pre, backward, backward-pre) or globally
+    (``torch.nn.modules.module.register_module_forward_hook`` and its kin)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks
+                or _nn_module._global_backward_pre_hooks)
+
+
+def may_skip_module_call(module: nn.Module) -> bool:
+    """Whether a call of ``module`` may go straight to its forward's work (a remembered trace,
+    a planned replay) without ``nn.Module.__call__``: that call would run nothing else (see
+    :func:`hooked`), ``forward`` is the class's (none set on the instance), no compiled call
+    implementation is installed (``module.compile()``), and no one else is tracing this call
+    (Dynamo, TorchScript), which must see the module called."""
+    return not (hooked(module) or _is_compiling() or _tracing_state() is not None
+                or "forward" in module.__dict__
+                or module._compiled_call_impl is not None)
