@@ -4,6 +4,7 @@ is refused with a clear error, never answered from the stale trace."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -787,4 +788,38 @@ def test_a_trace_loaded_from_the_cache_checks_the_class_attributes_too(
     cls.OFFSET = 7.0
     with pytest.raises(CompileError, match=r"ReadsClassCopy\.OFFSET that forward reads was "
                                            r"1\.0 at the trace and is 7\.0 now"):
+        model(x)
+
+
+FACTOR = 1.5
+
+
+class ReadsGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * FACTOR
+
+
+def test_a_trace_loaded_from_the_cache_checks_the_globals_too(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo does not run on a warm start: the globals come from the saved trace's checks,
+    and a global changed after the load is refused as after a trace."""
+    global FACTOR
+    monkeypatch.delenv("FREEZEFRAME_DISABLE_CACHE", raising=False)
+    monkeypatch.setattr(sys.modules[__name__], "FACTOR", 1.5)
+    cfg = _config(use_cache=True, cache_dir=str(tmp_path / "cache"))
+    x = torch.randn(3, 4)
+    ff.compile(ReadsGlobal(), cfg)(x)
+    mine = ReadsGlobal()
+    model = ff.compile(mine, cfg)
+    assert torch.equal(model(x), mine(x).detach())
+    assert model.stats.traces_loaded == 1
+    FACTOR = 2.5
+    with pytest.raises(CompileError, match=r"the global FACTOR \(of module "
+                                           r".*test_module_state\), which forward reads, was "
+                                           r"1\.5 at the trace and is 2\.5 now"):
         model(x)

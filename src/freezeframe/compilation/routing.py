@@ -31,9 +31,11 @@ from freezeframe.compilation.assemble import Variant
 from freezeframe.compilation.direct_call import direct_call, sized_call
 from freezeframe.compilation.module_state import (
     ModuleState,
-    class_reads,
     has_uninitialised_lazy,
+    tensor_attr_reads,
+    tensor_attrs,
 )
+from freezeframe.compilation.outside_reads import OutsideReads
 from freezeframe.compilation.signature import (
     CallSignature,
     SameCall,
@@ -198,6 +200,7 @@ class Router:
             refuse_root_hooks(module, self.model_key)
         before = None if not first or has_uninitialised_lazy(module) \
             else ModuleState(module, every_call=False)
+        tensors_before = tensor_attrs(module) if first else {}
         try:
             out = variant.cache(*args, **kwargs)
             if before is not None:
@@ -212,12 +215,23 @@ class Router:
         trace = variant.trace
         variant.guards = SizeGuards.of_trace(trace.size_conditions, trace.size_symbols, sizes,
                                              self._inductor)
-        state = ModuleState(module, class_reads=class_reads(trace.value_sources, module),
-                            on_change=self._on_state_change) if first else None
+        state = self._first_state(module, trace.value_reads, tensors_before) if first else None
         warn_about_branches(trace, self.model_key, self._warned, self.stats)
         self.variants.append(variant)
         self.routes.setdefault(key, []).append(variant)
         return out, state
+
+    def _first_state(self, module: nn.Module, reads: list[tuple[str, str]],
+                     tensors_before: dict[tuple[int, str], int]) -> ModuleState:
+        """The module state the first trace saw, checked from now on: with what it read from
+        outside the module (class attributes, globals), and the plain tensor attributes it
+        reads as inputs, less those the traced call stored anew (``self.last = out``)."""
+        stored = {k for k, v in tensor_attrs(module).items() if tensors_before.get(k) != v}
+        func = getattr(module.forward, "__func__", None)
+        outside = OutsideReads(module, reads, getattr(func, "__globals__", None))
+        return ModuleState(module, outside=outside,
+                           tensor_reads=tensor_attr_reads(reads, module) - stored,
+                           on_change=self._on_state_change)
 
     def _next_variant(self, signature: CallSignature,
                       sizes: Mapping[tuple[str, int], int]) -> Variant:

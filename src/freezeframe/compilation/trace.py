@@ -240,10 +240,11 @@ class TraceOnce:
         # ...), for whoever must re-check them without Dynamo (the saved trace).
         self.guard_entries: list[Any] = []
         # The source expression of every such value (``self.scale``,
-        # ``dict(type(self).__dict__)['OFFSET']``), from the guards or, for a trace loaded from
-        # the cache, from its saved checks: the module-state check finds the class attributes
+        # ``dict(type(self).__dict__)['OFFSET']``, ``G['SCALE']``) with its guard's kind, from
+        # the guards or, for a trace loaded from the cache, from its saved checks: the
+        # module-state check finds the class attributes, globals and tensor attributes
         # forward read among them.
-        self.value_sources: list[str] = []
+        self.value_reads: list[tuple[str, str]] = []
         # The trace's conditions on dynamic sizes (Python branches on them): (sympy expression,
         # where in the user's code), and which (argument, dim) each size symbol stands for.
         self.size_conditions: list[tuple[Any, str]] = []
@@ -316,7 +317,7 @@ class TraceOnce:
 
         def drop_and_record(entries: Sequence[Any]) -> list[bool]:
             self.guard_entries = list(entries)
-            self.value_sources = [_guard_source(e) for e in entries]
+            self.value_reads = [(_guard_source(e), str(e.guard_type)) for e in entries]
             return _drop_all_guards(entries)
 
         def observing_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
@@ -384,10 +385,10 @@ class TraceOnce:
         self.size_symbols = symbols
         self.size_conditions = conditions
 
-    def adopt_value_sources(self, sources: Sequence[str]) -> None:
-        """Take the sources of the values a trace loaded from the cache specialised on (its
-        saved checks) as this trace's."""
-        self.value_sources = list(sources)
+    def adopt_value_reads(self, reads: Sequence[tuple[str, str]]) -> None:
+        """Take the sources and guard kinds of the values a trace loaded from the cache
+        specialised on (its saved checks) as this trace's."""
+        self.value_reads = list(reads)
 
     def adopt_size_conditions(self, conditions: Sequence[tuple[Any, str]],
                               symbols: Mapping[Any, tuple[str, int]]) -> None:
