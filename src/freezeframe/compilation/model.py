@@ -197,13 +197,18 @@ class CompiledModel(nn.Module):
             else state.check  # (not through __setattr__, which disarms)
 
     def _state_changed(self) -> None:
-        """The full tier of the module-state check (on a hit of the every-call tier, on every
-        route miss, and on every call with ``debug``): graphs reading replaced tensors are
-        dropped and the state refreshed, or the call is refused (:class:`CompileError`)."""
+        """The full module-state check (on a hit of the every-call tier, a route miss, every
+        call with ``debug``): graphs reading replaced tensors dropped, or the call refused."""
         state = self._state
         assert state is not None
         with self._lock:  # (one thread drops and refreshes; re-entered from _route)
             why = state.difference()
+            if why is not None and self._untraced is not None:
+                # no trace: every graph is captured again, running the new Python
+                self._untraced.drop_for_change(why, self._warned)
+                self.graph_generation += 1
+                self._adopt_state(self._untraced.state(self._state_changed))
+                return
             if why is None:
                 moved = state.moved_tensors()
                 if moved:
@@ -341,8 +346,7 @@ class CompiledModel(nn.Module):
             if self._state is None:
                 with self._lock:
                     if self._state is None:
-                        self._adopt_state(ModuleState(self.module,
-                                                      on_change=self._state_changed))
+                        self._adopt_state(untraced.state(self._state_changed))
             else:
                 self._check()
         return untraced.call(*args, **kwargs)
@@ -361,7 +365,7 @@ class CompiledModel(nn.Module):
         Call it under no autograd recording (the runner calls under ``torch.no_grad()``); it
         raises :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped."""
         if self._untraced is not None:
-            wrapper = self._untraced.full
+            wrapper = self._untraced.for_call(args, kwargs).full
         elif self._router is None:
             wrapper = None
         else:

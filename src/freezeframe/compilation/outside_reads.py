@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import keyword
 import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from freezeframe.compilation.values import describe, token
+from freezeframe.compilation.values import describe, plain_token, token
 
 __all__ = ["OutsideReads", "class_reads"]
 
@@ -136,7 +137,12 @@ class _GlobalRead:
     source: str
     compare: str
     read: Callable[[], Any]
+    namespace: dict[str, Any]  # the globals ``G`` stands for
     then: Any = None  # the token (or type, length, tensor kind) at the trace
+
+    @property
+    def shown(self) -> str:
+        return _shown(self.source, str(self.namespace.get("__name__", "?")))
 
     def now(self) -> Any:
         value = self.read()
@@ -157,12 +163,16 @@ class OutsideReads:
     saved check's source and guard kind."""
 
     def __init__(self, module: nn.Module, reads: Sequence[tuple[str, str]],
-                 namespace: dict[str, Any] | None) -> None:
-        self.classes = class_reads((source for source, _ in reads), module)
+                 namespace: dict[str, Any] | None, *,
+                 untraced: tuple[tuple[tuple[type, str], ...], tuple[_GlobalRead, ...]]
+                 | None = None) -> None:
+        if untraced is not None:
+            self.classes, self.globals = untraced
+        else:
+            self.classes = class_reads((source for source, _ in reads), module)
+            self.globals = _global_reads(reads, namespace) if namespace is not None else ()
         self._class_then = tuple(_class_token(cls, name) for cls, name in self.classes)
-        self._namespace = namespace
-        self._where = str((namespace or {}).get("__name__", "?"))
-        self.globals = _global_reads(reads, namespace) if namespace is not None else ()
+        self._verb = "may read" if untraced is not None else "reads"
         for read in self.globals:
             read.then = read.now()
         self._held: tuple[tuple[_GlobalRead, Any, int], ...] = ()
@@ -170,8 +180,32 @@ class OutsideReads:
 
     @classmethod
     def none(cls, module: nn.Module) -> OutsideReads:
-        """No reads (a module without a trace)."""
+        """No reads."""
         return cls(module, (), None)
+
+    @classmethod
+    def untraced(cls, module: nn.Module) -> OutsideReads:
+        """For a module run without a trace (modes NONE and STOCK_TORCH_COMPILE with graphs),
+        which values forward reads is not known: every immutable plain value (a number,
+        string, bool, None, enum member, or a tuple of them) held as a class attribute
+        of a module class of the tree (its bases too, up to ``nn.Module``; torch's own classes
+        left out) or as a global of the files defining them."""
+        classes: dict[tuple[type, str], None] = {}
+        spaces: dict[int, dict[str, Any]] = {}
+        for kind in {type(m): None for m in module.modules()}:
+            for base in kind.__mro__:
+                if base is object or base.__module__.split(".")[0] == "torch":
+                    continue
+                for name, value in vars(base).items():
+                    if not name.startswith("__") and _plain_data(value):
+                        classes[(kind, name)] = None
+                space = getattr(sys.modules.get(base.__module__), "__dict__", None)
+                if space is not None:
+                    spaces[id(space)] = space
+        found = [_GlobalRead(f"G[{name!r}]", "value", _item(space, name), space)
+                 for space in spaces.values() for name, value in space.items()
+                 if not name.startswith("__") and _plain_data(value)]
+        return cls(module, (), None, untraced=(tuple(classes), tuple(found)))
 
     def difference(self) -> str | None:
         """What differs from the trace, in words, or None (a global tensor replaced by one of
@@ -179,18 +213,19 @@ class OutsideReads:
         for (cls, name), then in zip(self.classes, self._class_then, strict=True):
             now = _class_token(cls, name)
             if now != then:
-                return (f"the class attribute {cls.__qualname__}.{name} that forward reads "
+                return (f"the class attribute {cls.__qualname__}.{name} that forward {self._verb} "
                         f"was {_describe(then)} at the trace and is {_describe(now)} now")
         for read in self.globals:
-            shown = _shown(read.source, self._where)
+            shown = read.shown
             try:
                 now = read.now()
             except Exception as exc:
-                return (f"{shown}, which forward reads, cannot be read any more "
+                return (f"{shown}, which forward {self._verb}, cannot be read any more "
                         f"({type(exc).__name__}: {exc})")
             if now != read.then:
-                return (f"{shown}, which forward reads, was {self._said(read, read.then)} at "
-                        f"the trace and is {self._said(read, now)} now")
+                return (f"{shown}, which forward {self._verb}, was "
+                        f"{self._said(read, read.then)} at the trace and is "
+                        f"{self._said(read, now)} now")
         return None
 
     @staticmethod
@@ -226,13 +261,14 @@ class OutsideReads:
             except Exception:
                 continue  # (a difference: the full tier says so)
             if now is not value or now.data_ptr() != ptr:
-                out.append(_shown(read.source, self._where))
+                out.append(read.shown)
         return out
 
     def terms(self, names: dict[str, Any]) -> list[str]:
         """The every-call terms (see the module docstring), adding what they read to
         ``names``: each is true when the value may have changed."""
         terms = []
+        spaces: dict[int, str] = {}
         for j, (cls, name) in enumerate(self.classes):
             names[f"class_{j}"], names[f"class_held_{j}"] = cls, getattr(cls, name, _MISSING)
             terms.append(f"class_{j}.{name} is not class_held_{j}")
@@ -240,7 +276,9 @@ class OutsideReads:
             expr = f"outside_read_{j}()"
             names[f"outside_read_{j}"] = read.read
             if _plain_global(read.source):  # inline: no call
-                expr = "outside_globals" + read.source[1:]
+                space = spaces.setdefault(id(read.namespace), f"outside_ns_{len(spaces)}")
+                names[space] = read.namespace
+                expr = space + read.source[1:]
             try:
                 value = read.read()
             except Exception:
@@ -256,8 +294,24 @@ class OutsideReads:
                     names[f"outside_ptr_{j}"] = value.data_ptr()
                     term += f" or outside_held_{j}.data_ptr() != outside_ptr_{j}"
                 terms.append(term)
-        names["outside_globals"] = self._namespace
         return terms
+
+
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is immutable plain data a forward may branch on or compute with: a
+    scalar (see :func:`~freezeframe.compilation.values.plain_token`), or a tuple or frozenset
+    of such, a few levels deep. (A list, dict or set is changed in place, which the every-call
+    identity test cannot see: one used as a log or a counter would be followed only by the
+    full check.)"""
+    if plain_token(value) is not None:
+        return True
+    if depth < 3 and type(value) in (tuple, frozenset):
+        return all(_plain_data(v, depth + 1) for v in value)
+    return False
+
+
+def _item(space: dict[str, Any], name: str) -> Callable[[], Any]:
+    return lambda: space[name]
 
 
 def _class_token(cls: type, name: str) -> Any:
@@ -295,13 +349,13 @@ def _global_reads(reads: Sequence[tuple[str, str]],
         except Exception:
             continue  # (not readable now: nothing to compare with)
         if got & _TENSOR_KINDS:
-            found.append(_GlobalRead(source, "tensor", read))
+            found.append(_GlobalRead(source, "tensor", read, namespace))
         if got & _LENGTH_KINDS:
-            found.append(_GlobalRead(source, "len", read))
+            found.append(_GlobalRead(source, "len", read, namespace))
         if source in deeper:
             continue
         if got & _VALUE_KINDS:
-            found.append(_GlobalRead(source, "value", read))
+            found.append(_GlobalRead(source, "value", read, namespace))
         elif got & _TYPE_KINDS and not got & _TENSOR_KINDS:
-            found.append(_GlobalRead(source, "type", read))
+            found.append(_GlobalRead(source, "type", read, namespace))
     return tuple(found)
