@@ -39,7 +39,10 @@ class Scaled(nn.Module):
         self.offsets = [1.0, 0.0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x)) * self.scale + self.offsets[0]
+        return self.scale_of(self.bn(self.lin(x))) + self.offsets[0]
+
+    def scale_of(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
 
 
 def _pair() -> tuple[Scaled, Scaled]:
@@ -73,7 +76,7 @@ def _train_sub(m: Scaled) -> None:
 
 
 def _new_attr(m: Scaled) -> None:
-    m.extra = 1  # type: ignore[attr-defined]
+    m.scale_of = lambda x: x  # type: ignore[attr-defined]  # hides the class's method
 
 
 def _replace_sub(m: Scaled) -> None:
@@ -89,7 +92,7 @@ CHANGES: dict[str, tuple[Callable[[Scaled], None], str]] = {
     "root hook": (_hook_root, r"model had 0 forward hook\(s\) at the trace and has 1"),
     "submodule hook": (_hook_sub, r"model\.lin had 0 forward hook"),
     "submodule train": (_train_sub, r"model\.bn\.training was False"),
-    "new attribute": (_new_attr, r"model\.extra was set after the trace"),
+    "new attribute": (_new_attr, r"model\.scale_of was set after the trace"),
     "submodule replaced": (_replace_sub, r"a submodule was added, removed or replaced"),
 }
 
@@ -139,7 +142,7 @@ def test_a_root_attribute_set_or_hook_added_is_caught_at_the_next_call() -> None
     hooks: ``model.scale = 5.0`` or ``model._steps = 1`` on a routed structure is refused at
     once, not at the next new route."""
     for change, message in [(_set_scale, r"model\.scale was 2\.0 at the trace and is 5\.0"),
-                            (lambda m: setattr(m, "_private", 7), r"model\._private was set"),
+                            (lambda m: setattr(m, "offsets", [7.0]), r"model\.offsets was "),
                             (_hook_root, r"model had 0 forward hook\(s\)")]:
         mine, _ = _pair()
         model = ff.compile(mine, _config())
@@ -147,6 +150,31 @@ def test_a_root_attribute_set_or_hook_added_is_caught_at_the_next_call() -> None
         change(mine)
         with pytest.raises(CompileError, match=message):
             model(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_attributes_forward_never_reads_may_change(debug: bool) -> None:
+    """Found by the matrix: setting an attribute forward never reads (a step counter kept on
+    the module, a note) refused every later call. Only what the trace read counts: an
+    attribute set, added or deleted that it never read is served; one added over a name of
+    the class (hiding its method) is not."""
+    mine, theirs = _pair()
+    mine.note = "first"  # type: ignore[attr-defined]
+    mine.lin.calls = 0  # type: ignore[attr-defined]
+    model = ff.compile(mine, _config(debug=debug))
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), theirs(x).detach())
+    for step in range(3):
+        mine.note = f"step {step}"  # type: ignore[attr-defined]
+        mine.lin.calls += 1  # type: ignore[operator]
+        mine.added = step  # type: ignore[attr-defined]
+        assert torch.equal(model(x), theirs(x).detach())
+    del mine.note
+    assert torch.equal(model(x), theirs(x).detach())
+    assert model.stats.retraces == 0
+    _new_attr(mine)
+    with pytest.raises(CompileError, match=r"model\.scale_of was set after the trace"):
+        model(x)
 
 
 def test_a_root_attribute_set_to_an_equal_value_is_served() -> None:

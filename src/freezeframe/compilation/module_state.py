@@ -48,7 +48,7 @@ counter) is caught at the first trace: the trace would replay the first call's v
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ from torch.utils.hooks import RemovableHandle as _hook_handles
 from freezeframe.compilation.outside_reads import OutsideReads
 from freezeframe.compilation.values import Same, describe, token
 
-__all__ = ["ModuleState", "has_uninitialised_lazy", "tensor_attr_reads", "tensor_attrs"]
+__all__ = ["ModuleState", "has_uninitialised_lazy"]
 
 def _tensor_token(value: torch.Tensor) -> tuple[Any, ...]:
     # The trace reads a tensor attribute as an input (as it does parameters), and a forward
@@ -144,36 +144,6 @@ def _describe_slot(meta: tuple[Any, ...] | None) -> str:
     return f"a {dtype} tensor of shape {list(shape)} on {device}"
 
 
-def tensor_attr_reads(reads: Iterable[tuple[str, str]], module: nn.Module
-                      ) -> frozenset[tuple[int, str]]:
-    """The plain tensor attributes (neither parameter nor buffer) of modules of ``module``'s
-    tree that the trace reads as graph inputs, from its guards' (source, kind) pairs: each as
-    (the id of the module holding it, the attribute name)."""
-    namespace = {"__builtins__": {}, "L": {"self": module}}
-    owned = {id(m) for m in module.modules()}
-    found = set()
-    for source, kind in reads:
-        if kind not in ("TENSOR_MATCH", "tensor") or not source.startswith("L['self']"):
-            continue
-        holder_source, _, name = source.rpartition(".")
-        if not name.isidentifier():
-            continue
-        try:
-            holder = eval(compile(holder_source, "<tensor read>", "eval"), namespace)
-        except Exception:
-            continue
-        if id(holder) in owned and isinstance(vars(holder).get(name), torch.Tensor):
-            found.add((id(holder), name))
-    return frozenset(found)
-
-
-def tensor_attrs(module: nn.Module) -> dict[tuple[int, str], int]:
-    """Every plain tensor attribute of ``module``'s tree: (the id of its module, its name) ->
-    the id of the tensor it holds (to tell which ones a call stored anew)."""
-    return {(id(m), name): id(value) for m in module.modules()
-            for name, value in _user_attrs(m).items() if isinstance(value, torch.Tensor)}
-
-
 class _SubmoduleState:
     __slots__ = ("attrs", "hooks", "slots", "training")
 
@@ -190,8 +160,11 @@ class _SubmoduleState:
                       for name, value in (*module._parameters.items(),
                                           *module._buffers.items())}
 
-    def difference(self, now: _SubmoduleState, where: str,
-                   tensor_stores: bool = False) -> str | None:
+    def difference(self, now: _SubmoduleState, where: str, tensor_stores: bool = False,
+                   reads: frozenset[str] | None = None, cls: type = object) -> str | None:
+        """What differs, in words, or None. ``reads``: the attributes the trace read (None:
+        every one counts); another is no difference, unless it was added over a name of the
+        module's class ``cls`` (an instance attribute that now hides a method or constant)."""
         if now.training != self.training:
             return (f"{where}.training was {self.training} at the trace and is "
                     f"{now.training} now (model.train() / model.eval())")
@@ -210,6 +183,9 @@ class _SubmoduleState:
         for name in sorted(self.attrs.keys() | now.attrs.keys()):
             if tensor_stores and _is_tensor_token(now.attrs.get(name)):
                 continue  # forward stored a tensor: replayed with the new value every call
+            if reads is not None and name not in reads and (
+                    name in self.attrs or not hasattr(cls, name)):
+                continue  # the trace never read it
             if name not in now.attrs:
                 return f"{where}.{name} was deleted after the trace"
             if name not in self.attrs:
@@ -226,6 +202,7 @@ class ModuleState:
     def __init__(self, module: nn.Module, *, every_call: bool = True,
                  outside: OutsideReads | None = None,
                  tensor_reads: Collection[tuple[int, str]] | None = None,
+                 attr_reads: Collection[tuple[int, str]] | None = None,
                  on_change: Callable[[], None] | None = None) -> None:
         """``every_call=False``: a snapshot for :meth:`difference` only (no every-call tier
         is generated). ``outside``: the class attributes and globals forward read
@@ -235,6 +212,8 @@ class ModuleState:
         one (:meth:`moved_tensors`), and another shape is a difference. None, for a module
         run without a trace: every tensor attribute is followed for moves, none by shape
         (forward may store one: ``self.last = out``).
+        ``attr_reads``: every attribute the trace read (None: every attribute counts); a
+        change to another is no difference (see ``_SubmoduleState.difference``).
         ``on_change``: what :attr:`check` calls when its every-call tier sees something that
         may have changed (the owner's full check: :meth:`difference`, then :meth:`refresh`
         or a refusal)."""
@@ -249,6 +228,10 @@ class ModuleState:
         # per module, the names of the tensor attributes followed for moves, and of those
         # compared by shape too
         self._reads, self._shaped = _tensor_reads(self._modules, tensor_reads)
+        self._attr_reads = tuple(
+            None if attr_reads is None else
+            frozenset(n for owner, n in attr_reads if owner == id(m))
+            for _, m in self._modules)
         self._subs = tuple(_SubmoduleState(m, r) for (_, m), r in zip(self._modules,
                                                                          self._shaped,
                                                                          strict=True))
@@ -349,8 +332,10 @@ class ModuleState:
         if [n for n, _ in modules] != [n for n, _ in self._modules] or any(
                 a is not b for (_, a), (_, b) in zip(modules, self._modules, strict=True)):
             return "a submodule was added, removed or replaced after the trace"
-        for (name, sub), before, reads in zip(modules, self._subs, self._shaped, strict=True):
-            why = before.difference(_SubmoduleState(sub, reads), _where(name), tensor_stores)
+        for (name, sub), before, shaped, reads in zip(modules, self._subs, self._shaped,
+                                                      self._attr_reads, strict=True):
+            why = before.difference(_SubmoduleState(sub, shaped), _where(name), tensor_stores,
+                                    reads, type(sub))
             if why is not None:
                 return why
         return self._outside.difference()

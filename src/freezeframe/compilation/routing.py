@@ -29,12 +29,8 @@ from torch import nn
 
 from freezeframe.compilation.assemble import Variant
 from freezeframe.compilation.direct_call import direct_call, sized_call
-from freezeframe.compilation.module_state import (
-    ModuleState,
-    has_uninitialised_lazy,
-    tensor_attr_reads,
-    tensor_attrs,
-)
+from freezeframe.compilation.instance_reads import attribute_reads, tensor_attrs
+from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
 from freezeframe.compilation.outside_reads import OutsideReads
 from freezeframe.compilation.signature import (
     CallSignature,
@@ -229,9 +225,9 @@ class Router:
         stored = {k for k, v in tensor_attrs(module).items() if tensors_before.get(k) != v}
         func = getattr(module.forward, "__func__", None)
         outside = OutsideReads(module, reads, getattr(func, "__globals__", None))
-        return ModuleState(module, outside=outside,
-                           tensor_reads=tensor_attr_reads(reads, module) - stored,
-                           on_change=self._on_state_change)
+        attributes, tensors = attribute_reads(reads, module)
+        return ModuleState(module, outside=outside, tensor_reads=tensors - stored,
+                           attr_reads=attributes, on_change=self._on_state_change)
 
     def _next_variant(self, signature: CallSignature,
                       sizes: Mapping[tuple[str, int], int]) -> Variant:
