@@ -22,7 +22,7 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation import graph_steps
 from freezeframe.compilation.assemble import CompileStack, Variant
 from freezeframe.compilation.compilers import CompilerManager
-from freezeframe.compilation.module_call import may_skip_module_call
+from freezeframe.compilation.module_call import PositionalForm, may_skip_module_call
 from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
 from freezeframe.compilation.routing import MAX_TRACES, Router
 from freezeframe.compilation.signature import (
@@ -364,13 +364,13 @@ class CompiledModel(nn.Module):
 
         Call it under no autograd recording (the runner calls under ``torch.no_grad()``); it
         raises :class:`~freezeframe.graphs.StaleReplay` once the graph is dropped."""
+        wrapper = None
         if self._untraced is not None:
             wrapper = self._untraced.for_call(args, kwargs).full
-        elif self._router is None:
-            wrapper = None
-        else:
-            variant = self._router.routed(args, kwargs)
-            wrapper = variant.full_wrapper if variant is not None else None
+        elif self._router is not None and (variant := self._router.routed(args, kwargs)):
+            wrapper = variant.full_wrapper
+        if wrapper is not None:  # (a FULL graph holds the one spelling of its call)
+            args, kwargs = PositionalForm(self.module.forward)(args, kwargs)
         return graph_steps.full_replay(wrapper, descriptor, args, kwargs, self._state_check(),
                                        owner)
 

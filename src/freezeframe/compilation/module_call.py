@@ -1,4 +1,5 @@
-"""Whether a call of a module may skip ``nn.Module.__call__``: the one definition of "hooked".
+"""A call of a module: whether it may skip ``nn.Module.__call__`` (the one definition of
+"hooked"), and its one spelling for a graph.
 
 A compiled model's remembered call (``CompiledModel.__call__``) and a runner's planned step go
 straight to a trace or a replay. That is the same work ``nn.Module.__call__`` would do only when
@@ -12,15 +13,22 @@ straight to a trace or a replay. That is the same work ``nn.Module.__call__`` wo
                                    (Dynamo, TorchScript)
 
 A caller with conditions of its own (the compiled model's memo must hold a call) adds them.
+
+A FULL graph holds the argument list of its capture; ``model(x=x)`` and ``model(x)`` are the
+same call, so :class:`PositionalForm` spells both the same way before they reach one.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-__all__ = ["hooked", "may_skip_module_call"]
+__all__ = ["PositionalForm", "hooked", "may_skip_module_call"]
 
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
@@ -46,3 +54,32 @@ def may_skip_module_call(module: nn.Module) -> bool:
     return not (hooked(module) or _is_compiling() or _tracing_state() is not None
                 or "forward" in module.__dict__
                 or module._compiled_call_impl is not None)
+
+
+class PositionalForm:
+    """A call of ``forward`` spelled one way: every positional parameter passed positionally,
+    in order (a keyword argument naming one moved there, a default filling one left out), so
+    that ``f(x=a)``, ``f(a)`` and ``f(a, gain=2.0)`` with that default reach a graph alike. A
+    call that cannot be spelled so (a required parameter left out) is left as it is."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        params = inspect.signature(forward).parameters.values()
+        self._names = [p.name for p in params
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._defaults = {p.name: p.default for p in params
+                          if p.default is not inspect.Parameter.empty}
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not kwargs and len(args) >= len(self._names):
+            return args, {}
+        rest = dict(kwargs)
+        out = list(args)
+        for name in self._names[len(args):]:
+            if name in rest:
+                out.append(rest.pop(name))
+            elif name in self._defaults:
+                out.append(self._defaults[name])
+            else:
+                return args, dict(kwargs)
+        return tuple(out), rest

@@ -204,19 +204,14 @@ class ModuleState:
                  tensor_reads: Collection[tuple[int, str]] | None = None,
                  attr_reads: Collection[tuple[int, str]] | None = None,
                  on_change: Callable[[], None] | None = None) -> None:
-        """``every_call=False``: a snapshot for :meth:`difference` only (no every-call tier
-        is generated). ``outside``: the class attributes and globals forward read
-        (:class:`OutsideReads` of the trace's guards). ``tensor_reads``: the plain tensor
-        attributes the trace reads as inputs (:func:`tensor_attr_reads`), checked as parameters
-        are: another tensor of the same kind is read anew, but captured graphs read the old
-        one (:meth:`moved_tensors`), and another shape is a difference. None, for a module
-        run without a trace: every tensor attribute is followed for moves, none by shape
-        (forward may store one: ``self.last = out``).
-        ``attr_reads``: every attribute the trace read (None: every attribute counts); a
-        change to another is no difference (see ``_SubmoduleState.difference``).
-        ``on_change``: what :attr:`check` calls when its every-call tier sees something that
-        may have changed (the owner's full check: :meth:`difference`, then :meth:`refresh`
-        or a refusal)."""
+        """``every_call=False``: a snapshot for :meth:`difference` only. ``outside``: the
+        class attributes and globals forward read (:class:`OutsideReads`). ``tensor_reads``:
+        the plain tensor attributes the trace reads as inputs, each (module id, name),
+        followed as parameters are (:meth:`moved_tensors`; another shape is a difference);
+        None, for a module run without a trace: every tensor attribute is followed for moves,
+        none by shape (forward may store one). ``attr_reads``: every attribute the trace read
+        (None: every one counts; see ``_SubmoduleState.difference``). ``on_change``: what
+        :attr:`check` calls when its every-call tier sees a change (the owner's full check)."""
         self.module = module
         self._on_change = on_change if on_change is not None else _nothing
         self._outside = outside if outside is not None else OutsideReads.none(module)

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle as _hook_handles
 from freezeframe.compilation.assemble import CompileStack
 from freezeframe.compilation.backend import CompileBackend, refuse_scalar_capture
 from freezeframe.compilation.compilers import stock_backend
+from freezeframe.compilation.module_call import PositionalForm
 from freezeframe.compilation.module_state import ModuleState
 from freezeframe.compilation.module_state import _user_attrs as user_attrs
 from freezeframe.compilation.outside_reads import OutsideReads
@@ -103,6 +104,7 @@ class Untraced:
         # per set of Python argument values (see _values_key), its graphs; () for a call of
         # tensors only, made now so that its wrappers are visible before the first call
         self._keyed: dict[tuple[Any, ...], _Graphs] = {}
+        self._spelling = PositionalForm(module.forward)  # one argument list per graph
         self._last = self._graphs(())
         self.call: Callable[..., Any] = self._call if graph_modes else run
 
@@ -135,6 +137,7 @@ class Untraced:
         ctx = get_forward_context()
         if ctx is None or ctx.batch_descriptor is None or ctx.mode not in self._graph_modes:
             return self.run(*args, **kwargs)  # (every wrapper would call through)
+        args, kwargs = self._spelling(args, kwargs)
         graphs = self._graphs(_values_key(args, kwargs))
         self._last = graphs
         return graphs.call(*args, **kwargs)
@@ -144,7 +147,7 @@ class Untraced:
 
     def for_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Graphs:
         """The graphs a graph call of these arguments goes to."""
-        return self._graphs(_values_key(args, kwargs))
+        return self._graphs(_values_key(*self._spelling(args, kwargs)))
 
     @property
     def breakable(self) -> GraphWrapper | None:
