@@ -32,7 +32,7 @@ from freezeframe.errors import ConfigError
 from freezeframe.sizes import (
     Range,
     compile_ranges,
-    default_capture_sizes,
+    default_ladder,
     default_max_capture_size,
     padded_size,
     round_sizes_for_spec_decode,
@@ -386,8 +386,8 @@ class CompilationConfig:
                     f"above max_num_tokens={self.max_num_tokens} are dropped) while "
                     f"cudagraph_mode is {self.cudagraph_mode.name}; give at least one size or "
                     "set cudagraph_mode='none'")
-        else:
-            sizes = self._default_capture_sizes(max_size)
+        else:  # (the decode sizes are in it: nothing to round)
+            sizes = default_ladder(max_size, self.max_num_seqs, 1 + self.num_speculative_tokens)
         valid_max = sizes[-1]
         if user_max is not None and user_max != valid_max:
             if user_list is not None:
@@ -401,24 +401,12 @@ class CompilationConfig:
         if user_list is not None and len(sizes) < len(set(user_list)):
             logger.warning("cudagraph_capture_sizes above max_num_tokens=%d were dropped: %s",
                            self.max_num_tokens, sorted(set(user_list) - set(sizes)))
-        if self.num_speculative_tokens > 0:
+        if self.num_speculative_tokens > 0 and user_list is not None:
             multiple = 1 + self.num_speculative_tokens
             try:
                 sizes = round_sizes_for_spec_decode(sizes, multiple, valid_max)
             except ValueError as exc:
                 raise ConfigError(f"cudagraph_capture_sizes: {exc}") from None
-        return sizes
-
-    def _default_capture_sizes(self, max_size: int) -> list[int]:
-        """The token ladder up to the ceiling ``max_size``, the ceiling itself included (so the
-        token budget, or the user's maximum, always has a graph), plus the widest uniform-decode
-        batch: ``max_num_seqs`` requests of ``1 + num_speculative_tokens`` tokens each, when it
-        is not above that ceiling. The default ceiling (at most 512 tokens) holds with spec
-        decode too, as in vLLM: a wider decode batch runs without a graph."""
-        sizes = default_capture_sizes(max_size)
-        widest_decode = self.max_num_seqs * (1 + self.num_speculative_tokens)
-        if widest_decode <= max_size and widest_decode not in sizes:
-            sizes = sorted({*sizes, widest_decode})
         return sizes
 
     def _resolve_compile_sizes(self) -> None:
