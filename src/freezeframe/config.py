@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -104,21 +105,37 @@ class CUDAGraphMode(enum.Enum):
     FULL_AND_PIECEWISE = (FULL, PIECEWISE)
 
     @classmethod
-    def parse(cls, value: CUDAGraphMode | str | int) -> CUDAGraphMode:
+    def parse(cls, value: CUDAGraphMode | str | int | Sequence[int]) -> CUDAGraphMode:
+        """A mode from its name (any case), its value, or any form vLLM prints one in: the
+        value (``2``, or the pair ``[2, 1]`` / ``(2, 1)`` of a separate routine, as a JSON dump
+        of vLLM's config writes it), ``"CUDAGraphMode.FULL"``, its repr
+        ``"<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>"``, or such a value as text."""
         if isinstance(value, CUDAGraphMode):
             return value
+        given = value
         if isinstance(value, str):
-            name = value.strip().upper()
+            name = value.strip().strip("<>").split(":")[0].strip().upper()
+            name = name.removeprefix("CUDAGRAPHMODE.")
             if name in cls.__members__:
                 return cls[name]
+            pair = re.fullmatch(r"[\[(]?\s*(\d+)\s*(?:,\s*(\d+)\s*)?[\])]?", value.strip())
+            if pair is not None:
+                numbers = [int(g) for g in pair.groups() if g is not None]
+                value = numbers[0] if len(numbers) == 1 else tuple(numbers)
+        if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            for member in (cls.FULL_DECODE_ONLY, cls.FULL_AND_PIECEWISE):
+                if member.value == tuple(value):
+                    return member
         elif isinstance(value, int) and not isinstance(value, bool):
             for member in (cls.NONE, cls.PIECEWISE, cls.FULL):
                 if member.value == value:
                     return member
         valid = ", ".join(m.name for m in cls)
         raise ConfigError(
-            f"cudagraph_mode: unknown CUDA-graph mode {value!r}; valid modes are {valid} "
-            "(any case)"
+            f"cudagraph_mode: unknown CUDA-graph mode {given!r}; valid modes are {valid} "
+            "(any case), their values 0, 1, 2, [2, 0] and [2, 1], or vLLM's printed forms "
+            "(\"CUDAGraphMode.FULL\", \"<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>\")"
         )
 
     def separate_routine(self) -> bool:

@@ -78,13 +78,32 @@ def test_compilation_mode_parse_errors(bad: Any) -> None:
         (1, CUDAGraphMode.PIECEWISE),
         (2, CUDAGraphMode.FULL),
         (CUDAGraphMode.FULL, CUDAGraphMode.FULL),
+        # the forms vLLM prints a mode in (issue 42 item 15): a JSON dump's value pair, the
+        # enum's str and repr, a value as text
+        ([2, 1], CUDAGraphMode.FULL_AND_PIECEWISE),
+        ([2, 0], CUDAGraphMode.FULL_DECODE_ONLY),
+        ((2, 1), CUDAGraphMode.FULL_AND_PIECEWISE),
+        ("[2, 0]", CUDAGraphMode.FULL_DECODE_ONLY),
+        ("(2, 1)", CUDAGraphMode.FULL_AND_PIECEWISE),
+        ("1", CUDAGraphMode.PIECEWISE),
+        ("CUDAGraphMode.FULL_DECODE_ONLY", CUDAGraphMode.FULL_DECODE_ONLY),
+        ("<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>", CUDAGraphMode.FULL_AND_PIECEWISE),
+        ("<CUDAGraphMode.NONE: 0>", CUDAGraphMode.NONE),
     ],
 )
 def test_cudagraph_mode_parse(given: Any, want: CUDAGraphMode) -> None:
     assert CUDAGraphMode.parse(given) is want
 
 
-@pytest.mark.parametrize("bad", ["fully", 3, True, ""])
+def test_a_vllm_json_with_the_mode_as_a_pair_is_read() -> None:
+    cfg = CompilationConfig.from_json('{"cudagraph_mode": [2, 1], "max_num_seqs": 8, '
+                                      '"splitting_ops": ["silly::attention"]}')
+    assert cfg.cudagraph_mode is CUDAGraphMode.FULL_AND_PIECEWISE
+    assert cfg.cudagraph_capture_sizes == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("bad", ["fully", 3, True, "", [2, 2], [1, 2], [2, 1, 0], "[3]",
+                                 [True, False], "CUDAGraphMode.HALF"])
 def test_cudagraph_mode_parse_errors(bad: Any) -> None:
     with pytest.raises(ConfigError, match="cudagraph_mode: unknown CUDA-graph mode") as exc:
         CUDAGraphMode.parse(bad)
