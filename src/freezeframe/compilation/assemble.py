@@ -153,7 +153,8 @@ class CompileStack:
             holder[0].sources = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
             return stitched
 
-        trace = TraceOnce(model.module, cache.wrap_backend(stitched_backend), dims)
+        trace = TraceOnce(model.module, cache.wrap_backend(stitched_backend), dims,
+                          dims_given=getattr(model, "dims_given", True))
         cache.trace = trace
         made = Variant(signature, trace, backend, cache, self.full_wrapper(cache))
         if made.full_wrapper is not None:

@@ -120,6 +120,7 @@ class CompiledModel(nn.Module):
         """Set up the trace-once modes: the compile stack, the call keys, the router."""
         module = self.module
         self._dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
+        self.dims_given = dynamic_arg_dims is not None  # (else a 0-d tensor stays static)
         self.manager = self._stack.with_compiler(self.model_key).manager
         self._signer = Signer(module.forward, self._dims, grad_matters=not self.inference_mode)
         if not self.inference_mode and self._stack.graph_backend is not None \
@@ -176,13 +177,9 @@ class CompiledModel(nn.Module):
         self.__dict__["_armed_at"] = -1
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """What a copy of a compiled model is (``copy.copy``, ``copy.deepcopy``, ``pickle``,
-        ``torch.save``): a new compiled model of the module (the same module for
-        ``copy.copy``, a copy of it otherwise) with the same config, dynamic dims, model key,
-        inference mode, train/eval flag and hooks. Nothing compiled is copied: traces, pieces
-        and graphs (with their device memory) belong to one instance. The copy traces on its
-        first call, keeps stats of its own, and loads its pieces from the compile cache when
-        ``use_cache`` is on."""
+        """A copy (``copy.copy``/``deepcopy``, ``pickle``, ``torch.save``) is a new compiled
+        model of the module (the same one for ``copy.copy``) with the same settings, flag and
+        hooks; nothing compiled is copied (it traces anew, or loads from the cache)."""
         state: dict[str, Any] = {"training": self.training}
         for name, value in self.__dict__.items():
             if "hook" in name:  # nn.Module's hook dicts (and flags), each a container anew

@@ -226,10 +226,14 @@ class TraceOnce:
     """Owns the one Dynamo trace of ``module.forward`` and the fast call path after it."""
 
     def __init__(self, module: nn.Module, backend: Callable[..., Any],
-                 dynamic_arg_dims: Mapping[str, Sequence[int]]) -> None:
+                 dynamic_arg_dims: Mapping[str, Sequence[int]], *,
+                 dims_given: bool = True) -> None:
+        """``dims_given``: the dims were the user's, not the default dim 0 of every tensor
+        argument (which leaves a 0-d tensor static: it has no batch dim)."""
         self._module = module
         self._backend = backend
         self._dims = dict(dynamic_arg_dims)
+        self._dims_given = dims_given
         self._forward_func = getattr(module.forward, "__func__", None)
         self._compiled: Callable[..., Any] | None = None
         self._fast: Callable[..., Any] | None = None
@@ -271,6 +275,13 @@ class TraceOnce:
             value = bound.arguments.get(name)
             if not isinstance(value, torch.Tensor):
                 continue  # an Optional[Tensor] left None: nothing to mark
+            if value.dim() == 0 and not self._dims_given:
+                continue  # a 0-d tensor (a scalar) has no batch dim: it stays static
+            if value.dim() == 0:
+                raise ConfigError(
+                    f"dynamic_arg_dims[{name!r}]: argument {name!r} is a 0-d tensor (a "
+                    "scalar), which has no dim to make dynamic; leave it out of "
+                    "dynamic_arg_dims")
             for d in dims:
                 if not -value.dim() <= d < value.dim():
                     raise ConfigError(
