@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-__all__ = ["PositionalForm", "hooked", "may_skip_module_call"]
+__all__ = ["PositionalForm", "call_eagerly", "hooked", "may_skip_module_call"]
 
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
@@ -54,6 +54,29 @@ def may_skip_module_call(module: nn.Module) -> bool:
     return not (hooked(module) or _is_compiling() or _tracing_state() is not None
                 or "forward" in module.__dict__
                 or module._compiled_call_impl is not None)
+
+
+def call_eagerly(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """``model(*args, **kwargs)`` as a plain call runs it, through ``nn.Module.__call__`` (the
+    model's hooks and torch's global ones, a pre-hook's new inputs), with the uncompiled
+    ``model.module`` in place of the compiled forward: the eager reference of a step (verify
+    mode). ``forward`` is set on the instance for the call and taken away after it, as if it
+    never was (a call of the model meanwhile goes its compiled way)."""
+    attrs = model.__dict__
+    saved = attrs.get("forward", _ABSENT)
+    attrs["forward"] = model.module
+    try:
+        return nn.Module.__call__(model, *args, **kwargs)
+    finally:
+        if saved is _ABSENT:
+            attrs.pop("forward", None)
+        else:
+            attrs["forward"] = saved
+        if "_armed_at" in attrs:
+            attrs["_armed_at"] = -1  # (a compiled model works out its short cut again)
+
+
+_ABSENT = object()
 
 
 class PositionalForm:

@@ -354,7 +354,7 @@ class Stepper:
         plannable = writes is not None and not writes and split is None and not hooked \
             and held is not None and call.plannable and not self._options.dp_sync
         verifier = self._verifier
-        before = verifier.begin(held.module) if (  # type: ignore[union-attr]
+        before = verifier.begin(held.module, values) if (  # type: ignore[union-attr]
             verifier is not None and mode is not _NONE and held is not None
             and verifier.due((mode, desc))) else None
         copies = _CopiedInto(self._static, versions) if hooked else None  # (pre-hooks)
@@ -376,7 +376,8 @@ class Stepper:
         if before is not None:
             assert verifier is not None and held is not None
             verifier.finish((mode, desc), before, out, held.module,
-                            lambda: self._eagerly(values, num_tokens, extras))
+                            lambda: verifier.reference(held, before, self._forward.call_positional,
+                                                       num_tokens, extras))
         if replay is not None and not slots and plannable:
             context = ForwardContext(mode, desc, num_tokens_unpadded=num_tokens,
                                      num_reqs_unpadded=reqs, owner=self._static) \
@@ -512,17 +513,6 @@ class Stepper:
         if self._options.copy_outputs or self.copy_after_overlap:
             return map_tensors(out, lambda t: t.clone())
         return out
-
-    def _eagerly(self, values: Mapping[str, torch.Tensor], num_tokens: int,
-                 extras: Mapping[str, Any]) -> Any:
-        """The uncompiled module on copies of the step's inputs, outside any graph (verify)."""
-        assert self._held is not None and self._verifier is not None
-        copies = {name: t.clone() if isinstance(t, torch.Tensor) else t
-                  for name, t in values.items()}
-        with self._verifier.forward_context(num_tokens, extras):
-            if self._forward.call_positional:
-                return self._held.module(*copies.values())
-            return self._held.module(**copies)
 
     def model_hooked(self) -> bool:
         """Whether calling the model runs hooks of its own (forward or forward-pre hooks on the
