@@ -67,6 +67,8 @@ class Returns(nn.Module):
             return Frozen(out + 1)
         if self.kind == "pytree":
             return Pair(out, out * 3)
+        if self.kind == "plain":
+            return out
         return Opaque(out)
 
 
@@ -121,3 +123,35 @@ def test_an_output_the_runner_cannot_cut_is_refused_by_name(rig: Rig, graphs: st
     assert tuple(got.rows.shape) == (4, 4)  # returned whole: the padded step's rows
     with torch.no_grad():
         torch.testing.assert_close(rig.host(got.rows[:3]), rig.host(module(x).rows))
+
+
+@pytest.mark.parametrize("how", ["copy_outputs", "inference_mode=False"])
+def test_answers_support_in_place_changes_and_autograd_where_the_docs_say(rig: Rig,
+                                                                         how: str) -> None:
+    """Issue 42 item 11: under the default inference_mode=True an answer is an inference
+    tensor, whose in-place change or use in autograd raises torch's own error; the guarantees
+    page names the two fixes, each checked here: y.t_(), y.add_() and a trainable head's
+    backward on the answers of a captured runner, each matching eager."""
+    module = Returns("plain").to(rig.device)
+    cfg = rig.config("full", cudagraph_capture_sizes=[2, 4], max_num_tokens=8)
+    model = ff.compile(module, cfg, inference_mode=how != "inference_mode=False")
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(4)}, device=rig.device,
+                         progress=False, copy_outputs=how == "copy_outputs")
+    runner.capture()
+    head = nn.Linear(4, 1).to(rig.device)
+    for step in range(2):
+        x = rig.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            y = runner(x)
+            want = module(x)
+        assert not y.is_inference()
+        torch.testing.assert_close(rig.host(y), rig.host(want))
+        y.t_()
+        y.t_()
+        y.add_(1.0)
+        torch.testing.assert_close(rig.host(y), rig.host(want + 1.0))
+        head.zero_grad()
+        head(y).sum().backward()
+        grad = head.weight.grad
+        assert grad is not None
+        torch.testing.assert_close(rig.host(grad), rig.host((want + 1.0).sum(0, keepdim=True)))
