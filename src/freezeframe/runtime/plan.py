@@ -375,9 +375,8 @@ class Stepper:
                            reqs)
         if before is not None:
             assert verifier is not None and held is not None
-            verifier.finish((mode, desc), before, out, held.module,
-                            lambda: verifier.reference(held, before, self._forward.call_positional,
-                                                       num_tokens, extras))
+            verifier.finish((mode, desc), before, out, held.module, lambda: verifier.reference(
+                held, before, self._forward.call_positional, num_tokens, extras))
         if replay is not None and not slots and plannable:
             context = ForwardContext(mode, desc, num_tokens_unpadded=num_tokens,
                                      num_reqs_unpadded=reqs, owner=self._static) \
