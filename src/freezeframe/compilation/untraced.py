@@ -260,8 +260,11 @@ class _StockCall:
     def _compile(self) -> Callable[..., Any]:
         self._mark = _hook_handles.next_id  # read first: registering moves it before storing
         self._hooked = _hooked(self._module)
-        func = types.FunctionType(_call_module.__code__.replace(), _call_module.__globals__,
-                                  _call_module.__name__)
+        # a name of its own too: Dynamo keeps what it learnt of a frame's inputs (a float that
+        # changed is a tensor from then on) by file, line and name, across code objects
+        name = f"_call_module_{id(self):x}"
+        func = types.FunctionType(_call_module.__code__.replace(co_name=name, co_qualname=name),
+                                  _call_module.__globals__, name)
         return torch.compile(types.MethodType(func, self._module), backend=self._backend)
 
     def _hooks_added(self) -> bool:
