@@ -59,8 +59,6 @@ def _eager(module: nn.Module, *args: Any) -> torch.Tensor:
         return module(*args)
 
 
-
-
 def _stepper(rig: Rig, mode: str, graphs: str) -> tuple[Diffusion, Any, Any, torch.Tensor]:
     module = Diffusion().to(rig.device)
     model = ff.compile(module, _config(rig, mode, graphs))
