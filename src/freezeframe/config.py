@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -32,7 +33,7 @@ from freezeframe.errors import ConfigError
 from freezeframe.sizes import (
     Range,
     compile_ranges,
-    default_capture_sizes,
+    default_ladder,
     default_max_capture_size,
     padded_size,
     round_sizes_for_spec_decode,
@@ -104,21 +105,37 @@ class CUDAGraphMode(enum.Enum):
     FULL_AND_PIECEWISE = (FULL, PIECEWISE)
 
     @classmethod
-    def parse(cls, value: CUDAGraphMode | str | int) -> CUDAGraphMode:
+    def parse(cls, value: CUDAGraphMode | str | int | Sequence[int]) -> CUDAGraphMode:
+        """A mode from its name (any case), its value, or any form vLLM prints one in: the
+        value (``2``, or the pair ``[2, 1]`` / ``(2, 1)`` of a separate routine, as a JSON dump
+        of vLLM's config writes it), ``"CUDAGraphMode.FULL"``, its repr
+        ``"<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>"``, or such a value as text."""
         if isinstance(value, CUDAGraphMode):
             return value
+        given = value
         if isinstance(value, str):
-            name = value.strip().upper()
+            name = value.strip().strip("<>").split(":")[0].strip().upper()
+            name = name.removeprefix("CUDAGRAPHMODE.")
             if name in cls.__members__:
                 return cls[name]
+            pair = re.fullmatch(r"[\[(]?\s*(\d+)\s*(?:,\s*(\d+)\s*)?[\])]?", value.strip())
+            if pair is not None:
+                numbers = [int(g) for g in pair.groups() if g is not None]
+                value = numbers[0] if len(numbers) == 1 else tuple(numbers)
+        if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            for member in (cls.FULL_DECODE_ONLY, cls.FULL_AND_PIECEWISE):
+                if member.value == tuple(value):
+                    return member
         elif isinstance(value, int) and not isinstance(value, bool):
             for member in (cls.NONE, cls.PIECEWISE, cls.FULL):
                 if member.value == value:
                     return member
         valid = ", ".join(m.name for m in cls)
         raise ConfigError(
-            f"cudagraph_mode: unknown CUDA-graph mode {value!r}; valid modes are {valid} "
-            "(any case)"
+            f"cudagraph_mode: unknown CUDA-graph mode {given!r}; valid modes are {valid} "
+            "(any case), their values 0, 1, 2, [2, 0] and [2, 1], or vLLM's printed forms "
+            "(\"CUDAGraphMode.FULL\", \"<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>\")"
         )
 
     def separate_routine(self) -> bool:
@@ -386,8 +403,8 @@ class CompilationConfig:
                     f"above max_num_tokens={self.max_num_tokens} are dropped) while "
                     f"cudagraph_mode is {self.cudagraph_mode.name}; give at least one size or "
                     "set cudagraph_mode='none'")
-        else:
-            sizes = self._default_capture_sizes(max_size)
+        else:  # (the decode sizes are in it: nothing to round)
+            sizes = default_ladder(max_size, self.max_num_seqs, 1 + self.num_speculative_tokens)
         valid_max = sizes[-1]
         if user_max is not None and user_max != valid_max:
             if user_list is not None:
@@ -401,24 +418,12 @@ class CompilationConfig:
         if user_list is not None and len(sizes) < len(set(user_list)):
             logger.warning("cudagraph_capture_sizes above max_num_tokens=%d were dropped: %s",
                            self.max_num_tokens, sorted(set(user_list) - set(sizes)))
-        if self.num_speculative_tokens > 0:
+        if self.num_speculative_tokens > 0 and user_list is not None:
             multiple = 1 + self.num_speculative_tokens
             try:
                 sizes = round_sizes_for_spec_decode(sizes, multiple, valid_max)
             except ValueError as exc:
                 raise ConfigError(f"cudagraph_capture_sizes: {exc}") from None
-        return sizes
-
-    def _default_capture_sizes(self, max_size: int) -> list[int]:
-        """The token ladder up to the ceiling ``max_size``, the ceiling itself included (so the
-        token budget, or the user's maximum, always has a graph), plus the widest uniform-decode
-        batch: ``max_num_seqs`` requests of ``1 + num_speculative_tokens`` tokens each, when it
-        is not above that ceiling. The default ceiling (at most 512 tokens) holds with spec
-        decode too, as in vLLM: a wider decode batch runs without a graph."""
-        sizes = default_capture_sizes(max_size)
-        widest_decode = self.max_num_seqs * (1 + self.num_speculative_tokens)
-        if widest_decode <= max_size and widest_decode not in sizes:
-            sizes = sorted({*sizes, widest_decode})
         return sizes
 
     def _resolve_compile_sizes(self) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "Range",
     "compile_ranges",
     "default_capture_sizes",
+    "default_ladder",
     "default_max_capture_size",
     "padded_size",
     "padding_intervals",
@@ -59,13 +60,33 @@ def default_capture_sizes(max_size: int) -> list[int]:
     tokens pads to a captured size: with ``max_num_tokens=100`` a 100-token step gets a graph
     of 100, not an eager fallback past the 96 rung.
     """
-    sizes = [s for s in (1, 2, 4) if s <= max_size]
-    sizes += list(range(8, min(max_size + 1, 256), 8))
-    if max_size >= 256:
-        sizes += list(range(256, max_size + 1, 16))
+    sizes = _grid(max_size)
     if max_size >= 1 and sizes[-1] != max_size:
         sizes.append(max_size)
     return sizes
+
+
+def _grid(top: int) -> list[int]:
+    """``[1, 2, 4] + range(8, 256, 8) + range(256, top + 1, 16)``, the steps up to ``top``."""
+    sizes = [s for s in (1, 2, 4) if s <= top]
+    sizes += list(range(8, min(top + 1, 256), 8))
+    if top >= 256:
+        sizes += list(range(256, top + 1, 16))
+    return sizes
+
+
+def default_ladder(max_size: int, max_num_seqs: int, decode_query_len: int) -> list[int]:
+    """The default capture sizes (vLLM's rule, speculative decoding included): the token
+    ladder up to ``max_size`` (:func:`default_capture_sizes`), joined by the uniform-decode
+    sizes ``c * decode_query_len`` for request counts ``c`` on the same steps (``1, 2, 4, 8,
+    ..``) up to ``max_num_seqs``, and ``max_num_seqs`` itself, that are not above
+    ``max_size``: a decode step of ``c`` requests of ``1 + num_speculative_tokens`` tokens each
+    pads to a graph of exactly its size, and every other step to the token ladder. With one
+    token per request the decode sizes are request counts, on the ladder but for
+    ``max_num_seqs``."""
+    counts = {*_grid(max_num_seqs), max_num_seqs} if max_num_seqs >= 1 else set()
+    decodes = {c * decode_query_len for c in counts if c * decode_query_len <= max_size}
+    return sorted({*default_capture_sizes(max_size), *decodes})
 
 
 def round_sizes_for_spec_decode(sizes: Sequence[int], multiple: int, max_size: int) -> list[int]:

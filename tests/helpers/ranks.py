@@ -16,7 +16,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 __all__ = ["free_port", "run_ranks"]
@@ -48,12 +48,14 @@ def _entry(worker: Callable[..., Any], rank: int, world: int, port: int, out: An
 
 
 def run_ranks(worker: Callable[..., Any], world: int, *args: Any, deadline_s: float = 90.0,
-              group_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
+              group_timeout_s: float = 60.0, backend: str = "gloo",
+              may_die: Collection[int] = ()) -> list[Any]:
     """``[worker(rank, world, *args) for rank in range(world)]``, each in its own process
     (``backend="nccl"``: rank ``r`` on GPU ``r``, for the multi-GPU cuda tier).
 
     Raises AssertionError with every rank's traceback when a rank raised, or naming the ranks
-    that reported nothing when the deadline passed."""
+    that reported nothing when the deadline passed (a rank of ``may_die``, which the test makes
+    exit on purpose, gives None instead)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -69,6 +71,9 @@ def run_ranks(worker: Callable[..., Any], world: int, *args: Any, deadline_s: fl
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if all(r in may_die and not procs[r].is_alive() for r in range(world)
+                   if r not in got):
+                break  # only ranks that exited on purpose are left
             try:
                 rank, status, value = out.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -82,6 +87,6 @@ def run_ranks(worker: Callable[..., Any], world: int, *args: Any, deadline_s: fl
                 proc.join(timeout=5)
     errors = {rank: value for rank, (status, value) in got.items() if status == "error"}
     assert not errors, "\n".join(f"rank {r} raised:\n{tb}" for r, tb in sorted(errors.items()))
-    missing = sorted(set(range(world)) - set(got))
+    missing = sorted(set(range(world)) - set(got) - set(may_die))
     assert not missing, f"ranks {missing} reported nothing within {deadline_s} s"
-    return [got[rank][1] for rank in range(world)]
+    return [got[rank][1] if rank in got else None for rank in range(world)]

@@ -10,7 +10,12 @@ scenarios in order (each rank's n-th capture() is the n-th lockstep session):
 3. rank 0 raises while capturing its second graph, before its all-reduce: rank 1, waiting in
    that all-reduce, gives up after the lockstep timeout, and both raise a CaptureError naming
    rank 0, the graph and the error, within a bounded time;
-4. rank 1 never calls capture(): rank 0 raises, naming rank 1, after the timeout.
+4. rank 1 never calls capture(): rank 0 raises, naming rank 1, after the timeout;
+5. (between 1 and 2) rank 1's input has another dtype: both ranks raise a ConfigError naming
+   the input and both dtypes, before any pass ran (gloo's size check aborted a rank before);
+
+and, in a pair of its own, the rank hosting the store (rank 0) dies while capturing: the other
+raises a CaptureError saying the store cannot be reached, not a raw DistNetworkError.
 """
 
 from __future__ import annotations
@@ -54,13 +59,13 @@ class _Reducing(nn.Module):
         return x + all_reduce_sum(x, self.group_name)
 
 
-def _runner(model: _Reducing, ladder: list[int]) -> Any:
+def _runner(model: _Reducing, ladder: list[int], dtype: torch.dtype = torch.float32) -> Any:
     import freezeframe as ff
 
     cfg = ff.CompilationConfig(cudagraph_mode="full", graph_backend="emulated",
                                cudagraph_capture_sizes=ladder, max_num_tokens=8, max_num_seqs=8)
-    return ff.GraphRunner(model, cfg, inputs={"x": ff.runtime.Tokens(2)}, progress=False,
-                          lockstep=Lockstep(timeout_s=TIMEOUT_S))
+    return ff.GraphRunner(model, cfg, inputs={"x": ff.runtime.Tokens(2, dtype=dtype)},
+                          progress=False, lockstep=Lockstep(timeout_s=TIMEOUT_S))
 
 
 def _attempt(runner: Any) -> dict[str, Any]:
@@ -83,6 +88,9 @@ def _lockstep_worker(rank: int, world: int) -> dict[str, Any]:
     runner = _runner(model, LADDER if rank == 0 else LADDER[:3])
     out["ladder"] = {**_attempt(runner), "captured": model.captured,
                      "report": runner.report is not None}
+    model = _Reducing(name)  # 5: another input dtype on rank 1
+    runner = _runner(model, LADDER, torch.float32 if rank == 0 else torch.float64)
+    out["dtype"] = {**_attempt(runner), "captured": model.captured}
     model = _Reducing(name)  # 2: the same config
     runner = _runner(model, LADDER)
     out["agreed"] = {**_attempt(runner), "captured": model.captured}
@@ -112,6 +120,17 @@ def test_another_ladder_is_refused_before_capture(ranks: list[dict[str, Any]]) -
                 "cudagraph_capture_sizes=[1, 2, 4, 8]") in got["error"][1]
         assert "give every rank the same cudagraph_capture_sizes" in got["error"][1]
         assert got["captured"] == [] and got["report"] is False
+        assert got["seconds"] < TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_another_input_dtype_is_refused_before_capture(ranks: list[dict[str, Any]]) -> None:
+    for res in ranks:
+        got = res["dtype"]
+        assert got["error"][0] == "ConfigError"
+        assert ("input 0 is x: tokens float64 [8, 2] on rank 1 but x: tokens float32 [8, 2] "
+                "on rank 0") in got["error"][1]
+        assert got["captured"] == []
         assert got["seconds"] < TIMEOUT_S
 
 
@@ -151,6 +170,16 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout(
         "lockstep capture: rank(s) [1] did not reach capture() (where the ranks compare "
         f"their plans) within Lockstep.timeout_s={TIMEOUT_S} s (this is rank 0)")
     assert TIMEOUT_S <= got["seconds"] < 2 * TIMEOUT_S
+
+
+def test_plan_difference_names_the_first_input_that_differs() -> None:
+    base = {"inputs": ["x: tokens float32 [8, 2]"], "graphs": ["FULL tokens=2"]}
+    other = {"inputs": ["x: tokens float32 [8, 5]"], "graphs": ["FULL tokens=2"]}
+    assert plan_difference([base, other]) == (
+        "lockstep capture: the ranks disagree before capture: input 0 is x: tokens float32 "
+        "[8, 5] on rank 1 but x: tokens float32 [8, 2] on rank 0 (1 vs 1 inputs). Every rank "
+        "must capture the same graphs in the same order: give every rank the same inputs (the "
+        "same CompilationConfig and runner options)")
 
 
 def test_plan_difference_names_the_first_difference() -> None:
@@ -208,3 +237,39 @@ def test_a_rank_failing_a_step_leaves_the_others_an_error_within_the_group_timeo
     assert ranks[1]["error"] == "InputMismatchError"
     assert ranks[0]["error"] == "RuntimeError"  # gloo's: the peer left or the wait timed out
     assert ranks[0]["seconds"] < 10.0 + 5.0
+
+
+def _store_dies_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 (hosting the store) exits in its capture of the second graph."""
+    import os
+
+    import torch.distributed as dist
+
+    model = _Reducing(dist.group.WORLD.group_name)
+    runner = _runner(model, LADDER)
+    if rank == 0:
+        def die(*_: Any) -> None:
+            ctx = ff_context()
+            if ctx is not None and ctx.capturing and ctx.batch_descriptor is not None \
+                    and ctx.batch_descriptor.num_tokens == 4:
+                os._exit(3)
+
+        model.register_forward_pre_hook(die)
+    return _attempt(runner)
+
+
+def ff_context() -> Any:
+    import freezeframe as ff
+
+    return ff.get_forward_context()
+
+
+@pytest.mark.slow
+def test_a_dead_store_host_is_a_capture_error_not_a_raw_network_error() -> None:
+    ranks = run_ranks(_store_dies_worker, 2, deadline_s=120.0, may_die={0})
+    assert ranks[0] is None  # rank 0 exited
+    got = ranks[1]
+    assert got["error"][0] == "CaptureError", got
+    assert "the process group's store cannot be reached from rank 1" in got["error"][1]
+    assert "This rank (1) failed at graph 2 of 4 (FULL tokens=4 reqs=4)" in got["error"][1]
+    assert got["seconds"] < 3 * TIMEOUT_S

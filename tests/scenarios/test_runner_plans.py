@@ -75,8 +75,9 @@ def test_full_steps_of_a_captured_shape_replay_without_routing_the_call(rig: Rig
 def test_a_planned_full_step_still_refuses_a_changed_module(rig: Rig) -> None:
     model, runner = _full_runner(rig)
     runner(full(rig, 3, 0.0))
-    # an attribute forward could read: the trace baked the old state
-    model.module.scale = 2.0  # type: ignore[assignment]
+    # the train/eval flag: the trace baked the old state (an attribute forward never reads
+    # may change, issue 42)
+    model.module.train(not model.module.training)
     with pytest.raises(ff.CompileError, match="the module changed after its first call"):
         runner(full(rig, 3, 0.0))
 
@@ -179,7 +180,7 @@ def test_planned_piecewise_steps_replay_the_pieces_and_call_the_ops(rig: Rig) ->
 def test_a_planned_piecewise_step_still_refuses_a_changed_module(rig: Rig) -> None:
     model, runner = _piecewise_runner(rig)
     runner(full(rig, 3, 0.0))
-    model.module.scale = 2.0  # type: ignore[assignment]
+    model.module.train(not model.module.training)  # (the trace baked the old flag)
     with pytest.raises(ff.CompileError, match="the module changed after its first call"):
         runner(full(rig, 3, 0.0))
 

@@ -101,3 +101,66 @@ def test_bad_verify_options_are_refused_by_name(options: dict[str, Any], message
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cudagraph_mode="none")
     with pytest.raises(ConfigError, match=message):
         GraphRunner(ff.compile(Shifted(), cfg), cfg, inputs={"x": Tokens(4)}, **options)
+
+
+class WritesInput(nn.Module):
+    """Writes into its input, then reads it (issue 42 item 9a)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return attention(self.lin(x), x, x)
+
+
+def _hooked_runner(rig: Rig, mode: str, module: nn.Module, verify: int
+                   ) -> tuple[Any, GraphRunner]:
+    cfg = rig.config(mode, cudagraph_capture_sizes=[1, 2, 4], max_num_tokens=8)
+    model = ff.compile(module.to(rig.device), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(4)}, device=rig.device,
+                         progress=False, verify=verify)
+    runner.capture()
+    return model, runner
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_verify_runs_the_reference_from_the_inputs_before_the_step(rig: Rig, mode: str) -> None:
+    """The reference copied the inputs after the graph step had written them (x + 1 read as
+    x + 2): a false mismatch on a correct step."""
+    module = WritesInput()
+    reference = WritesInput().to(rig.device)
+    _, runner = _hooked_runner(rig, mode, module, verify=3)
+    for step in range(4):
+        x = rig.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        mine, theirs = x.clone(), x.clone()
+        got = rig.host(runner(mine))
+        with torch.no_grad():
+            want = rig.host(reference(theirs))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(rig.host(mine), rig.host(theirs))  # written as eager does
+    assert runner.stats.get("verified_steps") == 3
+    assert runner.stats.get("verify_mismatches") == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_verify_runs_the_models_hooks_in_the_reference(rig: Rig, mode: str) -> None:
+    """The reference called the bare module, skipping the compiled model's hooks that the step
+    runs (a pre-hook returning new inputs, a forward hook changing the output): a false
+    mismatch on a correct step."""
+    module = Shifted()
+    model, runner = _hooked_runner(rig, mode, module, verify=2)
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: ((), {"x": (kwargs["x"] if "x" in kwargs else args[0]) * 2}),
+        with_kwargs=True)
+    model.register_forward_hook(lambda m, args, out: out + 10.0)
+    for step in range(3):
+        x = rig.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        got = rig.host(runner(x))
+        with torch.no_grad():
+            want = rig.host(module(x * 2)[:3] + 10.0)
+        torch.testing.assert_close(got, want)
+    assert runner.stats.get("verified_steps") == 2
+    assert runner.stats.get("verify_mismatches") == 0

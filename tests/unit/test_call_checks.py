@@ -512,3 +512,32 @@ def test_the_retrace_warning_says_what_changed(caplog):
         "from the first trace in xs[3]: dtype torch.float32 -> torch.float64",
     ]
     assert model.stats.retraces == 2
+
+
+class ScaledByTensor(nn.Module):
+    """Scaled by a 0-d tensor argument (a diffusion timestep passed as a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * t
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_0d_tensor_argument_stays_static_under_the_default_dims(mode: str) -> None:
+    """Issue 42 item 13: the default dims (dim 0 of every tensor argument) refused a 0-d
+    tensor with "give a dim in [-0, -1]", a range with no dim in it. A scalar has no batch
+    dim: it stays static, its value read anew each call, by one trace."""
+    module = ScaledByTensor()
+    model = ff.compile(module, config(mode))
+    for n, t in ((3, 0.5), (5, 0.25), (3, 2.0), (1, -1.0)):
+        x, scale = torch.randn(n, 4), torch.tensor(t)
+        torch.testing.assert_close(model(x, scale), module(x, scale).detach())
+    assert model.num_traces == 1
+    with pytest.raises(ff.ConfigError, match=r"dynamic_arg_dims\['t'\]: argument 't' is a 0-d "
+                                             r"tensor .* leave it out of dynamic_arg_dims"):
+        ff.compile(ScaledByTensor(), config(mode), dynamic_arg_dims={"x": 0, "t": 0})(
+            torch.randn(3, 4), torch.tensor(0.5))

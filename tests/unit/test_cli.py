@@ -430,3 +430,16 @@ def test_a_closed_stdout_ends_the_command_quietly(args: list[str], unbuffered: b
     proc.stdout.close()  # before the command writes anything: every write meets EPIPE
     err = proc.stderr.read().decode()
     assert (proc.wait(timeout=120), err) == (141, "")
+
+
+def test_python_dash_m_freezeframe_is_the_command() -> None:
+    """Issue 42 item 16: ``python -m freezeframe`` failed (no freezeframe.__main__)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-m", "freezeframe", "config", '{"max_num_seqs": 4}'],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == _run_cli("config", '{"max_num_seqs": 4}').stdout
+    assert "max_num_seqs=4" in done.stdout and "cache key" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "freezeframe", "no-such-command"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'no-such-command'" in bad.stderr

@@ -78,13 +78,32 @@ def test_compilation_mode_parse_errors(bad: Any) -> None:
         (1, CUDAGraphMode.PIECEWISE),
         (2, CUDAGraphMode.FULL),
         (CUDAGraphMode.FULL, CUDAGraphMode.FULL),
+        # the forms vLLM prints a mode in (issue 42 item 15): a JSON dump's value pair, the
+        # enum's str and repr, a value as text
+        ([2, 1], CUDAGraphMode.FULL_AND_PIECEWISE),
+        ([2, 0], CUDAGraphMode.FULL_DECODE_ONLY),
+        ((2, 1), CUDAGraphMode.FULL_AND_PIECEWISE),
+        ("[2, 0]", CUDAGraphMode.FULL_DECODE_ONLY),
+        ("(2, 1)", CUDAGraphMode.FULL_AND_PIECEWISE),
+        ("1", CUDAGraphMode.PIECEWISE),
+        ("CUDAGraphMode.FULL_DECODE_ONLY", CUDAGraphMode.FULL_DECODE_ONLY),
+        ("<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>", CUDAGraphMode.FULL_AND_PIECEWISE),
+        ("<CUDAGraphMode.NONE: 0>", CUDAGraphMode.NONE),
     ],
 )
 def test_cudagraph_mode_parse(given: Any, want: CUDAGraphMode) -> None:
     assert CUDAGraphMode.parse(given) is want
 
 
-@pytest.mark.parametrize("bad", ["fully", 3, True, ""])
+def test_a_vllm_json_with_the_mode_as_a_pair_is_read() -> None:
+    cfg = CompilationConfig.from_json('{"cudagraph_mode": [2, 1], "max_num_seqs": 8, '
+                                      '"splitting_ops": ["silly::attention"]}')
+    assert cfg.cudagraph_mode is CUDAGraphMode.FULL_AND_PIECEWISE
+    assert cfg.cudagraph_capture_sizes == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("bad", ["fully", 3, True, "", [2, 2], [1, 2], [2, 1, 0], "[3]",
+                                 [True, False], "CUDAGraphMode.HALF"])
 def test_cudagraph_mode_parse_errors(bad: Any) -> None:
     with pytest.raises(ConfigError, match="cudagraph_mode: unknown CUDA-graph mode") as exc:
         CUDAGraphMode.parse(bad)
@@ -241,10 +260,52 @@ def test_full_graphs_without_compilation() -> None:
 
 
 def test_spec_decode_default_ladder() -> None:
-    # max = min(64 * (1 + 1) * 2, 512, 8192) = 256; every size rounded up to a multiple of 2
+    # max = min(64 * (1 + 1) * 2, 512, 8192) = 256; the decode sizes 2 * (1, 2, 4, 8, ..., 64)
+    # are all on the token ladder already
     cfg = CompilationConfig(max_num_seqs=64, num_speculative_tokens=1)
-    assert cfg.cudagraph_capture_sizes == (2, 4, *range(8, 257, 8))
+    assert cfg.cudagraph_capture_sizes == (1, 2, 4, *range(8, 257, 8))
     assert cfg.max_cudagraph_capture_size == 256
+
+
+# vLLM's default ladder with speculative decoding (issue 42 item 17): the token ladder up to
+# min(max_num_seqs * (1 + k) * 2, 512, budget), joined by c * (1 + k) for request counts c on
+# the ladder's steps up to max_num_seqs (and max_num_seqs itself) that fit under it; nothing
+# is rounded. Cases worked out by hand from that rule.
+@pytest.mark.parametrize(("kwargs", "want"), [
+    # 2 requests of 1 + 1 tokens... up to 4 requests: 2, 4, 8 are on the token ladder
+    ({"max_num_seqs": 4, "num_speculative_tokens": 1}, (1, 2, 4, 8, 16)),
+    # 5 requests: 10 joins (5 * 2), 20 is the ceiling
+    ({"max_num_seqs": 5, "num_speculative_tokens": 1}, (1, 2, 4, 8, 10, 16, 20)),
+    # 1 + 2 tokens: 3, 6, 12, 24 for 1, 2, 4, 8 requests; ceiling 8 * 3 * 2 = 48
+    ({"max_num_seqs": 8, "num_speculative_tokens": 2},
+     (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48)),
+    # a budget of 20 tokens clamps the ceiling: decode sizes above it (32) are dropped
+    ({"max_num_seqs": 8, "num_speculative_tokens": 3, "max_num_tokens": 20},
+     (1, 2, 4, 8, 16, 20)),
+    # 13 requests of 1 + 2: 3, 6, 12, 24 and 39 (all 13) under the ceiling of 78
+    ({"max_num_seqs": 13, "num_speculative_tokens": 2},
+     (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 39, 40, 48, 56, 64, 72, 78)),
+])
+def test_spec_decode_default_ladder_joins_the_decode_sizes(kwargs: dict[str, Any],
+                                                           want: tuple[int, ...]) -> None:
+    cfg = CompilationConfig(**kwargs)
+    assert cfg.cudagraph_capture_sizes == want
+    assert cfg.max_cudagraph_capture_size == want[-1]
+
+
+def test_sixteen_speculative_tokens_keep_the_whole_token_ladder() -> None:
+    """Issue 42 item 17: with k=16 the default sizes were multiples of 17 topped at 510. The
+    51 rungs of the plain ladder stay, with the decode sizes of 1, 2, 4 and 24 requests
+    (17, 34, 68, 408) added; 8 and 16 requests (136, 272) are rungs already; 32 requests (544)
+    are above 512."""
+    cfg = CompilationConfig(max_num_seqs=256, num_speculative_tokens=16)
+    plain = CompilationConfig(max_num_seqs=256).cudagraph_capture_sizes
+    assert len(plain) == 51
+    assert cfg.cudagraph_capture_sizes == tuple(sorted({*plain, 17, 34, 68, 408}))
+    assert len(cfg.cudagraph_capture_sizes) == 55
+    assert cfg.max_cudagraph_capture_size == 512
+    assert [cfg.padded_size(n) for n in (3, 17, 18, 401, 409, 512)] == [4, 17, 24, 408, 416,
+                                                                       512]
 
 
 def test_spec_decode_user_list() -> None:
@@ -631,19 +692,16 @@ def test_the_maximum_is_always_on_the_ladder(kwargs: dict[str, Any],
         # 100 requests of 1 token: 100 is off the 8-step grid, so it is added (ceiling 200)
         ({"max_num_seqs": 100},
          (1, 2, 4, *range(8, 97, 8), 100, *range(104, 201, 8))),
-        # 13 requests of 1 + 2 tokens = 39 tokens; every size a multiple of 3 (ceiling 78)
-        ({"max_num_seqs": 13, "num_speculative_tokens": 2},
-         (3, 6, 9, 18, 24, 33, 39, 42, 48, 57, 66, 72, 78)),
         # 300 requests of 1 + 1 tokens = 600 tokens, above the 512 token ceiling: not added
         # (vLLM's ceiling holds with spec decode too; the widest decode step runs eagerly)
         ({"max_num_seqs": 300, "num_speculative_tokens": 1},
-         (2, 4, *range(8, 257, 8), *range(272, 513, 16))),
+         (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))),
         # ... whatever the token budget
         ({"max_num_seqs": 300, "num_speculative_tokens": 1, "max_num_tokens": 590},
-         (2, 4, *range(8, 257, 8), *range(272, 513, 16))),
+         (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))),
         # ... but a maximum the user wrote down is the ceiling, and 600 is under it
         ({"max_num_seqs": 300, "num_speculative_tokens": 1, "max_cudagraph_capture_size": 1024},
-         (2, 4, *range(8, 257, 8), *range(272, 593, 16), 600, *range(608, 1025, 16))),
+         (1, 2, 4, *range(8, 257, 8), *range(272, 593, 16), 600, *range(608, 1025, 16))),
         # ... nor above the user's maximum (which is on the ladder itself)
         ({"max_num_seqs": 20, "max_cudagraph_capture_size": 12}, (1, 2, 4, 8, 12)),
     ],
@@ -655,14 +713,15 @@ def test_the_widest_decode_batch_is_captured(kwargs: dict[str, Any],
     assert cfg.max_cudagraph_capture_size == want_sizes[-1]
 
 
-@pytest.mark.parametrize(("max_num_tokens", "want_max"), [(8192, 510), (16384, 510), (300, 289)])
+@pytest.mark.parametrize(("max_num_tokens", "want_max"), [(8192, 512), (16384, 512), (300, 300)])
 def test_the_default_ceiling_holds_with_spec_decode(max_num_tokens: int, want_max: int) -> None:
     # 1024 requests of 1 + 16 tokens: min(1024 * 17 * 2, 512, budget) is the ceiling, and the
-    # widest decode batch (8704 tokens) is far above it. Every size is rounded up to a multiple
-    # of 17 and 512 (-> 527) is dropped, so the largest graph is 30 * 17 = 510 tokens.
+    # widest decode batch (8704 tokens) is far above it; the decode sizes under it join
     cfg = CompilationConfig(max_num_seqs=1024, num_speculative_tokens=16,
                             max_num_tokens=max_num_tokens)
-    assert cfg.cudagraph_capture_sizes == tuple(range(17, want_max + 1, 17))
+    decodes = [s for s in (17, 34, 68, 136, 272, 408) if s <= want_max]
+    plain = CompilationConfig(max_cudagraph_capture_size=want_max).cudagraph_capture_sizes
+    assert cfg.cudagraph_capture_sizes == tuple(sorted({*plain, *decodes}))
     assert cfg.max_cudagraph_capture_size == want_max
     assert cfg.padded_size(want_max + 1) is None
 
@@ -672,15 +731,16 @@ def test_a_users_list_is_kept_as_given_without_the_decode_batch() -> None:
     assert cfg.cudagraph_capture_sizes == (1, 2, 4, 8)
 
 
-def test_spec_decode_rounding_drops_only_what_rounds_above_the_maximum() -> None:
-    # budget 100, 1 + 2 tokens per request: 100 rounds to 102 > 100 and is dropped (vLLM's rule),
-    # everything else survives as the next multiple of 3; 4 requests (12 tokens) are on it
+def test_spec_decode_default_ladder_under_a_budget() -> None:
+    # 1 + 2 tokens per request; 4 requests: ceiling min(24, 512, 100) = 24, decodes 3, 6, 12
     cfg = CompilationConfig(max_num_tokens=100, max_num_seqs=4, num_speculative_tokens=2)
-    assert cfg.cudagraph_capture_sizes == (3, 6, 9, 12, 18, 24)
+    assert cfg.cudagraph_capture_sizes == (1, 2, 3, 4, 6, 8, 12, 16, 24)
+    # 64 requests: the budget of 100 is the ceiling; decodes of 1..32 requests fit (3..96)
     cfg = CompilationConfig(max_num_tokens=100, max_num_seqs=64, num_speculative_tokens=2)
-    assert cfg.cudagraph_capture_sizes == (3, 6, 9, 18, 24, 33, 42, 48, 57, 66, 72, 81, 90, 96)
-    assert cfg.max_cudagraph_capture_size == 96
-    assert [cfg.padded_size(n) for n in (95, 96, 97)] == [96, 96, None]
+    assert cfg.cudagraph_capture_sizes == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64,
+                                           72, 80, 88, 96, 100)
+    assert cfg.max_cudagraph_capture_size == 100
+    assert [cfg.padded_size(n) for n in (95, 97, 101)] == [96, 100, None]
 
 
 @pytest.mark.parametrize("graph_mode", ["piecewise", "full", "full_and_piecewise", None])

@@ -204,3 +204,37 @@ def test_the_entry_point_lists_the_backend_without_importing_freezeframe() -> No
     assert proc.stdout.split("\n")[:4] == ["True", "False", "[2.0, 2.0, 2.0]", "True"], (
         f"{proc.stdout}\n{proc.stderr}\nthe installed freezeframe has no torch_dynamo_backends "
         "entry point: reinstall it (pip install -e .)")
+
+
+class _Scaled(torch.nn.Module):
+    """ExampleMLP's output scaled by a Python float argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _model()
+
+    def forward(self, x: torch.Tensor, t: float) -> torch.Tensor:
+        return self.mlp(x) * t
+
+
+@pytest.mark.parametrize("graphs", ["piecewise", "full"])
+def test_a_python_float_that_changes_under_graphs_is_refused_by_name(graphs: str) -> None:
+    """Issue 42 item 12: once the float changes, torch.compile passes it as a tensor read back
+    with .item(); a capture of that was a CaptureError about aten._local_scalar_dense, an op
+    the model never calls. It names the argument and the fix now, before anything runs."""
+    module = _Scaled()
+    compiled = torch.compile(module, backend="freezeframe", options={
+        **OPTIONS, "cudagraph_mode": graphs, "graph_backend": "emulated",
+        "cudagraph_capture_sizes": [4]})
+    mode = ff.CUDAGraphMode.PIECEWISE if graphs == "piecewise" else ff.CUDAGraphMode.FULL
+    x = _rows(4, 3)
+    with torch.no_grad():
+        for t in (0.5, 0.5, 0.5):  # the first value is specialised: captured, replayed
+            with ff.forward_context(ff.BatchDescriptor(num_tokens=4), mode=mode):
+                assert torch.equal(compiled(x, t), module(x, t))
+        assert torch.equal(compiled(x, 0.25), module(x, 0.25))  # without graphs: served
+        with pytest.raises(ff.errors.CaptureError, match=r"argument 't' is a Python number "
+                                                         r"whose value changed .* Pass it as "
+                                                         r"a tensor \(torch\.tensor"), \
+                ff.forward_context(ff.BatchDescriptor(num_tokens=4), mode=mode):
+            compiled(x, 0.75)

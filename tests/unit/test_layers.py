@@ -18,7 +18,7 @@ STAGES: list[set[str]] = [
     {"compilation"},
     {"runtime", "ubatch"},
     {"models"},
-    {"bench", "cli", "__init__", "integrations"},
+    {"bench", "cli", "__init__", "__main__", "integrations"},
 ]
 
 

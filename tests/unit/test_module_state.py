@@ -4,6 +4,7 @@ is refused with a clear error, never answered from the stale trace."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +39,10 @@ class Scaled(nn.Module):
         self.offsets = [1.0, 0.0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x)) * self.scale + self.offsets[0]
+        return self.scale_of(self.bn(self.lin(x))) + self.offsets[0]
+
+    def scale_of(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
 
 
 def _pair() -> tuple[Scaled, Scaled]:
@@ -72,7 +76,7 @@ def _train_sub(m: Scaled) -> None:
 
 
 def _new_attr(m: Scaled) -> None:
-    m.extra = 1  # type: ignore[attr-defined]
+    m.scale_of = lambda x: x  # type: ignore[attr-defined]  # hides the class's method
 
 
 def _replace_sub(m: Scaled) -> None:
@@ -88,7 +92,7 @@ CHANGES: dict[str, tuple[Callable[[Scaled], None], str]] = {
     "root hook": (_hook_root, r"model had 0 forward hook\(s\) at the trace and has 1"),
     "submodule hook": (_hook_sub, r"model\.lin had 0 forward hook"),
     "submodule train": (_train_sub, r"model\.bn\.training was False"),
-    "new attribute": (_new_attr, r"model\.extra was set after the trace"),
+    "new attribute": (_new_attr, r"model\.scale_of was set after the trace"),
     "submodule replaced": (_replace_sub, r"a submodule was added, removed or replaced"),
 }
 
@@ -138,7 +142,7 @@ def test_a_root_attribute_set_or_hook_added_is_caught_at_the_next_call() -> None
     hooks: ``model.scale = 5.0`` or ``model._steps = 1`` on a routed structure is refused at
     once, not at the next new route."""
     for change, message in [(_set_scale, r"model\.scale was 2\.0 at the trace and is 5\.0"),
-                            (lambda m: setattr(m, "_private", 7), r"model\._private was set"),
+                            (lambda m: setattr(m, "offsets", [7.0]), r"model\.offsets was "),
                             (_hook_root, r"model had 0 forward hook\(s\)")]:
         mine, _ = _pair()
         model = ff.compile(mine, _config())
@@ -146,6 +150,31 @@ def test_a_root_attribute_set_or_hook_added_is_caught_at_the_next_call() -> None
         change(mine)
         with pytest.raises(CompileError, match=message):
             model(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_attributes_forward_never_reads_may_change(debug: bool) -> None:
+    """Found by the matrix: setting an attribute forward never reads (a step counter kept on
+    the module, a note) refused every later call. Only what the trace read counts: an
+    attribute set, added or deleted that it never read is served; one added over a name of
+    the class (hiding its method) is not."""
+    mine, theirs = _pair()
+    mine.note = "first"  # type: ignore[attr-defined]
+    mine.lin.calls = 0  # type: ignore[attr-defined]
+    model = ff.compile(mine, _config(debug=debug))
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), theirs(x).detach())
+    for step in range(3):
+        mine.note = f"step {step}"  # type: ignore[attr-defined]
+        mine.lin.calls += 1  # type: ignore[operator]
+        mine.added = step  # type: ignore[attr-defined]
+        assert torch.equal(model(x), theirs(x).detach())
+    del mine.note
+    assert torch.equal(model(x), theirs(x).detach())
+    assert model.stats.retraces == 0
+    _new_attr(mine)
+    with pytest.raises(CompileError, match=r"model\.scale_of was set after the trace"):
+        model(x)
 
 
 def test_a_root_attribute_set_to_an_equal_value_is_served() -> None:
@@ -485,7 +514,8 @@ def test_the_every_call_check_is_generated_once_per_layout() -> None:
     """The every-call tier is one generated function: a hook registered elsewhere (which moves
     torch's hook-handle counter) or an attribute set to an equal new object only updates the
     values it compares with; an attribute torch keeps itself, added to a submodule, changes
-    its layout and generates it anew. Either way the next call passes it."""
+    its layout and generates it anew. Either way the next call passes it, and the model's
+    per-call check is the state's current one."""
     mine, theirs = _pair()
     model = ff.compile(mine, _config())
     x = torch.randn(3, 4)
@@ -493,22 +523,32 @@ def test_the_every_call_check_is_generated_once_per_layout() -> None:
     model(x)
     state = model._state
     assert state is not None
-    check = state.changed_cheaply
-    assert not check()
+    full: list[int] = []
+    difference = state.difference
+    state.difference = lambda *a: full.append(1) or difference(*a)  # type: ignore[method-assign]
+    check = state.check
+    assert model._check is check
+    check()
+    assert full == []
     assert "sub0['training'] is not flag0" in state.source
     elsewhere = torch.ones(1, requires_grad=True).register_hook(lambda g: g)
-    assert check()  # the counter moved: the full tier runs on the next call
+    check()  # the counter moved: the full tier runs, finds nothing and refreshes
+    assert full == [1]
     assert torch.equal(model(x), theirs(x).detach())
-    assert state.changed_cheaply is check and not check()
+    assert state.check is check and model._check is check and full == [1]
     elsewhere.remove()
     mine.scale = float("2.0")  # another object, the same value
-    assert check()
     assert torch.equal(model(x), theirs(x).detach())
-    assert state.changed_cheaply is check and not check()
+    assert full == [1, 1]
+    assert state.check is check
+    check()
+    assert full == [1, 1]
     mine.lin.__orig_class__ = nn.Linear  # type: ignore[attr-defined]  # (as typing sets it)
-    assert check()
     assert torch.equal(model(x), theirs(x).detach())
-    assert state.changed_cheaply is not check and not state.changed_cheaply()
+    assert full == [1, 1, 1]
+    assert state.check is not check and model._check is state.check
+    state.check()
+    assert full == [1, 1, 1]
 
 
 def test_a_root_dict_replaced_is_still_read() -> None:
@@ -554,7 +594,11 @@ def test_a_training_flag_that_is_no_bool_is_compared_by_identity() -> None:
         for _ in range(3):
             assert torch.equal(model(x), theirs(x).detach())
     state = model._state
-    assert state is not None and not state.changed_cheaply()
+    assert state is not None
+    full: list[int] = []
+    state.difference = lambda *a: full.append(1)  # type: ignore[method-assign,assignment]
+    state.check()
+    assert full == []  # the cheap tier compares the flag by identity and sees no change
 
 
 class Adaptable(nn.Module):
@@ -772,4 +816,38 @@ def test_a_trace_loaded_from_the_cache_checks_the_class_attributes_too(
     cls.OFFSET = 7.0
     with pytest.raises(CompileError, match=r"ReadsClassCopy\.OFFSET that forward reads was "
                                            r"1\.0 at the trace and is 7\.0 now"):
+        model(x)
+
+
+FACTOR = 1.5
+
+
+class ReadsGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * FACTOR
+
+
+def test_a_trace_loaded_from_the_cache_checks_the_globals_too(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo does not run on a warm start: the globals come from the saved trace's checks,
+    and a global changed after the load is refused as after a trace."""
+    global FACTOR
+    monkeypatch.delenv("FREEZEFRAME_DISABLE_CACHE", raising=False)
+    monkeypatch.setattr(sys.modules[__name__], "FACTOR", 1.5)
+    cfg = _config(use_cache=True, cache_dir=str(tmp_path / "cache"))
+    x = torch.randn(3, 4)
+    ff.compile(ReadsGlobal(), cfg)(x)
+    mine = ReadsGlobal()
+    model = ff.compile(mine, cfg)
+    assert torch.equal(model(x), mine(x).detach())
+    assert model.stats.traces_loaded == 1
+    FACTOR = 2.5
+    with pytest.raises(CompileError, match=r"the global FACTOR \(of module "
+                                           r".*test_module_state\), which forward reads, was "
+                                           r"1\.5 at the trace and is 2\.5 now"):
         model(x)

@@ -23,6 +23,7 @@ from freezeframe.compilation.backend import CompileBackend
 from freezeframe.compilation.cached_trace import ModelCache
 from freezeframe.compilation.compilers import CompilerManager, make_compiler
 from freezeframe.compilation.direct_call import DirectCall, Stitched
+from freezeframe.compilation.module_call import PositionalForm
 from freezeframe.compilation.saved_trace import source_name
 from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards
 from freezeframe.compilation.trace import TraceOnce
@@ -60,9 +61,13 @@ class Variant:
     direct_tried: bool = False
     # the stitching copies with pieces' entries bound in, by those entries (sized_call)
     sized: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
+    # the one spelling of a call for the FULL graph (model(x=a) and model(a) alike)
+    spelling: PositionalForm | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.full_wrapper is not None:
+            if self.spelling is not None:
+                args, kwargs = self.spelling(args, kwargs)
             return self.full_wrapper(*args, **kwargs)
         direct = self.direct
         if direct is not None:
@@ -148,8 +153,11 @@ class CompileStack:
             holder[0].sources = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
             return stitched
 
-        trace = TraceOnce(model.module, cache.wrap_backend(stitched_backend), dims)
+        trace = TraceOnce(model.module, cache.wrap_backend(stitched_backend), dims,
+                          dims_given=getattr(model, "dims_given", True))
         cache.trace = trace
         made = Variant(signature, trace, backend, cache, self.full_wrapper(cache))
+        if made.full_wrapper is not None:
+            made.spelling = PositionalForm(model.module.forward)
         holder.append(made)
         return made

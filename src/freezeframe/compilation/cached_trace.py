@@ -94,7 +94,8 @@ class _Chosen:
     example_inputs: list[Any]
     loaded: _LoadedTrace
     sizes: _SavedSizes
-    sources: tuple[str, ...] = ()  # what its checks read (class attributes among them)
+    # what its checks read, each (source, guard kind): class attributes, globals...
+    reads: tuple[tuple[str, str], ...] = ()
 
 
 class ModelCache:
@@ -341,7 +342,7 @@ class ModelCache:
         # the branches the saved trace took on sizes, for the per-call size checks
         if self.trace is not None:
             self.trace.adopt_size_conditions(pick.sizes.conditions, pick.sizes.symbols)
-            self.trace.adopt_value_sources(pick.sources)
+            self.trace.adopt_value_reads(pick.reads)
         self.trace_loaded = True
         self._model.stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
@@ -384,7 +385,7 @@ class ModelCache:
         if mismatch is not None:
             return f"the call does not fit the trace ({mismatch})"
         chosen.append(_Chosen(gm, example_inputs, loaded, sizes,
-                              tuple(c.source for c in checks)))
+                              tuple((c.source, c.guard) for c in checks)))
         return None
 
 

@@ -22,8 +22,9 @@ from freezeframe.batch import BatchDescriptor
 from freezeframe.compilation import graph_steps
 from freezeframe.compilation.assemble import CompileStack, Variant
 from freezeframe.compilation.compilers import CompilerManager
+from freezeframe.compilation.module_call import PositionalForm, may_skip_module_call
 from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
-from freezeframe.compilation.routing import MAX_TRACES, Router, may_skip_module_call
+from freezeframe.compilation.routing import MAX_TRACES, Router
 from freezeframe.compilation.signature import (
     CallSignature,
     Signer,
@@ -101,7 +102,11 @@ class CompiledModel(nn.Module):
         # The module's Python state as the first trace saw it (see module_state): checked
         # cheaply on every call, fully on route misses and, with config.debug, on every call.
         self._state: ModuleState | None = None
-        self._check_state_every_call = config.debug
+        self._full_every_call = config.debug
+        # The per-call check (the one every call, step and replay runs; see _adopt_state):
+        # nothing before the first trace, then the state's generated every-call tier, which
+        # runs the full one (_state_changed) when it sees a change; with debug the full one.
+        self._check: Callable[[], None] = _unchecked
         # moves on each drop of every graph (parameters replaced: _drop_graphs_reading); a
         # runner compares it to capture its keys again
         self.graph_generation = 0
@@ -116,6 +121,7 @@ class CompiledModel(nn.Module):
         """Set up the trace-once modes: the compile stack, the call keys, the router."""
         module = self.module
         self._dims = resolve_dynamic_arg_dims(module.forward, dynamic_arg_dims)
+        self.dims_given = dynamic_arg_dims is not None  # (else a 0-d tensor stays static)
         self.manager = self._stack.with_compiler(self.model_key).manager
         self._signer = Signer(module.forward, self._dims, grad_matters=not self.inference_mode)
         if not self.inference_mode and self._stack.graph_backend is not None \
@@ -124,7 +130,8 @@ class CompiledModel(nn.Module):
                         "autograd history cannot be captured", self.model_key)
         self._router = Router(self.model_key, self._signer, self._dims, self.stats,
                               self._new_variant, warned=self._warned,
-                              inductor=self.config.backend == "inductor")
+                              inductor=self.config.backend == "inductor",
+                              on_state_change=self._state_changed)
         self._exact, self._same = self._router.exact, self._router.same
 
     def _new_variant(self, signature: CallSignature | None) -> Variant:
@@ -139,7 +146,7 @@ class CompiledModel(nn.Module):
         assert router is not None
         with self._lock:
             if self._state is not None:
-                self._check_state(self._state)
+                self._state_changed()  # the full tier, on every route miss
             variant = router.route_of(key, args, kwargs)
             if variant is not None:
                 return variant(args, kwargs)
@@ -153,7 +160,7 @@ class CompiledModel(nn.Module):
                                    args, kwargs)
             out, state = router.trace_new(self.module, key, signature, args, kwargs)
             if state is not None:  # the first trace: its module state is checked from now on
-                self._state = state
+                self._adopt_state(state)
             return out
 
     # -- attributes and copies ---------------------------------------------------------------
@@ -171,13 +178,9 @@ class CompiledModel(nn.Module):
         self.__dict__["_armed_at"] = -1
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """What a copy of a compiled model is (``copy.copy``, ``copy.deepcopy``, ``pickle``,
-        ``torch.save``): a new compiled model of the module (the same module for
-        ``copy.copy``, a copy of it otherwise) with the same config, dynamic dims, model key,
-        inference mode, train/eval flag and hooks. Nothing compiled is copied: traces, pieces
-        and graphs (with their device memory) belong to one instance. The copy traces on its
-        first call, keeps stats of its own, and loads its pieces from the compile cache when
-        ``use_cache`` is on."""
+        """A copy (``copy.copy``/``deepcopy``, ``pickle``, ``torch.save``) is a new compiled
+        model of the module (the same one for ``copy.copy``) with the same settings, flag and
+        hooks; nothing compiled is copied (it traces anew, or loads from the cache)."""
         state: dict[str, Any] = {"training": self.training}
         for name, value in self.__dict__.items():
             if "hook" in name:  # nn.Module's hook dicts (and flags), each a container anew
@@ -186,34 +189,39 @@ class CompiledModel(nn.Module):
                                   self._user_key, self.inference_mode), state)
 
     # -- the module's state -----------------------------------------------------------------
-    def _check_state(self, state: ModuleState) -> None:
-        why = state.difference()
-        if why is None:
-            moved = state.moved_tensors()
-            if moved:
-                self._drop_graphs_reading(moved)
-            state.refresh()
-            return
-        raise CompileError(
-            f"{self.model_key}: the module changed after its first call was traced: {why}. "
-            "The trace baked the old value in (freezeframe checks the module's Python state "
-            "instead of keeping Dynamo's guards), so this call is refused rather than "
-            "answered from a stale trace. Make such changes (model.eval(), hooks, attributes "
-            "forward reads) before the first call, or compile again after them: "
-            "ff.compile(module, config)")
+    def _adopt_state(self, state: ModuleState) -> None:
+        self._state = state
+        self.__dict__["_check"] = self._state_changed if self._full_every_call \
+            else state.check  # (not through __setattr__, which disarms)
 
-    def state_check(self) -> Callable[[], None] | None:
-        """The every-call module-state check as a function of nothing (a runner's planned
-        step runs it before its replays), or None before the first trace."""
-        state, every_call, check = self._state, self._check_state_every_call, self._check_state
-        if state is None:
-            return None
+    def _state_changed(self) -> None:
+        """The full module-state check (on a hit of the every-call tier, a route miss, every
+        call with ``debug``): graphs reading replaced tensors dropped, or the call refused."""
+        state = self._state
+        assert state is not None
+        with self._lock:  # (one thread drops and refreshes; re-entered from _route)
+            why = state.difference()
+            if why is not None and self._untraced is not None:
+                # no trace: every graph is captured again, running the new Python
+                self._untraced.drop_for_change(why, self._warned)
+                self.graph_generation += 1
+                self._adopt_state(self._untraced.state(self._state_changed))
+                return
+            if why is None:
+                moved = state.moved_tensors()
+                if moved:
+                    self._drop_graphs_reading(moved)
+                state.refresh()
+                if not self._full_every_call:  # (refresh may have generated it anew)
+                    self.__dict__["_check"] = state.check
+                return
+        raise _module_changed(self.model_key, why)
 
-        def checked() -> None:
-            if every_call or state.changed_cheaply():
-                check(state)
-
-        return checked
+    def state_check(self) -> Callable[[], Any] | None:
+        """The every-call module-state check as a function of nothing that stays current (a
+        runner's planned step runs it before its replays): :meth:`check_state`; None before
+        the first trace."""
+        return self.check_state if self._state is not None else None
 
     def _drop_graphs_reading(self, moved: list[str]) -> None:
         """Parameters or buffers were replaced since the graphs were captured: every graph is
@@ -249,9 +257,7 @@ class CompiledModel(nn.Module):
                 or self._forward_pre_hooks or _is_compiling()
                 or _tracing_state() is not None) and not self._arm():
             return super().__call__(*args, **kwargs)
-        state = self._state
-        if state is not None and (self._check_state_every_call or state.changed_cheaply()):
-            self._check_state(state)
+        self._check()
         last = self._last  # the last remembered call served: is this one alike?
         if (last is not None and not kwargs and len(args) == last.count and last.check(*args)
                 and (last.count == 1 or distinct_storages(args))):
@@ -284,10 +290,10 @@ class CompiledModel(nn.Module):
         are checked again after arming, while :meth:`__setattr__` disarms after it sets, so
         an attribute set (``forward``) either is seen here or disarms after this store."""
         count = _hook_handles.next_id
-        if not may_skip_module_call(self):
+        if not (self._exact and self.inference_mode and may_skip_module_call(self)):
             return False
         self.__dict__["_armed_at"] = count  # (not through __setattr__, which disarms)
-        if not may_skip_module_call(self):
+        if not (self._exact and self.inference_mode and may_skip_module_call(self)):
             self.__dict__["_armed_at"] = -1
             return False
         return True
@@ -314,9 +320,7 @@ class CompiledModel(nn.Module):
         router = self._router
         if router is None:
             return self._call_untraced(args, kwargs)
-        state = self._state
-        if state is not None and (self._check_state_every_call or state.changed_cheaply()):
-            self._check_state(state)
+        self._check()
         exact = exact_key(args, kwargs, self._grad_matters)
         known = self._exact.get(exact) if exact is not None else None
         if known is not None:
@@ -338,13 +342,12 @@ class CompiledModel(nn.Module):
         untraced = self._untraced
         assert untraced is not None
         if untraced.call is not untraced.run and not has_uninitialised_lazy(self.module):
-            state = self._state
-            if state is None:
+            if self._state is None:
                 with self._lock:
                     if self._state is None:
-                        self._state = ModuleState(self.module)
-            elif self._check_state_every_call or state.changed_cheaply():
-                self._check_state(state)
+                        self._adopt_state(untraced.state(self._state_changed))
+            else:
+                self._check()
         return untraced.call(*args, **kwargs)
 
     # -- what a runner plans its graph steps from (see graph_steps) ------------------------
@@ -359,13 +362,15 @@ class CompiledModel(nn.Module):
         and the replay's input checks are done once, here. Call it under no autograd
         recording (the runner steps under ``torch.no_grad()``)."""
         if self._untraced is not None:
-            untraced = self._untraced
-            wrapper = untraced.full if mode is CUDAGraphMode.FULL else untraced.breakable
+            graphs = self._untraced.for_call(args, kwargs)
+            wrapper = graphs.full if mode is CUDAGraphMode.FULL else graphs.breakable
         elif self._router is None or mode is not CUDAGraphMode.FULL:
             wrapper = None
         else:
             variant = self._router.routed(args, kwargs)
             wrapper = variant.full_wrapper if variant is not None else None
+        if wrapper is not None:  # (a graph holds the one spelling of its call)
+            args, kwargs = PositionalForm(self.module.forward)(args, kwargs)
         return graph_steps.graph_replay(wrapper, descriptor, args, kwargs, owner)
 
     def record_pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -419,10 +424,7 @@ class CompiledModel(nn.Module):
         """The every-call module-state check, run now (see :class:`Capturable`): a runner runs
         it before a step that may capture or replay, so graphs that read replaced tensors are
         dropped before it decides, not inside the step. Returns :attr:`graph_generation`."""
-        state = self._state
-        if state is not None and (self._check_state_every_call or state.changed_cheaply()):
-            with self._lock:
-                self._check_state(state)
+        self._check()
         return self.graph_generation
 
     def graph_wrappers(self) -> list[Any]:
@@ -437,6 +439,20 @@ class CompiledModel(nn.Module):
         graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
         return (f"mode={mode.name}, backend={self.config.backend}, "
                 f"cudagraph_mode={graph_mode.name}")
+
+
+def _unchecked() -> None:
+    """The per-call check before the first trace: nothing to check yet."""
+
+
+def _module_changed(model_key: str, why: str) -> CompileError:
+    return CompileError(
+        f"{model_key}: the module changed after its first call was traced: {why}. "
+        "The trace baked the old value in (freezeframe checks the module's Python state "
+        "instead of keeping Dynamo's guards), so this call is refused rather than "
+        "answered from a stale trace. Make such changes (model.eval(), hooks, attributes "
+        "forward reads) before the first call, or compile again after them: "
+        "ff.compile(module, config)")
 
 
 def _check_arguments(module: Any, config: Any, inference_mode: Any) -> None:

@@ -25,17 +25,13 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from torch import nn
-from torch.nn.modules import module as _nn_module
 
 from freezeframe.compilation.assemble import Variant
 from freezeframe.compilation.direct_call import direct_call, sized_call
-from freezeframe.compilation.module_state import (
-    ModuleState,
-    class_reads,
-    has_uninitialised_lazy,
-)
+from freezeframe.compilation.instance_reads import attribute_reads, tensor_attrs
+from freezeframe.compilation.module_state import ModuleState, has_uninitialised_lazy
+from freezeframe.compilation.outside_reads import OutsideReads
 from freezeframe.compilation.signature import (
     CallSignature,
     SameCall,
@@ -54,12 +50,9 @@ from freezeframe.compilation.trace_checks import (
 from freezeframe.errors import CompileError, InputMismatchError
 from freezeframe.stats import Stats
 
-__all__ = ["MAX_EXACT_KEYS", "MAX_TRACES", "Router", "may_skip_module_call"]
+__all__ = ["MAX_EXACT_KEYS", "MAX_TRACES", "Router"]
 
 logger = logging.getLogger(__name__)
-
-_is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
 
 # A model gets one trace per distinct call structure (see freezeframe.compilation.signature); a
 # forward whose structure keeps changing (an int argument that counts steps) would otherwise
@@ -80,7 +73,8 @@ class Router:
 
     def __init__(self, model_key: str, signer: Signer, dims: Mapping[str, tuple[int, ...]],
                  stats: Stats, new_variant: Callable[[CallSignature | None], Variant], *,
-                 warned: set[str], inductor: bool) -> None:
+                 warned: set[str], inductor: bool,
+                 on_state_change: Callable[[], None] | None = None) -> None:
         self.model_key = model_key
         self.signer = signer
         self.dims = dims
@@ -88,6 +82,7 @@ class Router:
         self._new_variant = new_variant
         self._warned = warned  # what the model warned about (once each)
         self._inductor = inductor
+        self._on_state_change = on_state_change  # the full module-state check (the model's)
         self.variants: list[Variant] = []
         self.routes: dict[tuple[Any, ...], list[Variant]] = {}
         self.exact: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -201,6 +196,7 @@ class Router:
             refuse_root_hooks(module, self.model_key)
         before = None if not first or has_uninitialised_lazy(module) \
             else ModuleState(module, every_call=False)
+        tensors_before = tensor_attrs(module) if first else {}
         try:
             out = variant.cache(*args, **kwargs)
             if before is not None:
@@ -215,12 +211,23 @@ class Router:
         trace = variant.trace
         variant.guards = SizeGuards.of_trace(trace.size_conditions, trace.size_symbols, sizes,
                                              self._inductor)
-        state = ModuleState(module, class_reads=class_reads(trace.value_sources, module)) \
-            if first else None
+        state = self._first_state(module, trace.value_reads, tensors_before) if first else None
         warn_about_branches(trace, self.model_key, self._warned, self.stats)
         self.variants.append(variant)
         self.routes.setdefault(key, []).append(variant)
         return out, state
+
+    def _first_state(self, module: nn.Module, reads: list[tuple[str, str]],
+                     tensors_before: dict[tuple[int, str], int]) -> ModuleState:
+        """The module state the first trace saw, checked from now on: with what it read from
+        outside the module (class attributes, globals), and the plain tensor attributes it
+        reads as inputs, less those the traced call stored anew (``self.last = out``)."""
+        stored = {k for k, v in tensor_attrs(module).items() if tensors_before.get(k) != v}
+        func = getattr(module.forward, "__func__", None)
+        outside = OutsideReads(module, reads, getattr(func, "__globals__", None))
+        attributes, tensors = attribute_reads(reads, module)
+        return ModuleState(module, outside=outside, tensor_reads=tensors - stored,
+                           attr_reads=attributes, on_change=self._on_state_change)
 
     def _next_variant(self, signature: CallSignature,
                       sizes: Mapping[tuple[str, int], int]) -> Variant:
@@ -295,19 +302,3 @@ class Router:
                                      calls, out, args, kwargs)
         return out
 
-
-def may_skip_module_call(model: Any) -> bool:
-    """Whether a call of the compiled ``model`` may skip ``nn.Module.__call__`` and go from its
-    memo straight to the trace (see ``CompiledModel.__call__``): nothing that call would do is
-    registered (no hooks on the model, none global, no compiled call implementation), the
-    model is not inside someone else's trace, keeps no autograd, has no ``forward`` set on the
-    instance, and has remembered a call."""
-    return not (_is_compiling() or _tracing_state() is not None or not model._exact
-                or not model.inference_mode
-                or "forward" in model.__dict__  # a wrapper set on the instance (accelerate)
-                or model._forward_hooks or model._forward_pre_hooks or model._backward_hooks
-                or model._backward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_backward_hooks
-                or _nn_module._global_backward_pre_hooks
-                or model._compiled_call_impl is not None)

@@ -226,10 +226,14 @@ class TraceOnce:
     """Owns the one Dynamo trace of ``module.forward`` and the fast call path after it."""
 
     def __init__(self, module: nn.Module, backend: Callable[..., Any],
-                 dynamic_arg_dims: Mapping[str, Sequence[int]]) -> None:
+                 dynamic_arg_dims: Mapping[str, Sequence[int]], *,
+                 dims_given: bool = True) -> None:
+        """``dims_given``: the dims were the user's, not the default dim 0 of every tensor
+        argument (which leaves a 0-d tensor static: it has no batch dim)."""
         self._module = module
         self._backend = backend
         self._dims = dict(dynamic_arg_dims)
+        self._dims_given = dims_given
         self._forward_func = getattr(module.forward, "__func__", None)
         self._compiled: Callable[..., Any] | None = None
         self._fast: Callable[..., Any] | None = None
@@ -240,10 +244,11 @@ class TraceOnce:
         # ...), for whoever must re-check them without Dynamo (the saved trace).
         self.guard_entries: list[Any] = []
         # The source expression of every such value (``self.scale``,
-        # ``dict(type(self).__dict__)['OFFSET']``), from the guards or, for a trace loaded from
-        # the cache, from its saved checks: the module-state check finds the class attributes
+        # ``dict(type(self).__dict__)['OFFSET']``, ``G['SCALE']``) with its guard's kind, from
+        # the guards or, for a trace loaded from the cache, from its saved checks: the
+        # module-state check finds the class attributes, globals and tensor attributes
         # forward read among them.
-        self.value_sources: list[str] = []
+        self.value_reads: list[tuple[str, str]] = []
         # The trace's conditions on dynamic sizes (Python branches on them): (sympy expression,
         # where in the user's code), and which (argument, dim) each size symbol stands for.
         self.size_conditions: list[tuple[Any, str]] = []
@@ -270,6 +275,13 @@ class TraceOnce:
             value = bound.arguments.get(name)
             if not isinstance(value, torch.Tensor):
                 continue  # an Optional[Tensor] left None: nothing to mark
+            if value.dim() == 0 and not self._dims_given:
+                continue  # a 0-d tensor (a scalar) has no batch dim: it stays static
+            if value.dim() == 0:
+                raise ConfigError(
+                    f"dynamic_arg_dims[{name!r}]: argument {name!r} is a 0-d tensor (a "
+                    "scalar), which has no dim to make dynamic; leave it out of "
+                    "dynamic_arg_dims")
             for d in dims:
                 if not -value.dim() <= d < value.dim():
                     raise ConfigError(
@@ -316,7 +328,7 @@ class TraceOnce:
 
         def drop_and_record(entries: Sequence[Any]) -> list[bool]:
             self.guard_entries = list(entries)
-            self.value_sources = [_guard_source(e) for e in entries]
+            self.value_reads = [(_guard_source(e), str(e.guard_type)) for e in entries]
             return _drop_all_guards(entries)
 
         def observing_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
@@ -384,10 +396,10 @@ class TraceOnce:
         self.size_symbols = symbols
         self.size_conditions = conditions
 
-    def adopt_value_sources(self, sources: Sequence[str]) -> None:
-        """Take the sources of the values a trace loaded from the cache specialised on (its
-        saved checks) as this trace's."""
-        self.value_sources = list(sources)
+    def adopt_value_reads(self, reads: Sequence[tuple[str, str]]) -> None:
+        """Take the sources and guard kinds of the values a trace loaded from the cache
+        specialised on (its saved checks) as this trace's."""
+        self.value_reads = list(reads)
 
     def adopt_size_conditions(self, conditions: Sequence[tuple[Any, str]],
                               symbols: Mapping[Any, tuple[str, int]]) -> None:

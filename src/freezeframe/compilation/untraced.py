@@ -8,7 +8,10 @@ at the splitting ops and at ``@ff.graph_break`` functions. The call goes::
     FULL wrapper (FULL graphs)  ->  breakable PIECEWISE wrapper  ->  run
     (each present only when cudagraph_mode has that kind of graph)
 
-where ``run`` calls the module as eager does, hooks and all: ``module(...)`` (NONE), or
+per distinct set of Python values among the call's arguments (a float timestep, an int step
+count: a graph replays the value of its capture, so each set gets graphs of its own, up to
+:data:`~freezeframe.compilation.routing.MAX_TRACES` sets; a call with one more is refused by
+name), where ``run`` calls the module as eager does, hooks and all: ``module(...)`` (NONE), or
 ``torch.compile`` of a function that calls it (STOCK_TORCH_COMPILE: :class:`_StockCall`, over a
 code object of this model's own, so nothing is left on the class's ``forward``, and compiled
 anew when a hook is added to a module that had none, which Dynamo does not guard on). A graph
@@ -24,10 +27,11 @@ found as they are called (a torch-function mode sees each op).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -35,13 +39,18 @@ from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle as _hook_handles
 
 from freezeframe.compilation.assemble import CompileStack
-from freezeframe.compilation.backend import CompileBackend
+from freezeframe.compilation.backend import CompileBackend, refuse_scalar_capture
 from freezeframe.compilation.compilers import stock_backend
+from freezeframe.compilation.module_call import PositionalForm
+from freezeframe.compilation.module_state import ModuleState
 from freezeframe.compilation.module_state import _user_attrs as user_attrs
+from freezeframe.compilation.outside_reads import OutsideReads
+from freezeframe.compilation.routing import MAX_TRACES
 from freezeframe.compilation.split import check_splitting_ops, matches_splitting_op
+from freezeframe.compilation.values import describe, token
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode, breakable_capture
 from freezeframe.context import get_forward_context
-from freezeframe.errors import CaptureError
+from freezeframe.errors import CaptureError, CompileError
 from freezeframe.graphs import GraphWrapper
 from freezeframe.graphs.breakable import break_point
 from freezeframe.stats import Stats
@@ -51,12 +60,24 @@ __all__ = ["Untraced"]
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Graphs:
+    """The graph wrappers of one set of Python argument values: ``call`` is the outermost."""
+
+    breakable: GraphWrapper | None
+    full: GraphWrapper | None
+    call: Callable[..., Any]
+
+
 class Untraced:
-    """How a model of mode NONE or STOCK_TORCH_COMPILE is called: ``call`` (the outermost of
-    its FULL wrapper, its breakable PIECEWISE wrapper and its forward), and its wrappers."""
+    """How a model of mode NONE or STOCK_TORCH_COMPILE is called: ``call`` (its forward, or,
+    with graphs, the outermost of the FULL wrapper, the breakable PIECEWISE wrapper and the
+    forward of the call's Python argument values), and its wrappers."""
 
     def __init__(self, module: nn.Module, config: CompilationConfig, stack: CompileStack,
                  stats: Stats, model_key: str) -> None:
+        self._module, self._stack, self._stats = module, stack, stats
+        self._model_key = model_key
         breakable = breakable_capture(config) and stack.graph_backend is not None
         if breakable and config.splitting_ops:
             check_splitting_ops(config.splitting_ops)
@@ -66,24 +87,130 @@ class Untraced:
             backend = (_BreakingBackend(stack, model_key) if breakable and config.splitting_ops
                        else stock_backend(config, stats, prepare=(
                            stack.graph_backend.prepare if stack.graph_backend else None)))
+            if stack.graph_backend is not None:
+                backend = _refusing_scalars(backend, model_key,
+                                            cast(CUDAGraphMode, config.cudagraph_mode))
             run = _StockCall(module, backend, model_key, stats)
         self.run = run
         graph_modes = {CUDAGraphMode.PIECEWISE} if breakable else set()
         if stack.full_graphs:
             graph_modes.add(CUDAGraphMode.FULL)
-        captured = (_refusing_attribute_stores(run, module, model_key, frozenset(graph_modes))
-                    if graph_modes else run)
+        self._graph_modes = frozenset(graph_modes)
+        self._captured = (_refusing_attribute_stores(run, module, model_key, self._graph_modes)
+                          if graph_modes else run)
+        self._breakable = breakable
         # ops are seen as they run only without Dynamo (under it, the split finds them)
-        watch_ops = config.mode is CompilationMode.NONE
-        self.breakable: GraphWrapper | None = (
-            stack.breakable_wrapper(captured, watch_ops=watch_ops) if breakable else None)
-        self.full: GraphWrapper | None = stack.full_wrapper(
-            self.breakable if self.breakable is not None else captured)
-        self.call: Callable[..., Any] = self.full or self.breakable or run
+        self._watch_ops = config.mode is CompilationMode.NONE
+        # per set of Python argument values (see _values_key), its graphs; () for a call of
+        # tensors only, made now so that its wrappers are visible before the first call
+        self._keyed: dict[tuple[Any, ...], _Graphs] = {}
+        self._spelling = PositionalForm(module.forward)  # one argument list per graph
+        self._last = self._graphs(())
+        self.call: Callable[..., Any] = self._call if graph_modes else run
+
+    def _graphs(self, key: tuple[Any, ...]) -> _Graphs:
+        """The graphs of ``key``, made on its first call (refused past MAX_TRACES sets)."""
+        graphs = self._keyed.get(key)
+        if graphs is not None:
+            return graphs
+        valued = [k for k in self._keyed if k]
+        if len(valued) >= MAX_TRACES:
+            raise CompileError(
+                f"{self._model_key}: a graph call with Python argument values "
+                f"{self._shown(key)} would need a set of graphs of its own (a graph replays "
+                f"the values of its capture), number {len(valued) + 1}, above the limit of "
+                f"{MAX_TRACES}; earlier calls had {self._shown(valued[0])}. Pass a value "
+                "that changes per call as a tensor (torch.tensor(t)), so the graph reads it "
+                "instead of freezing it")
+        breakable = (self._stack.breakable_wrapper(self._captured, watch_ops=self._watch_ops)
+                     if self._breakable else None)
+        full = self._stack.full_wrapper(breakable if breakable is not None else self._captured)
+        graphs = self._keyed[key] = _Graphs(breakable, full,
+                                            full or breakable or self._captured)
+        if key:
+            self._stats.inc("graph_sets_for_values")
+            logger.info("%s: graphs of their own for Python argument values %s (set %d)",
+                        self._model_key, self._shown(key), len(valued) + 1)
+        return graphs
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = get_forward_context()
+        if ctx is None or ctx.batch_descriptor is None or ctx.mode not in self._graph_modes:
+            return self.run(*args, **kwargs)  # (every wrapper would call through)
+        args, kwargs = self._spelling(args, kwargs)
+        graphs = self._graphs(_values_key(args, kwargs))
+        self._last = graphs
+        return graphs.call(*args, **kwargs)
+
+    def _shown(self, key: tuple[Any, ...]) -> str:
+        return ", ".join(f"{name}={describe(tok)}" for name, tok in key) or "(none)"
+
+    def for_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Graphs:
+        """The graphs a graph call of these arguments goes to."""
+        return self._graphs(_values_key(*self._spelling(args, kwargs)))
+
+    @property
+    def breakable(self) -> GraphWrapper | None:
+        """The breakable PIECEWISE wrapper of the last graph call's values."""
+        return self._last.breakable
+
+    @property
+    def full(self) -> GraphWrapper | None:
+        """The FULL wrapper of the last graph call's values."""
+        return self._last.full
+
+    def state(self, on_change: Callable[[], None]) -> ModuleState:
+        """The module state to follow with graphs: which values forward reads is not known
+        without a trace, so every tensor attribute is followed for moves, and every plain
+        class attribute and global of the module's classes (``OutsideReads.untraced``)."""
+        return ModuleState(self._module, outside=OutsideReads.untraced(self._module),
+                           tensor_reads=None, on_change=on_change)
+
+    def drop_for_change(self, why: str, warned: set[str]) -> None:
+        """The module changed (``why``): every graph, which replays the Python of its capture,
+        is dropped, to be captured again on next use running the new Python (logged once per
+        model, counted in ``stats.graphs_dropped_module_changed``)."""
+        for wrapper in self.wrappers():
+            wrapper.clear()
+        self._stats.inc("graphs_dropped_module_changed")
+        log = logger.debug if "module changed" in warned else logger.warning
+        warned.add("module changed")
+        log("%s: %s; its graphs replay the Python of their capture, so all of them were "
+            "dropped and are captured again (stats.graphs_dropped_module_changed; logged "
+            "once)", self._model_key, why)
 
     def wrappers(self) -> list[GraphWrapper]:
-        """The breakable PIECEWISE wrapper, then the FULL one (those present)."""
-        return [w for w in (self.breakable, self.full) if w is not None]
+        """Per set of values: the breakable PIECEWISE wrapper, then the FULL one (those
+        present)."""
+        return [w for graphs in list(self._keyed.values())
+                for w in (graphs.breakable, graphs.full) if w is not None]
+
+
+def _values_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The Python values among a call's arguments, each (its position or name, its token by
+    the rule of :mod:`~freezeframe.compilation.values`); tensors left out (a graph reads
+    them). Empty for a call of tensors only."""
+    key = [(f"argument {i}", token(a, _tensor_kind)) for i, a in enumerate(args)
+           if not isinstance(a, torch.Tensor)]
+    if kwargs:
+        key += [(name, token(a, _tensor_kind)) for name, a in sorted(kwargs.items())
+                if not isinstance(a, torch.Tensor)]
+    return tuple(key)
+
+
+def _tensor_kind(value: torch.Tensor) -> tuple[Any, ...]:
+    return ("tensor", value.dtype, value.device, value.dim())
+
+
+def _refusing_scalars(backend: Callable[..., Any], model_key: str,
+                      graph_mode: CUDAGraphMode) -> Callable[..., Any]:
+    """``backend``, each graph it compiles refusing a graph call that Dynamo passes a changed
+    Python number as a tensor (:func:`refuse_scalar_capture`)."""
+
+    def refusing(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return refuse_scalar_capture(gm, backend(gm, example_inputs), model_key, graph_mode)
+
+    return refusing
 
 
 def _call_module(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -133,8 +260,11 @@ class _StockCall:
     def _compile(self) -> Callable[..., Any]:
         self._mark = _hook_handles.next_id  # read first: registering moves it before storing
         self._hooked = _hooked(self._module)
-        func = types.FunctionType(_call_module.__code__.replace(), _call_module.__globals__,
-                                  _call_module.__name__)
+        # a name of its own too: Dynamo keeps what it learnt of a frame's inputs (a float that
+        # changed is a tensor from then on) by file, line and name, across code objects
+        name = f"_call_module_{id(self):x}"
+        func = types.FunctionType(_call_module.__code__.replace(co_name=name, co_qualname=name),
+                                  _call_module.__globals__, name)
         return torch.compile(types.MethodType(func, self._module), backend=self._backend)
 
     def _hooks_added(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from freezeframe.batch import BatchDescriptor, mixed_step_reqs
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import InputMismatchError
 from freezeframe.runtime.inputs import InputSpec
+from freezeframe.runtime.outputs import map_tensors  # (the one walk of an output tree)
 from freezeframe.stats import Stats
 
 __all__ = ["Padding", "SavedBuffers", "Slot", "Staging", "StaticBuffers", "alias", "map_tensors",
@@ -354,15 +355,3 @@ def share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def alias(t: torch.Tensor) -> torch.Tensor:
     return t.detach()  # a new tensor object on the same memory
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor, containers rebuilt (namedtuples too)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        return type(obj)({k: map_tensors(v, fn) for k, v in obj.items()})  # type: ignore[call-arg]
-    if isinstance(obj, (tuple, list)):
-        parts = [map_tensors(v, fn) for v in obj]
-        return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
-    return obj

@@ -146,7 +146,8 @@ class Capturer:
         prediction: GraphMemoryPrediction | None = None
         records: list[GraphCapture] = []
         # with lockstep: the plan agreed with the other ranks first (see lockstep.py)
-        with lockstep_session(self._options.lockstep, self._config, order, budget) as sync, \
+        with lockstep_session(self._options.lockstep, self._config, order, budget,
+                              self._forward.static.slots) as sync, \
                 self._transaction(frozen_gc=True) as used_before, \
                 capture_progress(len(keys), self._options.progress) as bar:
             for key in probes:

@@ -6,22 +6,24 @@ in the same order, or a rank waits forever in a collective another rank never st
 rank's failure must reach the others, or they wait forever in the next one. This module is the
 protocol that makes :meth:`GraphRunner.capture` safe there (``GraphRunner(..., lockstep=True)``):
 
-    agree     every rank posts its plan (the config fields that decide the graphs, and the
-              graphs in order) and compares every plan with rank 0's: a difference is a
-              ConfigError on every rank, naming the field, both values and the ranks, before
-              anything is captured;
+    agree     every rank posts its plan (the config fields that decide the graphs, every
+              input's kind, dtype and shape, and the graphs in order) and compares every plan
+              with rank 0's: a difference is a ConfigError on every rank, naming the field (or
+              the input), both values and the ranks, before anything is captured;
     graph i   a barrier, the capture, a barrier at which each rank says whether it succeeded;
     failure   a rank that fails posts what failed (its rank, the graph, the error); every rank
               raises a CaptureError naming it once every rank has reported or ``timeout_s``
               passed, never later.
 
 The protocol runs over the group's store (``torch.distributed.Store``), never over the group's
-collectives: a status exchange can then never pair with a model collective one rank is still
-waiting in. That wait is bounded too: for the session, the collectives of the lockstep group
-(and of ``Lockstep.collective_groups``) time out after ``timeout_s`` instead of the group's own
-timeout (30 minutes by default), so a rank waiting for a rank that failed gives up, reports and
-raises. Such a group may hold a collective one rank never joined afterwards: the error says to
-re-create it (or restart the ranks) before capturing again.
+collectives (a store that cannot be reached any more, its host rank gone, is a CaptureError
+naming it, never a raw ``DistNetworkError``): a status exchange can then never pair with a model
+collective one rank is still waiting in. That wait is bounded too: for the session, the
+collectives of the lockstep group (and of ``Lockstep.collective_groups``) time out after
+``timeout_s`` instead of the group's own timeout (30 minutes by default), so a rank waiting for
+a rank that failed gives up, reports and raises. Such a group may hold a collective one rank
+never joined afterwards: the error says to re-create it (or restart the ranks) before capturing
+again.
 """
 
 from __future__ import annotations
@@ -91,11 +93,15 @@ def key_name(key: GraphKey) -> str:
 
 
 def capture_plan(config: CompilationConfig, order: Sequence[GraphKey],
-                 budget: int | None) -> dict[str, Any]:
+                 budget: int | None, inputs: Sequence[tuple[str, str, Any]] = ()
+                 ) -> dict[str, Any]:
     """What the ranks must agree on before capture: the config fields that decide which
-    graphs are captured and how, and the graphs in capture order (JSON values)."""
+    graphs are captured and how, each input (its name, kind, dtype and static shape: ``inputs``
+    are the runner's static buffers, (name, kind, tensor)), and the graphs in capture order
+    (JSON values)."""
     mode = config.cudagraph_mode  # resolved: a CUDAGraphMode
     return {
+        "inputs": [f"{name}: {kind} {_tensor_words(buf)}" for name, kind, buf in inputs],
         "cudagraph_mode": mode.name if isinstance(mode, CUDAGraphMode) else str(mode),
         "cudagraph_capture_sizes": list(config.cudagraph_capture_sizes or ()),
         "max_num_tokens": config.max_num_tokens,
@@ -108,6 +114,12 @@ def capture_plan(config: CompilationConfig, order: Sequence[GraphKey],
     }
 
 
+def _tensor_words(buf: Any) -> str:
+    if not isinstance(buf, torch.Tensor):
+        return type(buf).__name__
+    return f"{str(buf.dtype).removeprefix('torch.')} {list(buf.shape)}"
+
+
 def plan_difference(plans: Sequence[dict[str, Any]]) -> str | None:
     """How the first plan that differs from rank 0's differs (None when all agree): the
     field, both values and both ranks, and for the graph order the first graph that differs."""
@@ -117,11 +129,14 @@ def plan_difference(plans: Sequence[dict[str, Any]]) -> str | None:
             mine, theirs = plan.get(field), base.get(field)
             if mine == theirs:
                 continue
-            if field == "graphs" and isinstance(mine, list) and isinstance(theirs, list):
+            if field in ("graphs", "inputs") and isinstance(mine, list) \
+                    and isinstance(theirs, list):
                 index = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False))
                               if a != b), min(len(mine), len(theirs)))
-                what = (f"graph {index} is {_at(mine, index)} on rank {rank} but "
-                        f"{_at(theirs, index)} on rank 0 ({len(mine)} vs {len(theirs)} graphs)")
+                noun = "graph" if field == "graphs" else "input"
+                what = (f"{noun} {index} is {_at(mine, index)} on rank {rank} but "
+                        f"{_at(theirs, index)} on rank 0 ({len(mine)} vs {len(theirs)} "
+                        f"{field})")
             else:
                 what = f"rank {rank} has {field}={mine!r} but rank 0 has {field}={theirs!r}"
             return (f"lockstep capture: the ranks disagree before capture: {what}. Every rank "
@@ -178,10 +193,11 @@ class LockstepCapture:
         rank, size = rank_and_size(lockstep.group)
         if size == 1:
             return None
-        base = group_store(lockstep.group)
+        base = _Reachable(group_store(lockstep.group), rank)
         # each rank's n-th capture() on this group is session n: a namespace of its own
         session = base.add(f"freezeframe/lockstep/sessions/{rank}", 1)
-        store = dist.PrefixStore(f"freezeframe/lockstep/{session}/", base)
+        store = _Reachable(dist.PrefixStore(f"freezeframe/lockstep/{session}/", base.store),
+                           rank)
         sync = cls(lockstep, rank, size, store, len(plan.get("graphs", ())))
         sync._bound_collectives()
         try:
@@ -217,12 +233,19 @@ class LockstepCapture:
         try:
             yield
         except Exception as exc:
-            self._post(index, key, exc)
-            self._store.set(f"g{index}/done/{self.rank}", "failed")
-            # a rank waiting for this one in a collective gives up timeout_s after it began
-            # waiting, which may be after this failure: twice the timeout hears its report
-            self._wait_all(f"g{index}/done", "", graph=(index, key), quiet=True, patience=2.0)
-            raise self._failure_error() from exc
+            try:
+                self._post(index, key, exc)
+                self._store.set(f"g{index}/done/{self.rank}", "failed")
+                # a rank waiting for this one in a collective gives up timeout_s after it
+                # began waiting, which may be after this failure: twice the timeout hears it
+                self._wait_all(f"g{index}/done", "", graph=(index, key), quiet=True,
+                               patience=2.0)
+                error = self._failure_error()
+            except CaptureError as lost:  # the store is gone: say so, and this rank's failure
+                raise CaptureError(
+                    f"{lost} This rank ({self.rank}) failed at graph {index + 1} of "
+                    f"{self.num_graphs} ({key}): {type(exc).__name__}: {exc}") from exc
+            raise error from exc
         except BaseException as exc:  # KeyboardInterrupt and the like: tell the others, go
             self._post(index, key, exc)
             raise
@@ -313,13 +336,16 @@ class LockstepCapture:
 
 @contextlib.contextmanager
 def lockstep_session(lockstep: Lockstep | None, config: CompilationConfig,
-                     order: Sequence[GraphKey], budget: int | None
+                     order: Sequence[GraphKey], budget: int | None,
+                     inputs: Sequence[tuple[str, str, Any]] = ()
                      ) -> Iterator[LockstepCapture | None]:
     """Around a capture's loop over ``order``: with ``lockstep``, the plan agreed first (a
     ConfigError on every rank when the ranks differ), a failure between graphs (a graph-memory
     budget refused) posted for the other ranks' next barrier, and the groups' own collective
-    timeouts back at the end. Without it (or with one rank), it yields None."""
-    sync = LockstepCapture.open(lockstep, capture_plan(config, order, budget)) \
+    timeouts back at the end. ``inputs``: the runner's static buffers (name, kind, tensor),
+    whose dtypes and shapes are part of the plan. Without it (or with one rank), it yields
+    None."""
+    sync = LockstepCapture.open(lockstep, capture_plan(config, order, budget, inputs)) \
         if lockstep is not None else None
     if sync is None:
         yield None
@@ -331,6 +357,47 @@ def lockstep_session(lockstep: Lockstep | None, config: CompilationConfig,
         raise
     finally:
         sync.close()
+
+
+class _Reachable:
+    """The store of the protocol, whose every operation raises a CaptureError (never torch's
+    raw ``DistNetworkError: Broken pipe``) once the store cannot be reached: its host rank
+    (rank 0 for a default group) has stopped."""
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self._rank = store, rank
+
+    def _call(self, what: str, *args: Any) -> Any:
+        try:
+            return getattr(self.store, what)(*args)
+        except Exception as exc:
+            if not _unreachable(exc):
+                raise
+            raise CaptureError(
+                f"lockstep capture: the process group's store cannot be reached from rank "
+                f"{self._rank} ({type(exc).__name__}: {exc}): the rank hosting it (rank 0 of "
+                "a default group) has stopped, so no rank can report to the others. Restart "
+                "the ranks (and the process group) before capturing again.") from exc
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> Any:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys))
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store cannot be reached (torch's DistError family, a broken
+    connection), as opposed to a bug."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    return (dist_error is not None and isinstance(exc, dist_error)) or isinstance(
+        exc, (ConnectionError, TimeoutError))
 
 
 def in_lockstep(sync: LockstepCapture | None, index: int,

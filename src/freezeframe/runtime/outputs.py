@@ -17,18 +17,85 @@ by rows at all, which a step that needs padding refuses by name.
 
 Every answer is a new tensor object (a view): an in-place change of one answer's metadata
 (``y.t_()``) must not reach the static output the next step answers with.
+
+An output is walked as a tree (:func:`map_tensors` and the cut alike): a tensor is a leaf;
+dicts (``ModelOutput`` too), tuples, namedtuples and lists, dataclasses (a plain ``@dataclass``
+of tensors, which torch's pytree does not know), and any other class registered with
+``torch.utils._pytree`` are containers, rebuilt around their cut children. Any other object
+that holds a tensor cannot be cut: a step answering with one is refused by name (or marked
+``"none"``, returned whole).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from freezeframe.errors import ConfigError
 
-__all__ = ["OUTPUT_KINDS", "OutputCut", "check_outputs"]
+__all__ = ["OUTPUT_KINDS", "OutputCut", "check_outputs", "map_tensors"]
+
+# a container's children, each (its key: a mapping key, a field name or a position, its value),
+# and the function that rebuilds the container from new values of them
+Node = tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]
+
+
+def _node(obj: Any) -> Node | None:
+    """``obj`` as a container (see the module docstring), or None for a leaf or a plain
+    value (a tensor, a number, a string, None, any object holding no tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return None
+    if isinstance(obj, Mapping):
+        keys = list(obj)
+        return ([(k, obj[k]) for k in keys],
+                lambda values: type(obj)(dict(zip(keys, values, strict=True))))  # type: ignore[call-arg]
+    if isinstance(obj, (tuple, list)):
+        rebuild: Callable[[list[Any]], Any] = (
+            (lambda values: type(obj)(*values)) if hasattr(obj, "_fields")
+            else (lambda values: type(obj)(values)))
+        return list(enumerate(obj)), rebuild
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]
+
+        def rebuilt(values: list[Any]) -> Any:
+            new = copy.copy(obj)
+            for name, value in zip(names, values, strict=True):
+                object.__setattr__(new, name, value)  # (a frozen dataclass too)
+            return new
+
+        return [(n, getattr(obj, n)) for n in names], rebuilt
+    entry = pytree.SUPPORTED_NODES.get(type(obj))
+    if entry is not None:
+        children, context = entry.flatten_fn(obj)
+        return (list(enumerate(children)),
+                lambda values: entry.unflatten_fn(values, context))
+    return None
+
+
+def _holds_tensor(obj: Any) -> bool:
+    """Whether an object that is no container holds a tensor among its attributes."""
+    attrs = getattr(obj, "__dict__", None)
+    values = list(attrs.values()) if isinstance(attrs, dict) else []
+    values += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())
+               if isinstance(s, str)]
+    return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor, every container rebuilt (namedtuples,
+    dataclasses and registered pytree nodes too)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    node = _node(obj)
+    if node is None:
+        return obj
+    children, rebuild = node
+    return rebuild([map_tensors(v, fn) for _, v in children])
 
 OUTPUT_KINDS = ("tokens", "requests", "none")
 Seen = dict[int, set[tuple[int, int | None, int | None]]]  # leaf -> (tokens, reqs, dim 0)
@@ -103,23 +170,28 @@ class OutputCut:
                     f"from the real ones. Return it with the tokens first ((tokens, {scale}, "
                     "...)) so they are cut, or mark it outputs='none' and cut it yourself")
             return cut_rows(out, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
-        if isinstance(out, Mapping):
-            return type(out)({  # type: ignore[call-arg]
-                k: self._cut(v, kinds[k] if isinstance(kinds, Mapping) else kinds,
-                             padded_tokens, num_tokens, padded_reqs, reqs, leaf)
-                for k, v in out.items()})
-        if isinstance(out, (tuple, list)):
-            if isinstance(kinds, (tuple, list)):
-                if len(kinds) != len(out):
-                    raise ConfigError(f"outputs={self.outputs!r} has {len(kinds)} entries but "
-                                      f"the model returned {len(out)} values")
-                parts = [self._cut(v, k, padded_tokens, num_tokens, padded_reqs, reqs, leaf)
-                         for v, k in zip(out, kinds, strict=True)]
-            else:
-                parts = [self._cut(v, kinds, padded_tokens, num_tokens, padded_reqs, reqs,
-                                   leaf) for v in out]
-            return type(out)(parts) if not hasattr(out, "_fields") else type(out)(*parts)
-        return out
+        node = _node(out)
+        if node is None:
+            if kinds != "none" and _holds_tensor(out):
+                raise ConfigError(
+                    f"the model returned a {type(out).__qualname__} holding tensors, which the "
+                    "runner cannot cut to the real rows (it knows tensors, tuples, lists, "
+                    "dicts, dataclasses and classes registered with torch.utils._pytree): "
+                    "return one of those, register the class with "
+                    "torch.utils._pytree.register_pytree_node, or mark it outputs='none' "
+                    "(returned whole, padding rows included)")
+            return out
+        children, rebuild = node
+        if isinstance(kinds, (tuple, list)) and len(kinds) != len(children):
+            raise ConfigError(f"outputs={self.outputs!r} has {len(kinds)} entries but the "
+                              f"model returned {len(children)} values")
+        parts = []
+        for i, (key, value) in enumerate(children):
+            kind = (kinds[key] if isinstance(kinds, Mapping)
+                    else kinds[i] if isinstance(kinds, (tuple, list)) else kinds)
+            parts.append(self._cut(value, kind, padded_tokens, num_tokens, padded_reqs, reqs,
+                                   leaf))
+        return rebuild(parts)
 
 
 def cut_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
@@ -140,11 +212,10 @@ def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors of an output, in the order :meth:`OutputCut.cut` visits them."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _tensor_leaves(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
+        return
+    node = _node(obj)
+    if node is not None:
+        for _, v in node[0]:
             yield from _tensor_leaves(v)
 
 

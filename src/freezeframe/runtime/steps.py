@@ -30,8 +30,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
+from freezeframe.compilation.module_call import may_skip_module_call
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import ForwardContext, entered
 from freezeframe.graphs.capturable import Capturable
@@ -117,7 +117,6 @@ class Stepper:
         """One step (see ``GraphRunner.__call__``): its shape's kept plan, or a plan made now,
         run."""
         plans = self.plans
-        # lead: use compilation's one hooked-rule
         if plans and not self.model_hooked():
             if kwargs or has_lora or num_active_loras or invalid_modes \
                     or num_scheduled_tokens is not None:
@@ -188,7 +187,6 @@ class Stepper:
         counters = (("steps", 1), (_STEP_COUNTER[mode], 1)) + (
             (("padded_tokens", padded_tokens - num_tokens),) if padded_tokens != num_tokens
             else ())
-        # lead: use compilation's one hooked-rule
         keyed = (replays and held is not None and writes is not None and not writes
                  and slices is None and not self._options.dp_sync and not self.model_hooked())
         plan = StepPlan(route, num_tokens, reqs, staging, ModelCall(slices), None, None, True,
@@ -255,7 +253,8 @@ class Stepper:
         if model_call:  # (counted even when the model raises)
             self._count(plan)
         verifier = self._verifier
-        before = verifier.begin(self._held.module) if (  # type: ignore[union-attr]
+        before = verifier.begin(  # type: ignore[union-attr]
+            self._held.module, dict(zip(self._names, inputs, strict=True))) if (  # type: ignore[union-attr]
             verifier is not None and plan.route.mode is not _NONE and self._held is not None
             and verifier.due(plan.graph_key)) else None
         versions = static.versions() if plan.watch else None
@@ -291,9 +290,9 @@ class Stepper:
             out = self._answer(plan, out, inputs, versions)
         if before is not None:
             assert verifier is not None and self._held is not None
-            values = dict(zip(self._names, inputs, strict=True))
-            verifier.finish(plan.graph_key, before, out, self._held.module,
-                            lambda: self._eagerly(values, n, extras or {}))
+            held = self._held
+            verifier.finish(plan.graph_key, before, out, held.module, lambda: verifier.reference(
+                held, before, self._forward.call_positional, n, extras or {}))
         if self.copy_outputs:
             return map_tensors(out, lambda t: t.clone())
         return out
@@ -445,24 +444,12 @@ class Stepper:
 
     # -- what a step needs to know -----------------------------------------------------------
     def model_hooked(self) -> bool:
-        """Whether calling the model runs hooks of its own (forward or forward-pre hooks on the
-        model, or torch's global module hooks): a replay skips ``nn.Module.__call__``, so such
-        steps go through it."""
+        """Whether a replay may not stand in for calling the model: a replay skips
+        ``nn.Module.__call__``, so a model whose call runs more than its forward (see
+        :func:`~freezeframe.compilation.module_call.may_skip_module_call`) goes through it."""
         model = self._forward.model
-        return bool((isinstance(model, torch.nn.Module)
-                     and (model._forward_hooks or model._forward_pre_hooks))
-                    or _global_forward_hooks or _global_forward_pre_hooks)
+        return isinstance(model, torch.nn.Module) and not may_skip_module_call(model)
 
-    def _eagerly(self, values: Mapping[str, torch.Tensor], num_tokens: int,
-                 extras: Mapping[str, Any]) -> Any:
-        """The uncompiled module on copies of the step's inputs, outside any graph (verify)."""
-        assert self._held is not None and self._verifier is not None
-        copies = {name: t.clone() if isinstance(t, torch.Tensor) else t
-                  for name, t in values.items()}
-        with self._verifier.forward_context(num_tokens, extras):
-            if self._forward.call_positional:
-                return self._held.module(*copies.values())
-            return self._held.module(**copies)
 
 
 def _live(work: GraphReplay | PieceReplays) -> bool:

@@ -4,7 +4,9 @@ A graph step answers from code that ran once, at capture: if anything the captur
 no longer holds (a value the model reads from Python, memory the graph reads at its captured
 address, a kernel's assumption), the answer is wrong and nothing says so. With ``verify=N`` the
 runner also runs the uncompiled module eagerly for the first ``N`` steps of each graph key
-(mode and padded batch descriptor), on copies of the step's inputs and outside any graph, and
+(mode and padded batch descriptor), on copies of the step's inputs taken before the step ran
+(a model that writes its input writes them), outside any graph and through the model's hooks
+as a plain call runs them (:meth:`Verifier.reference`), and
 compares the two answers and the buffers each left behind. A difference raises
 :class:`~freezeframe.errors.VerifyError` naming the key, the first output (or buffer) that
 differs and by how much; the runner keeps the graph step's state and stays usable.
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from freezeframe.batch import BatchDescriptor, GraphKey
+from freezeframe.compilation.module_call import call_eagerly
 from freezeframe.config import CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.errors import ConfigError, VerifyError
@@ -91,15 +94,19 @@ def _difference(got: Any, want: Any, tolerance: float | None) -> str | None:
 
 @dataclasses.dataclass
 class _Snapshot:
-    """Every buffer of the module, copied (on the same device)."""
+    """Every buffer of the module, copied (on the same device), and, before a step, copies
+    of the step's inputs (by name) as the step received them."""
 
     buffers: list[tuple[str, torch.Tensor, torch.Tensor]]
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, module: nn.Module) -> _Snapshot:
+    def of(cls, module: nn.Module, inputs: Mapping[str, Any] | None = None) -> _Snapshot:
         with torch.no_grad():
             return cls([(name, buf, buf.detach().clone())
-                        for name, buf in module.named_buffers()])
+                        for name, buf in module.named_buffers()],
+                       {name: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                        for name, v in (inputs or {}).items()})
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -128,9 +135,26 @@ class Verifier:
         """Whether a step of graph key ``key`` is still to be checked."""
         return self._done.get(key, 0) < self.steps
 
-    def begin(self, module: nn.Module) -> _Snapshot:
-        """Before a checked graph step: the module's buffers as the step starts from them."""
-        return _Snapshot.of(module)
+    def begin(self, module: nn.Module, inputs: Mapping[str, Any]) -> _Snapshot:
+        """Before a checked graph step: the module's buffers and the step's ``inputs`` (by
+        name) as the step starts from them (a model that writes its input writes the
+        caller's tensor after the step: the reference must read it as it was)."""
+        return _Snapshot.of(module, inputs)
+
+    def reference(self, model: Any, before: _Snapshot, positional: bool, num_tokens: int,
+                  extras: Mapping[str, Any]) -> Any:
+        """The eager answer of a step: the inputs as ``before`` holds them (copies again, the
+        reference may write them too), outside any graph, run as a plain call of ``model``
+        would run (its hooks too) with the uncompiled module in place of its compiled
+        forward (:func:`~freezeframe.compilation.module_call.call_eagerly`)."""
+        copies = {name: v.clone() if isinstance(v, torch.Tensor) else v
+                  for name, v in before.inputs.items()}
+        args, kwargs = ((tuple(copies.values()), {}) if positional else ((), copies))
+        with self.forward_context(num_tokens, extras):
+            if isinstance(model, nn.Module) and isinstance(getattr(model, "module", None),
+                                                           nn.Module):
+                return call_eagerly(model, args, kwargs)
+            return model.module(*args, **kwargs)
 
     def finish(self, key: GraphKey, before: _Snapshot, answer: Any, module: nn.Module,
                eager: Callable[[], Any]) -> None:
