@@ -367,6 +367,32 @@ FOUND: dict[str, Case] = {
 }
 
 
+def test_found_the_health_check_blames_no_one_for_the_cases_own_torch_compile() -> None:
+    """Full seed 47 of the old generator (make fuzz on main): after a torch_compile_dynamic
+    case of MakesOnes, the health check's torch.compile(fullgraph=True) of the class hit
+    Dynamo's recompile limit. The case's own calls (grad modes, default dtypes, sizes) fill the
+    limit on the class's forward exactly as with backend="eager" (six entries either way, the
+    same calls): a matrix bug. The health check now raises the limit where the case itself
+    torch.compile'd the class, and still fails a case of another path whose class is full."""
+    from tests.matrix.harness import Failure, health_check
+
+    torch._dynamo.reset()
+    try:
+        # the class's forward filled to Dynamo's limit by torch.compile alone: each backend
+        # (as each grad mode, default dtype, ... of the case) is an entry of its own
+        module = models.build(SPECS["makes_ones"], 47)
+        with torch.no_grad():
+            for _ in range(torch._dynamo.config.recompile_limit):
+                torch.compile(module, backend=lambda gm, example: gm.forward)(
+                    torch.randn(3, models.H))
+        with pytest.raises(Failure, match="health: after the case, torch.compile"):
+            health_check(Case(seed=47, tier="fast", model="makes_ones", path="plain"))
+        health_check(Case(seed=47, tier="fast", model="makes_ones",
+                          path="torch_compile_dynamic"))
+    finally:
+        torch._dynamo.reset()
+
+
 def _found_params() -> list[object]:
     """Every found bug runs in make test, the full tier's too (a few seconds each): a
     regression must fail the suite CI runs, not only make fuzz."""
