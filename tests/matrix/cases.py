@@ -61,7 +61,7 @@ PENDING_KINDS: tuple[str, ...] = (
     "micro_batch_full_uniform",
     "micro_batch_requests",
     "capture_writes_attributes",
-    "stored_output_runner",
+    "stored_output_rebound",
 )
 # every kind PENDING_KINDS may hold, in words (the item in brackets)
 SWITCHED_KINDS: dict[str, str] = {
@@ -93,9 +93,10 @@ SWITCHED_KINDS: dict[str, str] = {
                                  "(self.last = out) under the lazy or background capture "
                                  "policy (found by this matrix: a capture's dummy step after "
                                  "a step leaves its output there)",
-    "stored_output_runner": "a model storing a tensor attribute in forward (self.last = out), "
-                            "a plain call between runner steps (found by this matrix: later "
-                            "FULL steps, planned or not, leave the plain call's tensor there)",
+    "stored_output_rebound": "a model storing a tensor attribute in forward (self.last = out) "
+                             "with runner or context calls of several routes (found by this "
+                             "matrix: after a plain call, or a call of another trace, FULL "
+                             "replays leave that call's tensor there)",
 }
 
 
@@ -340,6 +341,8 @@ def _config(rng: random.Random, case: Case, full: bool) -> Case:
                 changes["policy"] = "eager"
     elif full and path in ("serve", "hf") and rng.random() < 0.2:
         changes["compiler"] = "inductor"
+        if path == "serve" and random.Random(f"{case.tier}:{case.seed}:warm").random() < 0.5:
+            changes["warm"] = "inproc"  # served twice: the second on a warm Inductor cache
     case = dataclasses.replace(case, **changes)
     split = case.split or path in ("serve", "hf")
     modes = list(GRAPH_MODES) if split else ["none", "full", "full_decode_only"]
@@ -434,6 +437,11 @@ def _events(rng: random.Random, case: Case, full: bool) -> list[Event]:
             call = dataclasses.replace(call, via="", positional=call.positional or
                                        case.path == "runner", lora=-1, extras=False,
                                        threads=0)
+            if case.path == "runner" and case.graph_mode == "full_decode_only":
+                # (only a uniform decode step has a graph there)
+                query = 1 + case.spec_tokens
+                reqs = max(1, min(call.size, max(case.ladder)) // query)
+                call = dataclasses.replace(call, uniform=True, reqs=reqs, size=reqs * query)
             if last is not None:
                 call = dataclasses.replace(_again(rng, case, call, last), cast=False)
             events.append(call)
@@ -500,9 +508,9 @@ def _call(rng: random.Random, case: Case, *, first: bool) -> Call:
             via = "plain"
         elif case.path in RUNNER_PATHS and draw < 0.22:
             via = "second_runner"
-        if case.model == "keeps_last" and case.path in RUNNER_PATHS \
-                and not drawn("stored_output_runner"):
-            via = ""
+    if case.model == "keeps_last" and case.path in (*RUNNER_PATHS, "context") \
+            and not drawn("stored_output_rebound"):
+        via = ""  # (and one grad mode below: one route, one trace)
     if case.path.startswith("torch_compile") and case.graph_mode != "none" and \
             rng.random() < 0.6 and (_scalars_change(case) or not _python_scalars(spec)):
         via = "context"  # (a Python float argument there waits for a fix: PENDING_KINDS)
@@ -525,7 +533,11 @@ def _call(rng: random.Random, case: Case, *, first: bool) -> Call:
     kwarg = rng.randrange(len(spec.kwargs)) if spec.kwargs and rng.random() < 0.5 else -1
     if not _scalars_change(case):
         kwarg = -1  # (a keyword argument is a Python scalar that changes)
-    call = Call(size=size, grad=rng.choice(grads), via=via, fresh=rng.random() < 0.4,
+    grad = rng.choice(grads)
+    if case.model == "keeps_last" and case.path in (*RUNNER_PATHS, "context") \
+            and not drawn("stored_output_rebound"):
+        grad = "no_grad"
+    call = Call(size=size, grad=grad, via=via, fresh=rng.random() < 0.4,
                 opt=rng.random() < 0.5, kwarg=kwarg, positional=rng.random() < 0.3,
                 uniform=uniform, split=split, scalar=_scalar(rng, case), reqs=reqs)
     if case.path in RUNNER_PATHS and rng.random() > 0.7:  # step options a plan does not cover

@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -617,11 +618,39 @@ def _cloned(args: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- running a case --------------------------------------------------------------------------
+@contextlib.contextmanager
+def own_inductor_cache(case: Case) -> Any:
+    """An Inductor case compiles with an on-disk Inductor cache of its own, empty at first: a
+    case runs as in a fresh process on a fresh machine, whatever ran before it (a case of
+    the full tier failed after others had filled the shared cache, and its rerun command,
+    on its own, passed). A warm Inductor cache is a case of its own (warm="inproc": the case
+    run twice)."""
+    if case.compiler != "inductor":
+        yield
+        return
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="ff-matrix-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
 def execute(case: Case, cache_dir: str | None = None, accept_wrong: bool = True) -> Outcome:
+    with own_inductor_cache(case):
+        return _execute(case, cache_dir, accept_wrong)
+
+
+def _execute(case: Case, cache_dir: str | None, accept_wrong: bool) -> Outcome:
     from tests.matrix import drivers
 
-    if case.path == "serve":
-        return drivers.serve_case(case)
+    if case.path == "serve":  # (warm: served twice, the second on the first's caches)
+        outcome = drivers.serve_case(case)
+        return drivers.serve_case(case) if case.warm == "inproc" else outcome
     if case.path == "hf":
         return drivers.hf_case(case)
     if case.warm == "subprocess" and cache_dir:

@@ -174,9 +174,10 @@ OPEN: dict[str, tuple[str, Case]] = {
         Case(seed=1, tier="fast", model="keeps_last", path="runner",
              graph_mode="full_decode_only", ladder=(1, 4, 8), policy="background",
              events=(Call(3, positional=True, wait=True),))),
-    "stored_output_runner": (
+    "stored_output_rebound": (
         "found by this matrix: after a plain call between runner steps, FULL runner steps "
-        "(planned or not) no longer store their output: model.last keeps the plain call's",
+        "(planned or not) no longer store their output: model.last keeps the plain call's "
+        "(on the low-level path alike after a call of another trace: fast seed 71)",
         Case(seed=5, tier="fast", model="keeps_last", path="runner", graph_mode="full",
              ladder=(8,), events=(Call(6, positional=True), Call(5, via="plain"),
                                   Call(6, positional=True)))),
@@ -218,7 +219,7 @@ def test_every_pending_kind_and_wrong_refusal_has_its_open_case() -> None:
     wrong = {entry.wrong_for_user for entry in refusals.ACCEPTED if entry.wrong_for_user}
     found_by_matrix = {"pre_hook_low_level", "hooks_micro_batch", "micro_batch_full_uniform",
                        "micro_batch_requests", "capture_writes_attributes",
-                       "stored_output_runner"}
+                       "stored_output_rebound"}
     assert set(PENDING_KINDS) <= set(SWITCHED_KINDS)
     assert set(OPEN) == set(PENDING_KINDS) | wrong
     assert found_by_matrix <= set(PENDING_KINDS)
@@ -361,6 +362,14 @@ FOUND: dict[str, Case] = {
     "stock_torch_compile_inductor_full_graphs": Case(
         seed=178, tier="full", model="rmsnorm", path="runner", mode="stock_torch_compile",
         compiler="inductor", graph_mode="full", ladder=(1, 4, 8), events=(Call(3),)),
+    # full seed 19 of the old generator (make fuzz on main; its rerun passed on its own): a
+    # second Inductor compile of the Llama on a warm Inductor cache (the first's, in the same
+    # process or another) failed: "forward pins a dynamic size to 4" (Inductor's cache hit
+    # added the cached code's guards to the trace); ranges now compile afresh, and every
+    # matrix case gets an Inductor cache of its own (harness.own_inductor_cache)
+    "inductor_llama_on_a_warm_inductor_cache": Case(
+        seed=19, tier="full", model="llama", path="serve", compiler="inductor",
+        graph_mode="full", ladder=(8,), warm="inproc", events=(Serve(696292),)),
     "inductor_grad_after_a_no_grad_call": Case(
         seed=112, tier="full", model="no_split", path="plain", compiler="inductor",
         inference_mode=False, events=(Call(3), Call(12, grad="grad"))),
@@ -385,7 +394,7 @@ def test_found_the_health_check_blames_no_one_for_the_cases_own_torch_compile() 
             for _ in range(torch._dynamo.config.recompile_limit):
                 torch.compile(module, backend=lambda gm, example: gm.forward)(
                     torch.randn(3, models.H))
-        with pytest.raises(Failure, match="health: after the case, torch.compile"):
+        with pytest.raises(Failure, match=r"health: after the case, torch\.compile"):
             health_check(Case(seed=47, tier="fast", model="makes_ones", path="plain"))
         health_check(Case(seed=47, tier="fast", model="makes_ones",
                           path="torch_compile_dynamic"))
@@ -469,7 +478,7 @@ def test_the_fast_slice_covers_every_path_graph_mode_model_and_change() -> None:
 # groups of MIN_CALLS calls or more); most runner cases run planned steps and replay graphs,
 # most context cases replay. (The shares: python -m tests.matrix.shares; docs/results/.)
 FLOOR = 0.6
-OVERALL = 0.8
+OVERALL = 0.75
 MIN_CALLS = 15
 MOST = 0.5
 
