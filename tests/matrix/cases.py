@@ -673,7 +673,7 @@ def describe(case: Case) -> str:
 
 def rerun_command(case: Case) -> str:
     return (f"FF_MATRIX={case.tier} FF_MATRIX_SEED={case.seed} .venv/bin/python -m pytest "
-            f"tests/matrix -k seed")
+            f"tests/matrix -k test_seed")
 
 
 if __name__ == "__main__":  # python -m tests.matrix.cases SEED [TIER]

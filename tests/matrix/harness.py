@@ -713,9 +713,15 @@ def run_case(case: Case, cache_dir: str | None = None, shrink: bool = True,
     """Run ``case`` and the health check; on a failure raise one whose message is the seed, the
     case in words, what failed, a shrunk event sequence and the command that reruns it.
     ``accept_wrong=False``: a refusal wrong for a user fails it (refusals.py)."""
+    configs = compiler_configs()
     try:
         outcome = execute(case, cache_dir, accept_wrong)
         health_check(case)
+        changed = [k for k, v in compiler_configs().items()
+                   if not _same_setting(configs.get(k), v)]
+        if changed:  # (it would reach every later case of the process, not the rerun)
+            raise Failure("leak", f"the case left Dynamo / Inductor settings changed: "
+                                  f"{sorted(changed)[:8]}")
         return outcome
     except Failure as failure:
         torch._dynamo.reset()
@@ -733,6 +739,23 @@ def run_case(case: Case, cache_dir: str | None = None, shrink: bool = True,
         # class (its recompile limit); the health check above ran first, so a case that
         # poisoned the process has been caught already
         torch._dynamo.reset()
+
+
+def compiler_configs() -> dict[str, Any]:
+    """Dynamo's and Inductor's settings (the process-wide state a case could leave behind
+    for the next one), by name."""
+    from torch._inductor import config as inductor_config
+
+    return {f"{name}.{k}": v
+            for name, module in (("dynamo", torch._dynamo.config), ("inductor", inductor_config))
+            for k, v in module.get_config_copy().items()}
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # (a value that cannot be compared: its type)
+        return type(a) is type(b)
 
 
 def shrink_case(case: Case, kind: str, cache_dir: str | None, budget_s: float = 60.0
