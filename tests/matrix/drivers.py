@@ -58,7 +58,8 @@ def _attempt(call: Any, outcome: Outcome, index: int, event: Any, via: str,
         outcome.refused += 1
         outcome.refusals.append(f"{type(exc).__name__}: {str(exc)[:300]}")
         outcome.records.append(CallRecord(via, refused=f"{type(exc).__name__}: {exc}",
-                                          wrong_for_user=entry.wrong_for_user))
+                                          wrong_for_user=entry.wrong_for_user,
+                                          accepted_as=entry.name))
         return _REFUSED
     except Exception as exc:
         raise _at(index, event, Failure("raw exception", f"{type(exc).__name__}: {exc}")

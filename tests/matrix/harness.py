@@ -316,7 +316,8 @@ class Harness:
                                      f"{text}") from exc
         self.outcome.refused += 1
         self.outcome.refusals.append(text[:300])
-        return CallRecord(via, refused=text, wrong_for_user=entry.wrong_for_user)
+        return CallRecord(via, refused=text, wrong_for_user=entry.wrong_for_user,
+                          accepted_as=entry.name)
 
     # -- one call ---------------------------------------------------------------------------
     def _prepare(self, call: Call, index: int, thread: int = 0) -> Prepared:

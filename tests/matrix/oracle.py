@@ -37,6 +37,7 @@ class CallRecord:
     planned: bool = False  # a runner step that ran from its plan (not the whole way)
     refused: str = ""  # "ErrorType: message" of a refusal
     wrong_for_user: str = ""  # the accepted refusal is one a user should not get (its case)
+    accepted_as: str = ""  # the name of the refusals.ACCEPTED entry that accepted it
 
 
 @dataclasses.dataclass

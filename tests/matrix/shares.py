@@ -97,6 +97,15 @@ def markdown(results: list[tuple[Case, Outcome]]) -> str:
             lines.append(f"| {key} | {t.calls} | {t.share(t.compared):.0%} | "
                          f"{t.share(t.refused):.0%} | {t.share(t.graph, t.compared):.0%} | "
                          f"{t.share(t.replayed, t.compared):.0%} | {planned} |")
+    reasons = collections.Counter(r.accepted_as for _, o in results for r in o.records
+                                  if r.refused)
+    wrong = {r.accepted_as: r.wrong_for_user for _, o in results for r in o.records
+             if r.wrong_for_user}
+    total = sum(len(o.records) for _, o in results)
+    lines += ["", "| refused as (tests/matrix/refusals.py) | calls | share of all calls | "
+                  "wrong for a user (its OPEN case) |", "|---|---|---|---|"]
+    for name, n in reasons.most_common():
+        lines.append(f"| {name} | {n} | {n / total:.1%} | {wrong.get(name, '') or '-'} |")
     lines += ["", "| cases | share |", "|---|---|"]
     for key, (n, of) in case_shares(results).items():
         lines.append(f"| {key} | {n}/{of} |")
