@@ -81,10 +81,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "(reqs or 0)])\n",
            "                    pass\n",
            "an input the model wrote is not written back into the caller's tensor"),
-    Mutant("padding_not_reset", "runtime/buffers.py",
-           "                pad.view.fill_(pad.fill)\n",
-           "                pass\n",
-           "the padding rows keep what an earlier step left there"),
     # -- dispatch and padding (runtime/dispatcher.py, sizes.py) ----------------------------------
     Mutant("dispatch_memo_without_uniform", "runtime/dispatcher.py",
            "        memo_key = (num_tokens, type(num_tokens), uniform_decode, has_lora, "
@@ -96,10 +92,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "        for n in range(prev + 1, size + 1):\n",
            "        for n in range(prev, size):\n",
            "the padding table maps each capture size to the next one (and the largest to 0)"),
-    Mutant("lora_case_ignored", "runtime/dispatcher.py",
-           "        case = self.effective_lora_case(has_lora, num_active_loras)\n",
-           "        case = self.effective_lora_case(False, 0)\n",
-           "a LoRA step dispatches to the no-LoRA graph key"),
     # -- the output cut (runtime/outputs.py) ------------------------------------------------------
     Mutant("cut_keeps_padding", "runtime/outputs.py",
            '        return t[:num_tokens] if t.shape[0] == padded_tokens else t.detach()\n',
@@ -120,14 +112,35 @@ MUTANTS: tuple[Mutant, ...] = (
            "        then.copy_(now)\n        shared.copies.n += 1\n",
            "        shared.copies.n += 1\n",
            "a replay given a new tensor reads the captured buffer's old data"),
+    Mutant("replay_of_another_owner", "graphs/wrapper.py",
+           "        if owner is ANY_OWNER:\n            return next(",
+           "        if True:\n            return next(",
+           "a runner replays a graph another runner (or a low-level call) captured"),
     Mutant("graphs_kept_after_weights_replaced", "compilation/graph_steps.py",
            "    for wrapper in holding:\n        wrapper.clear()\n",
            "    for wrapper in holding:\n        pass\n",
            "graphs that read a replaced weight's old memory are kept"),
     # -- the module-state check and routing (compilation/) ----------------------------------------
+    Mutant("whole_way_ignores_hooks", "runtime/plan.py",
+           "        hooked = self.model_hooked()  # its hooks run in __call__: no direct replay "
+           "then\n",
+           "        hooked = False\n",
+           "a runner step of a hooked model replays its FULL graph directly (no hooks run)"),
+    Mutant("float_arguments_equal", "compilation/values.py",
+           "            return (type(value), repr(value))  # np.float64 is a float too\n",
+           "            return (type(value), repr(value))  # np.float64 is a float too\n"
+           "        if isinstance(value, float):\n            return (float, 1.0)\n",
+           "every Python float argument counts as the same value (a trace of another one is "
+           "reused)"),
+    Mutant("replaced_weights_unseen", "compilation/module_state.py",
+           "                if slots.get(name) is not value\n",
+           "                if False\n",
+           "a parameter replaced after a capture is not seen as moved (graphs read the old one)"),
     Mutant("state_check_skipped_on_memo", "compilation/model.py",
+           "            return super().__call__(*args, **kwargs)\n        state = self._state\n"
            "        if state is not None and (self._check_state_every_call or "
            "state.changed_cheaply()):\n",
+           "            return super().__call__(*args, **kwargs)\n        state = self._state\n"
            "        if False:\n",
            "a call routed by the exact-key memo skips the module-state check"),
     Mutant("hooks_change_unseen", "compilation/module_state.py",

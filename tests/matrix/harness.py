@@ -398,6 +398,17 @@ class Harness:
         self._check_written(p, reference, tol, call.size)
         if p.grad_check:
             self._check_grads(requires_grad, reference, tol)
+        elif self._keeps_autograd(p.via) and requires_grad != self.want_requires_grad:
+            raise Failure("wrong answer", f"outputs requiring grad: {requires_grad}, eager "
+                                          f"{self.want_requires_grad} (autograd dropped)")
+
+    def _keeps_autograd(self, via: str) -> bool:
+        """Whether a call's outputs must require grad where eager's do: not a runner step
+        (inference only) nor a call of a model compiled with inference_mode=True (the
+        default); torch.compile(backend="freezeframe") keeps autograd."""
+        if via in RUNNER_VIAS:
+            return False
+        return self.case.path.startswith("torch_compile") or not self.case.inference_mode
 
     def _check_written(self, p: Prepared, reference: nn.Module,
                        tol: tuple[float, float] | None, size: int | None) -> None:

@@ -443,16 +443,15 @@ def test_the_fast_slice_covers_every_path_graph_mode_model_and_change() -> None:
         seen["first size"].add(first.size if isinstance(first, Call) else 0)
     from tests.matrix.cases import CHANGES
 
-    assert seen["path"] == set(PATHS)
+    assert seen["path"] == set(PATHS) - {"hf"}  # (Inductor and HF: named cases, make fuzz)
     assert seen["graph_mode"] == set(GRAPH_MODES)
     hf = {n for n in SPECS if n.startswith("hf_")}
     pending_models = {"dataclass_out"} if "dataclass_out" in PENDING_KINDS else set()
-    assert seen["model"] - hf == set(SPECS) - hf - pending_models
-    assert seen["model"] & hf
+    assert seen["model"] == set(SPECS) - hf - pending_models
     assert seen["policy"] == {"eager", "lazy", "background"}
     assert seen["mode"] == {"piecewise", "dynamo_trace_once", "none", "stock_torch_compile"}
     assert seen["warm"] == {"", "inproc", "sibling"}
-    assert seen["compiler"] == {"eager", "inductor"}
+    assert seen["compiler"] == {"eager"}
     assert seen["dtype"] == {"", "float64", "bfloat16", "float16", "int32"}
     assert seen["verify"] == {0, 2}
     assert seen["max_loras"] == {0, 1, 2}
