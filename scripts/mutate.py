@@ -185,18 +185,27 @@ def apply(root: Path, mutant: Mutant) -> None:
     path.write_text(text.replace(mutant.original, mutant.replacement))
 
 
-def run(mutant: Mutant, seeds: int, python: str) -> dict[str, object]:
+def snapshot(into: Path) -> Path:
+    """The library and the tests as they are now, copied (a run takes hours: edits made to the
+    working tree meanwhile do not reach the mutants still to run)."""
+    for part in ("src", "tests"):
+        shutil.copytree(REPO / part, into / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", into / "pyproject.toml")
+    return into
+
+
+def run(mutant: Mutant, seeds: int, python: str, base: Path) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         src = Path(tmp) / "src"
-        shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(base / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
         try:
             apply(src, mutant)
         except LookupError as exc:
             return {"name": mutant.name, "status": "not applied", "why": str(exc)}
-        env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{REPO}", FF_MATRIX="fast",
+        env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{base}", FF_MATRIX="fast",
                    FF_MATRIX_SHRINK="0", FF_MATRIX_SEEDS=str(seeds))
         where = subprocess.run([python, "-c", "import freezeframe; print(freezeframe.__file__)"],
-                               env=env, capture_output=True, text=True, cwd=REPO)
+                               env=env, capture_output=True, text=True, cwd=base)
         if not where.stdout.startswith(str(src)):
             raise RuntimeError(f"the mutant's copy is not the one imported: {where.stdout!r}"
                                f"{where.stderr[-500:]}")
@@ -205,7 +214,7 @@ def run(mutant: Mutant, seeds: int, python: str) -> dict[str, object]:
         subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                         "no:logging", "tests/matrix", "-k",
                         "test_seed or compares_most_calls", f"--junitxml={junit}"],
-                       env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
+                       env=env, cwd=base, capture_output=True, text=True, timeout=3600)
         failed = _failed(junit)
     seeds_failed = sorted(int(m.group(1)) for name in failed
                           if (m := re.search(r"seed(\d+)\]", name)))
@@ -255,8 +264,9 @@ def main() -> None:
             print(f"{m.name}: {check(m, sys.executable)}", flush=True)
         return
     results = []
+    base = snapshot(Path(tempfile.mkdtemp(prefix="mutate-base-")))
     for mutant in chosen:
-        result = run(mutant, args.seeds, sys.executable)
+        result = run(mutant, args.seeds, sys.executable, base)
         results.append(result)
         print(f"{mutant.name}: {result['status']}"
               + (f", {len(result['seeds'])} seed(s) {result['seeds']}"  # type: ignore[arg-type]
@@ -267,6 +277,7 @@ def main() -> None:
     killed = [r for r in applied if r["status"] == "killed"]
     print(f"\n{len(killed)} of {len(applied)} mutants killed"
           f" ({100 * len(killed) / max(1, len(applied)):.0f}%)\n")
+    shutil.rmtree(base, ignore_errors=True)
     print("| mutant | what | result | seeds that failed |\n|---|---|---|---|")
     by_name = {m.name: m for m in MUTANTS}
     for r in results:
