@@ -17,17 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.matrix import models
 from tests.matrix.cases import Change
+from tests.matrix.oracle import children, rebuild
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, dict):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
+    items = children(value)
+    if items is None:
+        return value
+    return rebuild(value, [map_tensors(v, fn) for _, v in items])
 
 
 def _twice_plus_one(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,8 @@ class Changer:
         self.dtype = torch.float32
         self.autocast = False
         self.default64 = False
+        self.happened: set[str] = set()  # the change kinds applied so far
+        self.fault = False  # the next call runs with the fault switch armed
 
     # -- what the next calls run under ------------------------------------------------------
     @contextlib.contextmanager
@@ -97,7 +100,18 @@ class Changer:
 
     # -- changes ----------------------------------------------------------------------------
     def apply(self, change: Change, index: int) -> None:
+        self.happened.add(change.kind)
         getattr(self, "_" + change.kind)(change.target, index)
+
+    def take_fault(self) -> bool:
+        """Whether the next call runs with the fault armed (once)."""
+        fault, self.fault = self.fault, False
+        return fault
+
+    def undo_globals(self) -> None:
+        """What a change set outside the module goes back (after the case)."""
+        models.GAIN = models.BASE_GAIN
+        models.FAULT.armed = False
 
     def _values(self, like: torch.Tensor, index: int, salt: int = 0) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 7919 + index * 101 + salt)
@@ -218,12 +232,46 @@ class Changer:
     def _default_dtype32(self, target: int, index: int) -> None:
         self.default64 = False
 
+    def _to_float32(self, target: int, index: int) -> None:
+        self.module.to(torch.float32)
+        self.dtype = torch.float32
+
     def _class_attr(self, target: int, index: int) -> None:
         type(self.module).OFFSET = 2.5  # type: ignore[attr-defined]
+
+    def _restore_class_attr(self, target: int, index: int) -> None:
+        type(self.module).OFFSET = 1.0  # type: ignore[attr-defined]
 
     def _instance_attr(self, target: int, index: int) -> None:
         name = "scale" if hasattr(self.module, "scale") else "note"
         setattr(self.module, name, 3.0)
+
+    def _restore_attr(self, target: int, index: int) -> None:
+        if "note" in vars(self.module):
+            del self.module.note
+        elif hasattr(self.module, "scale"):
+            self.module.scale = 2.0
+
+    def _module_global(self, target: int, index: int) -> None:
+        models.GAIN = 3.0
+
+    def _restore_global(self, target: int, index: int) -> None:
+        models.GAIN = models.BASE_GAIN
+
+    def _tensor_attr_replaced(self, target: int, index: int) -> None:
+        gain = self.module.gain
+        self.module.gain = torch.linspace(-1.0, 1.0, gain.shape[0]).to(gain.dtype)
+
+    def _tensor_attr_inplace(self, target: int, index: int) -> None:
+        self.module.gain.mul_(1.5)
+
+    def _fault(self, target: int, index: int) -> None:
+        self.fault = True
+
+    def _gen_config(self, target: int, index: int) -> None:
+        config = self.module.generation_config
+        config.repetition_penalty = 1.3
+        config.no_repeat_ngram_size = 2
 
     def _equal_attr(self, target: int, index: int) -> None:
         if hasattr(self.module, "scale"):

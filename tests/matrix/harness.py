@@ -4,29 +4,38 @@ For every call the eager reference is a copy of the module made just before it (
 every change made so far, and the state earlier calls left), given the same inputs under the
 same grad mode, autocast and default dtype. The compiled path must then
 
-- answer what eager answers: same structure, dtypes and shapes; equal values (bit for bit
-  where the README promises it: the eager compiler on the batch the step ran; a runner step,
-  which pads, and Inductor to a tolerance); under ``inference_mode=False`` and grad mode on,
-  the same ``requires_grad`` and the same parameter gradients;
-- leave what eager leaves: the inputs forward writes into, the module's parameters, buffers and
-  tensor attributes (``self.last = out``);
+- answer what eager answers: same structure (a dataclass or namedtuple stays one), dtypes and
+  shapes; equal values (bit for bit where the guarantees promise it: the eager compiler on the
+  batch the step ran; a runner step, which pads, and Inductor to a tolerance); under
+  ``inference_mode=False`` and grad mode on, the same ``requires_grad`` and the same parameter
+  gradients;
+- leave what eager leaves: the inputs forward writes into, the module's parameters, buffers,
+  tensor attributes (``self.last = out``; on a runner step their real rows) and the Python
+  state forward writes (``self.seen["rows"] = n``);
 - hand out a new tensor object each time, and two for two;
-- or raise a ``FreezeframeError`` (and leave the module's parameters and buffers as they were).
+- or raise a ``FreezeframeError`` that docs/guarantees.md promises for what the case did
+  (refusals.py; anything else is a failure of kind "refusal"), leaving the module's
+  parameters and buffers as they were.
 
 It fails on anything else: another answer, an exception from inside torch or freezeframe that
-is not a ``FreezeframeError`` (unless eager raised the same type), grad mode / default dtype /
-autocast / forward context left changed. After the case, a fresh ``ff.compile`` and a plain
-``torch.compile(fullgraph=True, backend="eager")`` of a small module and of the case's own
-model class must still work (the health check).
+is not a ``FreezeframeError`` (unless eager raised the same type: the model's own error, or a
+fault the case injected), grad mode / default dtype / autocast / forward context left changed.
+The low-level context path pads its inputs itself, to the capture size it works out from the
+case's ladder (not with the library's ``padded_size``). After the case, a fresh ``ff.compile``
+and a plain ``torch.compile(fullgraph=True, backend="eager")`` of a small module and of the
+case's own model class must still work (the health check).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from typing import Any
 
@@ -35,7 +44,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe.errors import FreezeframeError
-from tests.matrix import models
+from tests.matrix import models, refusals
 from tests.matrix.cases import (
     RUNNER_VIAS,
     Call,
@@ -47,27 +56,27 @@ from tests.matrix.cases import (
     rerun_command,
 )
 from tests.matrix.changes import Changer, copy_module
+from tests.matrix.oracle import (
+    CallRecord,
+    Failure,
+    Outcome,
+    clone,
+    compare,
+    compare_python_state,
+    compare_state,
+    global_state,
+    leaves,
+    python_state_of,
+    state_of,
+)
+
+__all__ = ["CallRecord", "Failure", "Harness", "Outcome", "execute", "run_case"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M = ff.CUDAGraphMode
 MAX_TOKENS = 16
-
-
-class Failure(AssertionError):
-    """What the oracle found; ``kind`` groups failures for shrinking ("wrong answer", "raw
-    exception", "state", "identity", "leak", "health")."""
-
-    def __init__(self, kind: str, text: str) -> None:
-        super().__init__(f"{kind}: {text}")
-        self.kind = kind
-
-
-@dataclasses.dataclass
-class Outcome:
-    calls: int = 0
-    refused: int = 0
-    refusals: list[str] = dataclasses.field(default_factory=list)
-    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+DTYPES = {"float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int32": torch.int32}
 
 
 def make_config(case: Case, cache_dir: str | None) -> ff.CompilationConfig:
@@ -80,73 +89,19 @@ def make_config(case: Case, cache_dir: str | None) -> ff.CompilationConfig:
         compile_ranges_endpoints=list(case.ranges) or None,
         compile_sizes=list(case.compile_sizes) or None, graph_backend="emulated",
         max_num_tokens=MAX_TOKENS, max_num_seqs=MAX_TOKENS, use_cache=bool(cache_dir),
-        cache_dir=cache_dir or "")
+        cache_dir=cache_dir or "", max_loras=case.max_loras,
+        num_speculative_tokens=case.spec_tokens)
     if case.path == "microbatch":
         fields.update(micro_batching=True, num_micro_batches=2, micro_batch_decode_threshold=2,
                       micro_batch_prefill_threshold=4)
     return ff.CompilationConfig(**fields)
 
 
-# -- comparing -------------------------------------------------------------------------------
-def leaves(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in leaves(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in leaves(v)]
-    return []
-
-
-def compare(got: Any, want: Any, tol: tuple[float, float] | None, what: str) -> None:
-    """Same structure, dtypes and shapes; equal values (``tol`` None: bit for bit)."""
-    if isinstance(want, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            raise Failure("wrong answer", f"{what}: a {type(got).__name__}, eager a tensor")
-        if got.dtype != want.dtype or got.shape != want.shape:
-            raise Failure("wrong answer", f"{what}: {got.dtype} {tuple(got.shape)}, eager "
-                                          f"{want.dtype} {tuple(want.shape)}")
-        rtol, atol = tol if tol is not None else (0.0, 0.0)
-        try:
-            torch.testing.assert_close(got.detach(), want.detach(), rtol=rtol, atol=atol,
-                                       equal_nan=True, check_device=False)
-        except AssertionError as exc:
-            raise Failure("wrong answer", f"{what} differs from eager's: {exc}") from None
-        return
-    if isinstance(want, dict):
-        if not isinstance(got, dict) or list(got) != list(want):
-            raise Failure("wrong answer", f"{what}: {_shape_of(got)}, eager {_shape_of(want)}")
-        for key in want:
-            compare(got[key], want[key], tol, f"{what}[{key!r}]")
-        return
-    if isinstance(want, (tuple, list)):
-        if type(got) is not type(want) or len(got) != len(want):
-            raise Failure("wrong answer", f"{what}: {_shape_of(got)}, eager {_shape_of(want)}")
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            compare(g, w, tol, f"{what}[{i}]")
-        return
-    if got != want:
-        raise Failure("wrong answer", f"{what}: {got!r}, eager {want!r}")
-
-
-def _shape_of(value: Any) -> str:
-    if isinstance(value, dict):
-        return f"dict with keys {list(value)}"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of {len(value)}"
-    return type(value).__name__
-
-
-def state_of(module: nn.Module, attrs: bool) -> dict[str, Any]:
-    """Parameters, buffers and (``attrs``) tensor attributes, by name."""
-    out: dict[str, Any] = {f"param {k}": v for k, v in module.named_parameters()}
-    out.update({f"buffer {k}": v for k, v in module.named_buffers()})
-    if attrs:
-        for prefix, sub in module.named_modules():
-            for key, value in vars(sub).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"attribute {prefix + '.' if prefix else ''}{key}"] = value
-    return out
+def padded_size(ladder: tuple[int, ...], size: int) -> int | None:
+    """The capture size a low-level call of ``size`` rows pads to, worked out from the case's
+    ladder alone (the library's own ``padded_size`` is what it checks)."""
+    above = [s for s in ladder if s >= size and s <= MAX_TOKENS]
+    return min(above) if above else None
 
 
 def _grad_mode(name: str) -> Any:
@@ -154,25 +109,49 @@ def _grad_mode(name: str) -> Any:
             "inference": torch.inference_mode()}[name]
 
 
-def global_state() -> tuple[Any, ...]:
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
-            ff.get_forward_context() is None)
+@dataclasses.dataclass
+class Prepared:
+    """One call, ready to run both ways: where it goes, its inputs (``theirs`` for eager,
+    ``mine`` for the compiled path), the graph mode and rows of a low-level call."""
+
+    via: str
+    mode: ff.CUDAGraphMode
+    rows: int
+    args: dict[str, Any]
+    kwargs: dict[str, Any]
+    theirs: dict[str, Any]
+    mine: dict[str, Any]
+    grad_check: bool
 
 
 # -- one case on ff.compile / torch.compile ----------------------------------------------------
 class Harness:
-    def __init__(self, case: Case, cache_dir: str | None = None) -> None:
+    def __init__(self, case: Case, cache_dir: str | None = None,
+                 accept_wrong: bool = True) -> None:
         self.case, self.spec = case, case.spec
         self.module = models.build(self.spec, case.seed)
+        dtype = DTYPES.get(case.dtype)
+        if dtype is not None and dtype.is_floating_point:
+            self.module.to(dtype)
+        # the dtype of index inputs (ToyLlama's ids)
+        self.index_dtype = dtype if dtype is not None and not dtype.is_floating_point \
+            else torch.long
         self.cfg = make_config(case, cache_dir)
         self.compiled = self._compile()
         self.changer = Changer(self.module, self.compiled, case.seed)
+        if dtype is not None and dtype.is_floating_point:
+            self.changer.dtype = dtype
         self.runner: ff.GraphRunner | None = None
         self.second_runner: ff.GraphRunner | None = None
         self.answers: list[torch.Tensor] = []  # every tensor handed out, kept alive
         self.buffers: dict[str, torch.Tensor] = {}  # the context path's persistent inputs
         self.outcome = Outcome()
+        self.whole_way = 0  # runner steps that went the whole way (see _runner)
+        self.forms: set[tuple[bool, int]] = set()  # how context calls passed their arguments
+        self.structures: set[tuple[Any, ...]] = set()  # call structures (each may trace)
+        self.scalars: set[tuple[int, int]] = set()  # the Python scalars calls passed
+        self.accept_wrong = accept_wrong  # accept the refusals wrong for a user (refusals.py)
+        self.index = 0
 
     def _compile(self) -> Any:
         case = self.case
@@ -180,29 +159,51 @@ class Harness:
             dynamic = True if case.path == "torch_compile_dynamic" else None
             return torch.compile(self.module, backend="freezeframe",
                                  options={"config": self.cfg}, dynamic=dynamic)
-        return ff.compile(self.module, self.cfg, inference_mode=case.inference_mode)
+        return ff.compile(self.module, self.cfg, inference_mode=case.inference_mode,
+                          dynamic_arg_dims=self.spec.dynamic_dims)
 
     def run(self) -> Outcome:
-        for index, event in enumerate(self.case.events):
-            self.index = index
-            if isinstance(event, Change):
-                self.changer.apply(event, index)
-            else:
-                self.call(event, index)
+        try:
+            for index, event in enumerate(self.case.events):
+                self.index = index
+                if isinstance(event, Change):
+                    self.changer.apply(event, index)
+                elif event.threads > 1 and (event.via or self.case.path) in RUNNER_VIAS:
+                    self.threaded_call(event, index)
+                else:
+                    self.call(event, index)
+        finally:
+            self.changer.undo_globals()
         stats = getattr(self.compiled, "stats", None)
         if stats is not None and hasattr(stats, "snapshot"):
             self.outcome.stats = dict(stats.snapshot())
         return self.outcome
 
     # -- the paths --------------------------------------------------------------------------
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.changer.dtype if self.spec.float_inputs else self.index_dtype
+
     def _runner(self, second: bool = False) -> ff.GraphRunner:
         runner = self.second_runner if second else self.runner
         if runner is None:
+            assert self.spec.runner_inputs is not None
             runner = ff.GraphRunner(self.compiled, self.cfg,
-                                    inputs=self.spec.runner_inputs(),  # type: ignore[misc]
-                                    progress=False, capture_policy=self.case.policy)
+                                    inputs=self.spec.runner_inputs(self.input_dtype),
+                                    progress=False, capture_policy=self.case.policy,
+                                    verify=self.case.verify, copy_outputs=self.case.threads)
             with torch.no_grad():
                 runner.capture()
+            # count the steps that go the whole way: a step that does not is a planned one
+            # (the runner has no counter of its own for them)
+            stepper = runner._stepper
+            whole_way = stepper.step
+
+            def counted(step: Any) -> Any:
+                self.whole_way += 1
+                return whole_way(step)
+
+            stepper.step = counted  # type: ignore[method-assign]
             if second:
                 self.second_runner = runner
             else:
@@ -216,12 +217,20 @@ class Harness:
         return {"none": M.NONE, "piecewise": M.PIECEWISE, "full": M.FULL,
                 "full_decode_only": M.FULL}[mode]
 
-    def _inputs(self, call: Call, rows: int, index: int, via: str) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(self.case.seed * 1000 + index)
-        args = self.spec.inputs(rows, gen, self.changer.dtype, call.opt)  # type: ignore[misc]
+    def _inputs(self, call: Call, rows: int, index: int, via: str,
+                thread: int = 0) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(self.case.seed * 1000 + index * 10 + thread)
+        draw = models.Draw(opt=call.opt, scalar=call.scalar, reqs=call.reqs)
+        assert self.spec.inputs is not None
+        args = self.spec.inputs(rows, gen, self.input_dtype, draw)
         if via in RUNNER_VIAS:
-            names = self.spec.runner_inputs()  # type: ignore[misc]
+            assert self.spec.runner_inputs is not None
+            names = self.spec.runner_inputs(self.input_dtype)
             args = {k: v for k, v in args.items() if k in names}
+        if call.cast:  # a float input in another dtype than the model's
+            other = torch.float32 if self.changer.dtype == torch.float64 else torch.float64
+            args = {k: v.to(other) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                    else v for k, v in args.items()}
         return args
 
     def _stage(self, args: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -245,10 +254,14 @@ class Harness:
         if via in RUNNER_VIAS:
             runner = self._runner(second=via == "second_runner")
             extra: dict[str, Any] = {"uniform_decode": call.uniform}
-            if call.uniform:
-                extra["num_reqs"] = call.size
+            if call.uniform and not self.spec.requests:  # (reqs 0: one query per request)
+                extra["num_reqs"] = call.reqs or call.size // (1 + self.case.spec_tokens)
             if call.split:
                 extra.update(num_scheduled_tokens=list(call.split), num_reqs=len(call.split))
+            if call.lora >= 0:
+                extra.update(has_lora=True, num_active_loras=call.lora)
+            if call.extras:
+                extra["extras"] = {"matrix_step": self.index}
             if call.positional:
                 return runner(*args.values(), **extra)
             return runner(**args, **extra)
@@ -257,20 +270,69 @@ class Harness:
                 return _call_with(target, call, args, kwargs)
         return _call_with(target, call, args, kwargs)
 
+    # -- what may cause a refusal ----------------------------------------------------------
+    def _causes(self, call: Call, via: str) -> set[str]:
+        """The change kinds applied so far and this call's features: what an accepted refusal
+        must have been caused by (refusals.py)."""
+        case, causes = self.case, set(self.changer.happened)
+        stock_paths = case.path.startswith("torch_compile")
+        if call.grad == "grad" and (not case.inference_mode or stock_paths):
+            causes.add("grad_call")
+        if call.cast:
+            causes.add("cast")
+        if via == "context" and len(self.forms) > 1:
+            causes.add("args_form")
+        graphs = case.graph_mode != "none"
+        if case.model == "keeps_last" and case.mode in ("none", "stock_torch_compile") \
+                and graphs:
+            causes.add("forward_sets_attr")
+        if case.model == "py_state" and case.mode in ("piecewise", "dynamo_trace_once") \
+                and not stock_paths:
+            causes.add("forward_writes_state")
+        if len(self.structures) >= 8:
+            causes.add("many_structures")
+        if len(self.scalars) > 1:
+            if case.breakable:
+                causes.add("scalar_breakable")
+            if stock_paths and via == "context":
+                causes.add("stock_context_scalar")
+        return causes
+
+    def _note(self, call: Call, via: str) -> None:
+        self.scalars.add((call.scalar, call.kwarg))
+        if via == "context":
+            self.forms.add((call.positional, call.kwarg))
+        changer = self.changer
+        self.structures.add((call.opt, call.kwarg, call.scalar, call.grad, changer.dtype,
+                             changer.autocast, changer.default64, via))
+
+    def _refused(self, exc: FreezeframeError, call: Call, via: str) -> CallRecord:
+        """A refusal: accepted only where the guarantees promise it for what the case did."""
+        text = f"{type(exc).__name__}: {exc}"
+        entry = refusals.accepted(exc, self._causes(call, via), self.accept_wrong)
+        if entry is None:
+            raise Failure("refusal", f"refused where docs/guarantees.md promises an answer "
+                                     f"(after {sorted(self.changer.happened) or 'no change'}): "
+                                     f"{text}") from exc
+        self.outcome.refused += 1
+        self.outcome.refusals.append(text[:300])
+        return CallRecord(via, refused=text, wrong_for_user=entry.wrong_for_user,
+                          accepted_as=entry.name)
+
     # -- one call ---------------------------------------------------------------------------
-    def call(self, call: Call, index: int) -> None:
+    def _prepare(self, call: Call, index: int, thread: int = 0) -> Prepared:
         via = call.via or self.case.path
         if via.startswith("torch_compile"):
             via = "plain"
         mode, rows = M.NONE, call.size
         if via == "context":
             mode = self._context_mode(index)
-            padded = self.cfg.padded_size(call.size) if mode is not M.NONE else None
+            padded = padded_size(self.case.ladder, call.size) if mode is not M.NONE else None
             if padded is None:
                 mode = M.NONE
             else:
                 rows = padded
-        args = self._inputs(call, rows, index, via)
+        args = self._inputs(call, rows, index, via, thread)
         kwargs = dict([self.spec.kwargs[call.kwarg]]) \
             if call.kwarg >= 0 and via not in RUNNER_VIAS else {}
         theirs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
@@ -278,24 +340,36 @@ class Harness:
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         grad_check = call.grad == "grad" and not self.case.inference_mode and via == "plain" \
             and self.spec.autograd
+        return Prepared(via, mode, rows, args, kwargs, theirs, mine, grad_check)
+
+    def call(self, call: Call, index: int) -> None:
+        p = self._prepare(call, index)
+        self._note(call, p.via)
+        fault = self.changer.take_fault()
         reference = self.changer.reference()
-        want, want_exc = self._eager(reference, call, theirs, kwargs, grad_check)
+        want, want_exc = self._eager(reference, call, p, fault)
         before = {k: v.detach().clone() for k, v in state_of(self.module, False).items()}
         settings = global_state()
+        probe = self._probe(p.via)
         try:
             with self.changer.settings(), _grad_mode(call.grad):
-                if grad_check:
+                if p.grad_check:
                     self._zero_grads(self.module)
-                got = self._invoke(via, call, mine, kwargs, mode, rows)
+                models.FAULT.armed = fault
+                try:
+                    got = self._invoke(p.via, call, p.mine, p.kwargs, p.mode, p.rows)
+                finally:
+                    models.FAULT.armed = False
+                if call.wait and p.via in RUNNER_VIAS:
+                    self._runner(second=p.via == "second_runner").wait_for_capture()
                 fresh_answer = got
-                got_copy = _clone(got)
+                got_copy = clone(got)
                 requires_grad = [t.requires_grad for t in leaves(got)]
-                if grad_check:
+                if p.grad_check:
                     self._backward(got)
         except FreezeframeError as exc:
-            self.outcome.refused += 1
-            self.outcome.refusals.append(f"{type(exc).__name__}: {str(exc)[:300]}")
-            self._check_leaks(settings, via)
+            self.outcome.records.append(self._refused(exc, call, p.via))
+            self._check_leaks(settings)
             after = state_of(self.module, False)
             for key, value in before.items():
                 if key in after:
@@ -303,50 +377,134 @@ class Harness:
             return
         except Exception as exc:
             if want_exc is not None and type(exc) is type(want_exc):
-                return  # the model's own error, raised eagerly too
+                # the model's own error (or the injected fault), raised eagerly too: what it
+                # wrote before it raised is what eager wrote
+                self.outcome.records.append(CallRecord(p.via))
+                self._check_written(p, reference, self._tolerance(p.via), None)
+                return
             raise Failure("raw exception", f"{type(exc).__name__}: {exc}"
                           + (f" (eager raised {type(want_exc).__name__}: {want_exc})"
                              if want_exc is not None else " (eager answered)")) from exc
         self.outcome.calls += 1
-        self._check_leaks(settings, via)
+        self.outcome.records.append(self._record(p.via, p.mode, probe))
+        self._check_leaks(settings)
         if want_exc is not None:
             raise Failure("wrong answer", f"the compiled path answered where eager raised "
                                           f"{type(want_exc).__name__}: {want_exc}")
-        tol = self._tolerance(via)
+        tol = self._tolerance(p.via)
         compare(got_copy, want, tol, "the output")
-        if mode is M.NONE:  # (a low-level replay hands out its graph's stored output)
-            self._check_identity(fresh_answer, want)
-        for key, value in theirs.items():
-            if isinstance(value, torch.Tensor):
-                compare(mine[key], value, tol, f"input {key!r} after the call")
-        attrs = via not in RUNNER_VIAS  # a runner's forward sees the padded batch
-        ours, eager = state_of(self.module, attrs), state_of(reference, attrs)
-        if set(ours) != set(eager):
-            raise Failure("state", f"module state names {sorted(set(ours) ^ set(eager))} "
-                                   f"differ from eager's after the call")
-        for key in eager:
-            compare(ours[key], eager[key], tol, f"{key} after the call")
-        if grad_check:
-            if requires_grad != self.want_requires_grad:
-                raise Failure("wrong answer", f"outputs requiring grad: {requires_grad}, eager "
-                                              f"{self.want_requires_grad} (autograd dropped)")
-            for (name, p), (_, q) in zip(self.module.named_parameters(),
-                                         reference.named_parameters(), strict=True):
-                if p.grad is None and q.grad is None:
-                    continue
-                compare(_grad_or_zeros(p), _grad_or_zeros(q), tol or (1e-6, 1e-6),
-                        f"the gradient of {name}")
+        if p.mode is M.NONE:  # (a low-level replay hands out its graph's stored output)
+            self._check_identity(fresh_answer)
+        self._check_written(p, reference, tol, call.size)
+        if p.grad_check:
+            self._check_grads(requires_grad, reference, tol)
+        elif self._keeps_autograd(p.via) and requires_grad != self.want_requires_grad:
+            raise Failure("wrong answer", f"outputs requiring grad: {requires_grad}, eager "
+                                          f"{self.want_requires_grad} (autograd dropped)")
 
-    def _eager(self, reference: nn.Module, call: Call, args: dict[str, Any],
-               kwargs: dict[str, Any], grad_check: bool) -> tuple[Any, Exception | None]:
+    def _keeps_autograd(self, via: str) -> bool:
+        """Whether a call's outputs must require grad where eager's do: not a runner step
+        (inference only) nor a call of a model compiled with inference_mode=True (the
+        default); torch.compile(backend="freezeframe") keeps autograd."""
+        if via in RUNNER_VIAS:
+            return False
+        return self.case.path.startswith("torch_compile") or not self.case.inference_mode
+
+    def _check_written(self, p: Prepared, reference: nn.Module,
+                       tol: tuple[float, float] | None, size: int | None) -> None:
+        """The inputs, the module's tensors and its Python state as eager left them."""
+        for key, value in p.theirs.items():
+            if isinstance(value, torch.Tensor):
+                compare(p.mine[key], value, tol, f"input {key!r} after the call")
+        runner = p.via in RUNNER_VIAS  # its forward saw the padded batch
+        ours, eager = state_of(self.module, True), state_of(reference, True)
+        compare_state(ours, eager, tol, size if runner else None)
+        if not runner or not self.spec.row_independent:
+            compare_python_state(python_state_of(self.module), python_state_of(reference))
+
+    def _check_grads(self, requires_grad: list[bool], reference: nn.Module,
+                     tol: tuple[float, float] | None) -> None:
+        if requires_grad != self.want_requires_grad:
+            raise Failure("wrong answer", f"outputs requiring grad: {requires_grad}, eager "
+                                          f"{self.want_requires_grad} (autograd dropped)")
+        for (name, p), (_, q) in zip(self.module.named_parameters(),
+                                     reference.named_parameters(), strict=True):
+            if p.grad is None and q.grad is None:
+                continue
+            compare(_grad_or_zeros(p), _grad_or_zeros(q), tol or (1e-6, 1e-6),
+                    f"the gradient of {name}")
+
+    def threaded_call(self, call: Call, index: int) -> None:
+        """A runner step made from ``call.threads`` threads at once, each with inputs of its
+        own (the runner copies outputs: copy_outputs=True); each answer against eager's."""
+        via = call.via or self.case.path
+        self._runner(second=via == "second_runner")  # (made before the threads start)
+        prepared = [self._prepare(call, index, thread) for thread in range(call.threads)]
+        wanted = [self._eager(self.changer.reference(), call, p, False) for p in prepared]
+        got: list[Any] = [None] * call.threads
+        errors: list[BaseException | None] = [None] * call.threads
+
+        def step(k: int) -> None:
+            try:
+                with self.changer.settings(), _grad_mode(call.grad):
+                    got[k] = clone(self._invoke(via, call, prepared[k].mine, {}, M.NONE,
+                                                call.size))
+            except BaseException as exc:  # (reported below, in the main thread)
+                errors[k] = exc
+
+        threads = [threading.Thread(target=step, args=(k,)) for k in range(call.threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for k, ((want, want_exc), exc) in enumerate(zip(wanted, errors, strict=True)):
+            if isinstance(exc, FreezeframeError):
+                self.outcome.records.append(self._refused(exc, call, via))
+            elif exc is not None:
+                if want_exc is not None and type(exc) is type(want_exc):
+                    continue
+                raise Failure("raw exception", f"thread {k}: {type(exc).__name__}: {exc}")
+            else:
+                self.outcome.calls += 1
+                self.outcome.records.append(CallRecord(via))
+                if want_exc is not None:
+                    raise Failure("wrong answer", f"thread {k} answered where eager raised "
+                                                  f"{type(want_exc).__name__}: {want_exc}")
+                compare(got[k], want, self._tolerance(via), f"thread {k}'s output")
+
+    def _probe(self, via: str) -> tuple[int, int, int]:
+        """The counters a call's record is read from: replays, whole-way and graph steps."""
+        stats = getattr(self.compiled, "stats", None)
+        replays = stats.get("replays") if stats is not None and hasattr(stats, "get") else 0
+        runner = self.second_runner if via == "second_runner" else self.runner
+        graph_steps = 0
+        if runner is not None:
+            graph_steps = runner.stats.get("steps_full") + runner.stats.get("steps_piecewise")
+        return replays, self.whole_way, graph_steps
+
+    def _record(self, via: str, mode: ff.CUDAGraphMode, probe: tuple[int, int, int]
+                ) -> CallRecord:
+        replays, whole_way, graph_steps = self._probe(via)
+        runner = via in RUNNER_VIAS  # (a runner made by this call had no steps before it)
+        return CallRecord(
+            via=via, graph=(graph_steps > probe[2]) if runner else mode is not M.NONE,
+            replayed=replays > probe[0], planned=runner and whole_way == probe[1])
+
+    def _eager(self, reference: nn.Module, call: Call, p: Prepared,
+               fault: bool) -> tuple[Any, Exception | None]:
         try:
             with self.changer.settings(), _grad_mode(call.grad):
-                if grad_check:
+                if p.grad_check:
                     self._zero_grads(reference)
-                want = _call_with(reference, call, args, kwargs)
-                want_copy = _clone(want)
+                models.FAULT.armed = fault
+                try:
+                    want = _call_with(reference, call, p.theirs, p.kwargs)
+                finally:
+                    models.FAULT.armed = False
+                want_copy = clone(want)
                 self.want_requires_grad = [t.requires_grad for t in leaves(want)]
-                if grad_check:
+                self.want_aliasing = aliasing(leaves(want))
+                if p.grad_check:
                     self._backward(want)
             return want_copy, None
         except Exception as exc:  # the model raises: the compiled path may raise alike
@@ -364,7 +522,7 @@ class Harness:
             sum(t.float().sum() for t in grads).backward()  # type: ignore[union-attr]
 
     def _tolerance(self, via: str) -> tuple[float, float] | None:
-        if self.changer.autocast:
+        if self.changer.autocast or self.input_dtype in (torch.bfloat16, torch.float16):
             return (2e-2, 2e-2)
         if self.case.compiler == "inductor":
             return (1e-4, 1e-4)
@@ -372,22 +530,30 @@ class Harness:
             return (1e-5, 1e-5)  # padded to a capture size: a matmul may round otherwise
         return None
 
-    def _check_identity(self, answer: Any, want: Any) -> None:
+    def _check_identity(self, answer: Any) -> None:
         new = leaves(answer)
-        if len({id(t) for t in new}) < len({id(t) for t in leaves(want)}):
-            raise Failure("identity", "two outputs of one answer are the same tensor object "
-                                      "(eagerly they are two)")
+        if aliasing(new) != self.want_aliasing:
+            raise Failure("identity", f"the answer's tensor objects repeat as "
+                                      f"{aliasing(new)}, eager's as {self.want_aliasing} "
+                                      "(each output leaf by the first leaf that is the same "
+                                      "object)")
         for t in new:
             if any(t is old for old in self.answers):
                 raise Failure("identity", "the answer is a tensor object an earlier call "
                                           "returned")
         self.answers.extend(new)
 
-    def _check_leaks(self, before: tuple[Any, ...], via: str) -> None:
+    def _check_leaks(self, before: tuple[Any, ...]) -> None:
         after = global_state()
         if after != before:
             raise Failure("leak", f"(grad, inference, default dtype, autocast, no forward "
                                   f"context) was {before} before the call, {after} after")
+
+
+def aliasing(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor by the index of the first one that is the same object (two outputs that are
+    one tensor eagerly must be one in the answer, and two must be two)."""
+    return [next(i for i, u in enumerate(tensors) if u is t) for t in tensors]
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
@@ -401,16 +567,6 @@ def _call_with(target: Any, call: Call, args: dict[str, Any], kwargs: dict[str, 
     return target(**args, **kwargs)
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    return value
-
-
 # -- the health check ------------------------------------------------------------------------
 def health_check(case: Case) -> None:
     """A fresh ff.compile and torch.compile(fullgraph=True) still work, for a small module and
@@ -422,7 +578,7 @@ def health_check(case: Case) -> None:
     if not case.spec.served:
         gen = torch.Generator().manual_seed(5)
         checks.append((f"a new {case.model}", models.build(case.spec, case.seed),
-                       case.spec.inputs(3, gen, torch.float32, False),  # type: ignore[misc]
+                       case.spec.inputs(3, gen, torch.float32, models.Draw()),  # type: ignore[misc]
                        case.spec.splitting_ops))
     for what, module, args, ops in checks:
         with torch.no_grad():
@@ -433,14 +589,40 @@ def health_check(case: Case) -> None:
                 try:
                     fresh = copy_module(module)
                     if how == "ff.compile":
-                        compiled: Any = ff.compile(fresh, cfg)
+                        dims = case.spec.dynamic_dims if module is not checks[0][1] else None
+                        compiled: Any = ff.compile(fresh, cfg, dynamic_arg_dims=dims)
+                        got = compiled(**_cloned(args))
                     else:
-                        compiled = torch.compile(fresh, fullgraph=True, backend="eager")
-                    got = compiled(**_cloned(args))
+                        with _dynamo_limit(case, module is not checks[0][1]):
+                            compiled = torch.compile(fresh, fullgraph=True, backend="eager")
+                            got = compiled(**_cloned(args))
+                except FreezeframeError as exc:
+                    if module is not checks[0][1] and refusals.accepted(
+                            exc, _own_refusal_causes(case)):
+                        continue  # (what any new instance of this class meets)
+                    raise Failure("health", f"after the case, {how} of {what} raised "
+                                            f"{type(exc).__name__}: {exc}") from exc
                 except Exception as exc:
                     raise Failure("health", f"after the case, {how} of {what} raised "
                                             f"{type(exc).__name__}: {exc}") from exc
-                compare(_clone(got), want, None, f"after the case, {how} of {what}")
+                compare(clone(got), want, None, f"after the case, {how} of {what}")
+
+
+def _own_refusal_causes(case: Case) -> set[str]:
+    """What refuses a fresh ff.compile (piecewise) of the case's model class by itself."""
+    return {"forward_writes_state"} if case.model == "py_state" else set()
+
+
+def _dynamo_limit(case: Case, own_class: bool) -> Any:
+    """Dynamo's per-code recompile limit (8) for the health check's torch.compile of the case's
+    own class, raised where the case itself compiled that class with torch.compile: there the
+    case's calls (each grad mode, default dtype, dtype and size regime a guard of its own) fill
+    the limit as they would with backend="eager" (full seed 47 of the old generator: six
+    entries either way), which says nothing of freezeframe; a class freezeframe poisoned (its
+    code skipped for good, an entry that fails) still fails."""
+    if own_class and case.path.startswith("torch_compile"):
+        return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512)
+    return contextlib.nullcontext()
 
 
 def _cloned(args: dict[str, Any]) -> dict[str, Any]:
@@ -448,27 +630,70 @@ def _cloned(args: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- running a case --------------------------------------------------------------------------
-def execute(case: Case, cache_dir: str | None = None) -> Outcome:
+@contextlib.contextmanager
+def own_inductor_cache(case: Case) -> Any:
+    """An Inductor case compiles with an on-disk Inductor cache of its own, empty at first: a
+    case runs as in a fresh process on a fresh machine, whatever ran before it (a case of
+    the full tier failed after others had filled the shared cache, and its rerun command,
+    on its own, passed). A warm Inductor cache is a case of its own (warm="inproc": the case
+    run twice)."""
+    if case.compiler != "inductor":
+        yield
+        return
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="ff-matrix-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def execute(case: Case, cache_dir: str | None = None, accept_wrong: bool = True) -> Outcome:
+    with own_inductor_cache(case):
+        return _execute(case, cache_dir, accept_wrong)
+
+
+def _execute(case: Case, cache_dir: str | None, accept_wrong: bool) -> Outcome:
     from tests.matrix import drivers
 
-    if case.path == "serve":
-        return drivers.serve_case(case)
+    if case.path == "serve":  # (warm: served twice, the second on the first's caches)
+        outcome = drivers.serve_case(case)
+        return drivers.serve_case(case) if case.warm == "inproc" else outcome
     if case.path == "hf":
         return drivers.hf_case(case)
     if case.warm == "subprocess" and cache_dir:
         return warm_in_subprocesses(case, cache_dir)
-    runs = 2 if case.warm == "inproc" and cache_dir else 1
+    runs = [case, case] if case.warm == "inproc" and cache_dir else [case]
+    if case.warm == "sibling" and cache_dir:
+        runs = [sibling(case), case]
     outcome = Outcome()
-    for start in range(runs):
-        harness = Harness(case, cache_dir)
+    for start, run in enumerate(runs):
+        harness = Harness(run, cache_dir, accept_wrong)
         try:
             outcome = harness.run()
         except Failure as failure:
-            where = f"the {'warm' if start else 'cold'} start's " if runs == 2 else ""
-            event = case.events[harness.index]
+            where = ""
+            if case.warm == "inproc" and cache_dir:
+                where = f"the {'warm' if start else 'cold'} start's "
+            elif len(runs) == 2:
+                where = "the sibling's " if start == 0 else "(after the sibling) "
+            event = run.events[harness.index]
             raise Failure(failure.kind, f"at {where}event {harness.index + 1} "
                                         f"({describe_event(event)}): {failure}") from failure
     return outcome
+
+
+def sibling(case: Case) -> Case:
+    """Another case of the same model class on the same cache: other weights (its own seed),
+    an attribute set before its first call (``scale`` where forward reads one), the case's
+    first two calls. What it saves must never be served to ``case`` as its own."""
+    calls = tuple(e for e in case.events if isinstance(e, Call))[:2]
+    return dataclasses.replace(case, seed=case.seed + 100_003, warm="",
+                               events=(Change("instance_attr"), *calls))
 
 
 def warm_in_subprocesses(case: Case, cache_dir: str) -> Outcome:
@@ -491,16 +716,24 @@ def warm_in_subprocesses(case: Case, cache_dir: str) -> Outcome:
             raise Failure(kind, f"the {start} start in a fresh process failed:\n      "
                           + "\n      ".join(tail))
         last = proc.stdout.strip().splitlines()[-1]
-        outcome = Outcome(**json.loads(last))
+        outcome = Outcome.from_json(json.loads(last))
     return outcome
 
 
-def run_case(case: Case, cache_dir: str | None = None, shrink: bool = True) -> Outcome:
+def run_case(case: Case, cache_dir: str | None = None, shrink: bool = True,
+             accept_wrong: bool = True) -> Outcome:
     """Run ``case`` and the health check; on a failure raise one whose message is the seed, the
-    case in words, what failed, a shrunk event sequence and the command that reruns it."""
+    case in words, what failed, a shrunk event sequence and the command that reruns it.
+    ``accept_wrong=False``: a refusal wrong for a user fails it (refusals.py)."""
+    configs = compiler_configs()
     try:
-        outcome = execute(case, cache_dir)
+        outcome = execute(case, cache_dir, accept_wrong)
         health_check(case)
+        changed = [k for k, v in compiler_configs().items()
+                   if not _same_setting(configs.get(k), v)]
+        if changed:  # (it would reach every later case of the process, not the rerun)
+            raise Failure("leak", f"the case left Dynamo / Inductor settings changed: "
+                                  f"{sorted(changed)[:8]}")
         return outcome
     except Failure as failure:
         torch._dynamo.reset()
@@ -518,6 +751,23 @@ def run_case(case: Case, cache_dir: str | None = None, shrink: bool = True) -> O
         # class (its recompile limit); the health check above ran first, so a case that
         # poisoned the process has been caught already
         torch._dynamo.reset()
+
+
+def compiler_configs() -> dict[str, Any]:
+    """Dynamo's and Inductor's settings (the process-wide state a case could leave behind
+    for the next one), by name."""
+    from torch._inductor import config as inductor_config
+
+    return {f"{name}.{k}": v
+            for name, module in (("dynamo", torch._dynamo.config), ("inductor", inductor_config))
+            for k, v in module.get_config_copy().items()}
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # (a value that cannot be compared: its type)
+        return type(a) is type(b)
 
 
 def shrink_case(case: Case, kind: str, cache_dir: str | None, budget_s: float = 60.0

@@ -11,14 +11,16 @@ harness.py); their specs only name them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from freezeframe.runtime import InputSpec, Tokens
+from freezeframe.runtime import InputSpec, Requests, Static, Tokens
 from tests.helpers import global_flags
 from tests.helpers.silly import attention
 from tests.helpers.toy_models import (
@@ -36,16 +38,41 @@ SILLY = "silly::attention"
 MIX = "ffmatrix::mix"
 
 
-def _register_mix() -> None:
-    """``ffmatrix::mix``: a row-wise functional splitting op (a second op beside the silly one)."""
+class InjectedFault(RuntimeError):
+    """What ``ffmatrix::mix`` raises once when its fault switch is armed (a fault between
+    calls: the matrix's ``fault`` change)."""
+
+
+class FaultSwitch:
+    """Armed, the next real call of ``ffmatrix::mix`` raises :class:`InjectedFault` (once)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.fired = 0
+
+    def check(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.fired += 1
+            raise InjectedFault("a fault injected into ffmatrix::mix")
+
+
+def _register_mix() -> FaultSwitch:
+    """``ffmatrix::mix``: a row-wise functional splitting op (a second op beside the silly one),
+    with a fault switch (shared by every import of this file)."""
     from torch._library import custom_ops
 
     if MIX in custom_ops.OPDEFS:  # imported twice under two module names
-        return
+        return custom_ops.OPDEFS[MIX]._init_fn.fault  # type: ignore[attr-defined, no-any-return]
+
+    switch = FaultSwitch()
 
     @torch.library.custom_op(MIX, mutates_args=())
     def mix(x: torch.Tensor) -> torch.Tensor:
+        switch.check()
         return x.flip(-1) * 0.5 + x.sum(-1, keepdim=True)
+
+    mix._init_fn.fault = switch  # type: ignore[attr-defined]
 
     @mix.register_fake
     def _(x: torch.Tensor) -> torch.Tensor:
@@ -56,9 +83,10 @@ def _register_mix() -> None:
         return grad.flip(-1) * 0.5 + grad.sum(-1, keepdim=True)
 
     mix.register_autograd(backward)
+    return switch
 
 
-_register_mix()
+FAULT = _register_mix()
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -200,6 +228,107 @@ class MakesOnes(nn.Module):
         return y
 
 
+# a module-level value ReadsGlobal's forward reads (the change "module_global" sets it; the
+# harness puts it back after each case)
+BASE_GAIN = 1.5
+GAIN = BASE_GAIN
+
+
+class ReadsGlobal(nn.Module):
+    """Reads a module-level global (``GAIN``): a value from outside the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention(self.lin(x), x, x) * GAIN
+
+
+class Timestep(nn.Module):
+    """A Python float and a Python int argument (a diffusion timestep, a step count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor, t: float, steps: int = 1) -> torch.Tensor:
+        h = self.lin(x) * t
+        for _ in range(steps):
+            h = _mix(torch.tanh(h))
+        return h + t
+
+
+class TensorAttr(nn.Module):
+    """A plain tensor attribute (neither parameter nor buffer) forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.gain = torch.linspace(0.5, 2.0, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention(self.lin(x), x, x) * self.gain
+
+
+@dataclasses.dataclass
+class HiddenAndLogits:
+    """A plain dataclass output (not a ModelOutput)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+HiddenAndLogitsTuple = collections.namedtuple("HiddenAndLogitsTuple", ["hidden", "logits"])
+
+
+class ContainerOut(nn.Module):
+    """Returns its two outputs in a container: a plain @dataclass, a namedtuple or a nested
+    dict / tuple / list."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(H, H)
+        self.head = nn.Linear(H, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = _mix(torch.relu(self.lin(x)))
+        logits = self.head(h)
+        if self.kind == "dataclass":
+            return HiddenAndLogits(h, logits)
+        if self.kind == "namedtuple":
+            return HiddenAndLogitsTuple(h, logits)
+        return {"pair": (h, [logits, h * 2]), "logits": logits}
+
+
+class WritesPyState(nn.Module):
+    """Forward writes non-tensor module state a user can read: a dict item (the last batch's
+    row count) and a list item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.seen: dict[str, int] = {"rows": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen["rows"] = x.shape[0]
+        return attention(self.lin(x), x, x)
+
+
+class PerRequest(nn.Module):
+    """Tokens, Requests and Static inputs outside the Llama: each token adds its request's row
+    of ``req_bias`` (``req_idx`` says which), times a static ``gain``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor, req_idx: torch.Tensor, req_bias: torch.Tensor,
+                gain: torch.Tensor) -> torch.Tensor:
+        return _mix(self.lin(x) + req_bias[req_idx] * gain)
+
+
 class ResetsLibraryFlags(nn.Module):
     """Calls a library function that sets constants on its module-level object every call, as
     transformers' output capturing does: the side effect a saved trace repeats by itself."""
@@ -224,27 +353,60 @@ class Small(nn.Module):
 
 
 # -- specs -----------------------------------------------------------------------------------
-Inputs = Callable[[int, torch.Generator, torch.dtype, bool], dict[str, Any]]
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """What a call drew for its inputs besides the row count: the Optional argument given,
+    which Python scalar values, how many requests (0: one per token)."""
+
+    opt: bool = False
+    scalar: int = 0
+    reqs: int = 0
 
 
-def _x(n: int, gen: torch.Generator, dtype: torch.dtype, _opt: bool) -> dict[str, Any]:
+Inputs = Callable[[int, torch.Generator, torch.dtype, Draw], dict[str, Any]]
+
+
+def _x(n: int, gen: torch.Generator, dtype: torch.dtype, _draw: Draw) -> dict[str, Any]:
     return {"x": torch.randn(n, H, generator=gen).to(dtype)}
 
 
-def _x_bias(n: int, gen: torch.Generator, dtype: torch.dtype, opt: bool) -> dict[str, Any]:
-    out = _x(n, gen, dtype, opt)
-    out["bias"] = torch.randn(n, H, generator=gen).to(dtype) if opt else None
+def _x_bias(n: int, gen: torch.Generator, dtype: torch.dtype, draw: Draw) -> dict[str, Any]:
+    out = _x(n, gen, dtype, draw)
+    out["bias"] = torch.randn(n, H, generator=gen).to(dtype) if draw.opt else None
     return out
 
 
-def _x_y(n: int, gen: torch.Generator, dtype: torch.dtype, _opt: bool) -> dict[str, Any]:
+def _x_y(n: int, gen: torch.Generator, dtype: torch.dtype, _draw: Draw) -> dict[str, Any]:
     return {"x": torch.randn(n, H, generator=gen).to(dtype),
             "y": torch.randn(n, H, generator=gen).to(dtype)}
 
 
-def _ids(n: int, gen: torch.Generator, _dtype: torch.dtype, _opt: bool) -> dict[str, Any]:
-    return {"input_ids": torch.randint(0, 32, (n,), generator=gen),
-            "positions": torch.randint(0, 16, (n,), generator=gen)}
+def _ids(n: int, gen: torch.Generator, dtype: torch.dtype, _draw: Draw) -> dict[str, Any]:
+    index = dtype if not dtype.is_floating_point else torch.long
+    return {"input_ids": torch.randint(0, 32, (n,), generator=gen).to(index),
+            "positions": torch.randint(0, 16, (n,), generator=gen).to(index)}
+
+
+# the (t, steps) pairs a Timestep call passes (few: each pair is a trace of its own)
+TIMESTEPS = ((0.5, 1), (1.0, 1), (2.0, 2), (0.25, 1))
+
+
+def _x_t(n: int, gen: torch.Generator, dtype: torch.dtype, draw: Draw) -> dict[str, Any]:
+    t, steps = TIMESTEPS[draw.scalar % len(TIMESTEPS)]
+    return {**_x(n, gen, dtype, draw), "t": t, "steps": steps}
+
+
+def _per_request(n: int, gen: torch.Generator, dtype: torch.dtype,
+                 draw: Draw) -> dict[str, Any]:
+    reqs = min(draw.reqs, n) if draw.reqs else n
+    if reqs == n:
+        idx = torch.arange(n)
+    else:  # every request has a token, in order (the layout a scheduler makes)
+        idx = torch.cat([torch.arange(reqs), torch.randint(0, reqs, (n - reqs,),
+                                                           generator=gen)]).sort().values
+    return {"x": torch.randn(n, H, generator=gen).to(dtype), "req_idx": idx,
+            "req_bias": torch.randn(reqs, H, generator=gen).to(dtype),
+            "gain": torch.randn(H, generator=gen).to(dtype)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,12 +416,17 @@ class ModelSpec:
     inputs: Inputs | None  # None: served through its own driver (llama, hf_*)
     splitting_ops: tuple[str, ...] = ()
     row_independent: bool = True  # a runner may pad it
-    runner_inputs: Callable[[], dict[str, InputSpec]] | None = None
+    # the runner's inputs for the input dtype given (None: no runner serves it)
+    runner_inputs: Callable[[torch.dtype], dict[str, InputSpec]] | None = None
     kwargs: tuple[tuple[str, Any], ...] = ()  # plain keyword arguments a call may pass
     float_inputs: bool = True  # a dtype move needs inputs of the new dtype
     # every op has an autograd formula (silly::attention has none: gradients through it are
     # undefined, so no gradient is compared)
     autograd: bool = False
+    context: bool = True  # the low-level context path may call it (it pads every input)
+    scalars: bool = False  # its calls pass Python scalars (Draw.scalar picks them)
+    requests: bool = False  # it has a Requests input (Draw.reqs rows)
+    dynamic_dims: dict[str, int] | None = None  # ff.compile's dynamic_arg_dims (None: default)
     note: str = ""
 
     @property
@@ -267,8 +434,18 @@ class ModelSpec:
         return self.inputs is None
 
 
-def _x_spec() -> dict[str, InputSpec]:
-    return {"x": Tokens(H)}
+def _x_spec(dtype: torch.dtype) -> dict[str, InputSpec]:
+    return {"x": Tokens(H, dtype=dtype)}
+
+
+def _ids_spec(dtype: torch.dtype) -> dict[str, InputSpec]:
+    index = dtype if not dtype.is_floating_point else torch.long
+    return {"input_ids": Tokens(dtype=index), "positions": Tokens(dtype=index)}
+
+
+def _per_request_spec(dtype: torch.dtype) -> dict[str, InputSpec]:
+    return {"x": Tokens(H, dtype=dtype), "req_idx": Tokens(dtype=torch.long),
+            "req_bias": Requests(H, dtype=dtype), "gain": Static(H, dtype=dtype)}
 
 
 def _toy_llama() -> nn.Module:
@@ -283,9 +460,7 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in [
               runner_inputs=_x_spec),
     ModelSpec("outer", OuterWithTwoInner, _x, (SILLY,), runner_inputs=_x_spec,
               note="three attentions over two submodules"),
-    ModelSpec("toy_llama", _toy_llama, _ids, (SILLY,),
-              runner_inputs=lambda: {"input_ids": Tokens(dtype=torch.long),
-                                     "positions": Tokens(dtype=torch.long)},
+    ModelSpec("toy_llama", _toy_llama, _ids, (SILLY,), runner_inputs=_ids_spec,
               float_inputs=False, note="tests/helpers ToyLlama (Optional residual inside)"),
     ModelSpec("keeps_last", KeepsLast, _x, (SILLY,), runner_inputs=_x_spec,
               note="stores its output on self.last"),
@@ -293,7 +468,8 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in [
               autograd=True, kwargs=(("scale", 1.0), ("scale", 0.5))),
     ModelSpec("dict_out", DictOut, _x, (SILLY, MIX), runner_inputs=_x_spec),
     ModelSpec("tuple_out", TupleOut, _x_y, (MIX,), autograd=True,
-              runner_inputs=lambda: {"x": Tokens(H), "y": Tokens(H)}),
+              runner_inputs=lambda dtype: {"x": Tokens(H, dtype=dtype),
+                                           "y": Tokens(H, dtype=dtype)}),
     ModelSpec("buffer_write", BufferWrite, _x, (SILLY,), row_independent=False),
     ModelSpec("branches", Branches, _x, (MIX,), row_independent=False, autograd=True),
     ModelSpec("mixes_rows", MixesRows, _x, (SILLY,), row_independent=False,
@@ -305,6 +481,21 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in [
     ModelSpec("reads_attrs", ReadsAttrs, _x, (SILLY,), runner_inputs=_x_spec),
     ModelSpec("makes_ones", MakesOnes, _x, (MIX,), runner_inputs=_x_spec, autograd=True,
               note="torch.ones of the default dtype; writes into its input"),
+    ModelSpec("reads_global", ReadsGlobal, _x, (SILLY,), runner_inputs=_x_spec,
+              note="reads a module-level global (GAIN)"),
+    ModelSpec("timestep", Timestep, _x_t, (MIX,), scalars=True, autograd=True,
+              note="a Python float and int argument (t, steps)"),
+    ModelSpec("tensor_attr", TensorAttr, _x, (SILLY,), runner_inputs=_x_spec,
+              note="a plain tensor attribute (self.gain) forward reads"),
+    *(ModelSpec(f"{kind}_out", functools.partial(ContainerOut, kind), _x, (MIX,),
+                runner_inputs=_x_spec, note=f"returns a {kind} of tensors")
+      for kind in ("dataclass", "namedtuple", "nested")),
+    ModelSpec("py_state", WritesPyState, _x, (SILLY,), row_independent=False,
+              note="writes a dict item (the batch's row count) in forward"),
+    ModelSpec("per_request", PerRequest, _per_request, (MIX,), context=False, requests=True,
+              runner_inputs=_per_request_spec,
+              dynamic_dims={"x": 0, "req_idx": 0, "req_bias": 0},
+              note="Tokens, Requests and Static inputs (a per-request bias, a static gain)"),
     ModelSpec("llama", lambda: None, None, ("freezeframe::attention",),  # type: ignore[arg-type]
               note="freezeframe.models.build_llama('tiny'), served by ServingDriver"),
     *(ModelSpec(f"hf_{family}", lambda: None, None,  # type: ignore[arg-type]

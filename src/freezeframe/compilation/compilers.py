@@ -289,7 +289,16 @@ class InductorCompiler:
         self._stats.inc("inductor_compiles")
         self._stats.inc(f"inductor_compiles_{self.artifact_format or 'compile_fx'}")
         dynamic = "from_example_inputs" if compile_range.is_single_size() else "from_graph"
-        with inductor_config.patch(self._patches(compile_range)), _compiling(compile_range):
+        patches = self._patches(compile_range)
+        if dynamic == "from_graph":
+            # Inductor's FX graph cache, on a hit, adds the cached code's guards to the trace's
+            # shape environment: for the reference Llama that pinned its request dim to 4, so
+            # every compile after the first on a machine (the same process or another) failed
+            # "forward pins a dynamic size to 4" (tests/matrix: inductor_llama_on_a_warm_
+            # inductor_cache). A range is compiled afresh; freezeframe's own compile cache
+            # keeps warm starts warm.
+            patches.setdefault("fx_graph_cache", False)
+        with inductor_config.patch(patches), _compiling(compile_range):
             if self.artifact_format is not None:
                 extra: dict[str, Any] = {"aot": True} if self.artifact_format == "aot" else {}
                 standalone = cast(Callable[..., Any], torch._inductor.standalone_compile)
