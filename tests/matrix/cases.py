@@ -47,15 +47,6 @@ RUNNER_VIAS = (*RUNNER_PATHS, "second_runner")
 # test_matrix.py (OPEN) that shows the bug. The lead switches a kind on (removes it here, and
 # moves its OPEN case to FOUND) after merging its fix.
 PENDING_KINDS: tuple[str, ...] = (
-    "module_global",
-    "tensor_attr_replaced_graphs",
-    "scalar_arg_breakable",
-    "class_attr_breakable",
-    "scalar_arg_stock_context",
-    "dataclass_out",
-    "verify_writes_input",
-    "verify_hooked",
-    "hf_generation_config",
     "pre_hook_low_level",
     "hooks_micro_batch",
     "micro_batch_full_uniform",

@@ -194,16 +194,16 @@ class Harness:
                                     verify=self.case.verify, copy_outputs=self.case.threads)
             with torch.no_grad():
                 runner.capture()
-            # count the steps that go the whole way: a step that does not is a planned one
-            # (the runner has no counter of its own for them)
+            # count the steps that go the whole way (make their plan now): a step that does
+            # not runs a kept plan
             stepper = runner._stepper
-            whole_way = stepper.step
+            whole_way = stepper.plan
 
-            def counted(step: Any) -> Any:
+            def counted(*args: Any, **kwargs: Any) -> Any:
                 self.whole_way += 1
-                return whole_way(step)
+                return whole_way(*args, **kwargs)
 
-            stepper.step = counted  # type: ignore[method-assign]
+            stepper.plan = counted  # type: ignore[method-assign]
             if second:
                 self.second_runner = runner
             else:

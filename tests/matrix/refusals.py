@@ -63,11 +63,6 @@ ACCEPTED: tuple[Refusal, ...] = (
     Refusal("attribute forward reads, set", CompileError,
             r"model\.scale (was set|was 2\.0)", frozenset({"instance_attr"}),
             f"{TABLE}, row 'the module itself: ... an attribute set (model.scale = 5.0 ...)'"),
-    Refusal("attribute forward never reads, set", CompileError, r"model\.note was set",
-            frozenset({"instance_attr"}),
-            f"{TABLE}, row 'the module itself: ... any attribute counts, whether forward "
-            "reads it or not'",
-            wrong_for_user="unread_attribute_set"),
     Refusal("class attribute forward reads", CompileError, r"class attribute",
             frozenset({"class_attr"}),
             f"{TABLE}, row 'the module itself: ... each class attribute forward reads'"),
@@ -94,10 +89,6 @@ ACCEPTED: tuple[Refusal, ...] = (
     Refusal("an input of another dtype", InputMismatchError, r"dtype", frozenset({"cast"}),
             f"{TABLE}, row 'a tensor's dtype, device or rank ...' (and docs/runner.md: each "
             "input is checked against its spec)"),
-    Refusal("a graph replayed with its arguments given another way", InputMismatchError,
-            r"captured with arguments .* but is replayed with", frozenset({"args_form"}),
-            f"{TABLE}, row 'a graph replay given another shape, dtype or argument list'",
-            wrong_for_user="positional_after_keyword_capture"),
     Refusal("too many traces", CompileError, r"traces", frozenset({"many_structures"}),
             f"{TABLE}, row 'None where a tensor was ...': at most 8 traces per model, then "
             "ff.CompileError"),

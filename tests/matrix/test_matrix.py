@@ -96,53 +96,6 @@ def test_seed(seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 # after it; the refusals wrong for a user (refusals.ACCEPTED's wrong_for_user) have one each,
 # run with those refusals not accepted.
 OPEN: dict[str, tuple[str, Case]] = {
-    "module_global": (
-        "issue 42 item 2: a module-level global forward reads, changed after the first call, "
-        "keeps its first value (a wrong answer)",
-        Case(seed=1, tier="fast", model="reads_global", path="plain",
-             events=(Call(3), Change("module_global"), Call(3)))),
-    "tensor_attr_replaced_graphs": (
-        "issue 42 item 1: a plain tensor attribute replaced after capture: planned and "
-        "unplanned runner steps answer with the old tensor",
-        Case(seed=1, tier="fast", model="tensor_attr", path="runner", graph_mode="full",
-             ladder=(4,), events=(Call(3, positional=True), Call(3, positional=True),
-                                  Change("tensor_attr_replaced"), Call(3, positional=True)))),
-    "scalar_arg_breakable": (
-        "issue 42 item 3: a Python float / int argument on breakable graphs replays the "
-        "captured value (a wrong answer)",
-        Case(seed=1, tier="fast", model="timestep", path="context", mode="none",
-             breakable=True, graph_mode="piecewise", ladder=(4,),
-             events=(Call(4, scalar=0), Call(4, scalar=2)))),
-    "class_attr_breakable": (
-        "issue 42 item 3: a class attribute changed after a breakable capture is not seen",
-        Case(seed=1, tier="fast", model="reads_attrs", path="context", mode="none",
-             breakable=True, graph_mode="piecewise", ladder=(4,),
-             events=(Call(4), Change("class_attr"), Call(4)))),
-    "scalar_arg_stock_context": (
-        "issue 42 item 12: torch.compile(backend='freezeframe') in a forward context, a Python "
-        "float that changes: a CaptureError about aten._local_scalar_dense, naming no argument",
-        Case(seed=1, tier="fast", model="timestep", path="torch_compile",
-             graph_mode="piecewise", ladder=(4,),
-             events=(Call(4, via="context"), Call(4, via="context", scalar=2)))),
-    "dataclass_out": (
-        "issue 42 item 4: a model returning a plain @dataclass of tensors (a raw "
-        "AttributeError here; the padded rows on a runner step)",
-        Case(seed=1, tier="fast", model="dataclass_out", path="runner", graph_mode="full",
-             ladder=(4,), events=(Call(3, positional=True), Call(3, positional=True)))),
-    "verify_writes_input": (
-        "issue 42 item 9a: verify=N on a model that writes its input: a false VerifyError",
-        Case(seed=1, tier="fast", model="makes_ones", path="runner", graph_mode="full",
-             ladder=(4,), verify=2, events=(Call(3, positional=True),))),
-    "verify_hooked": (
-        "issue 42 item 9b: verify=N with a forward hook on the compiled model: a false "
-        "VerifyError (the reference skips the hook)",
-        Case(seed=1, tier="fast", model="silly", path="runner", graph_mode="full",
-             ladder=(4,), verify=2, events=(Change("hook_model_fwd"), Call(3, positional=True)))),
-    "hf_generation_config": (
-        "issue 42 item 5: lm.generate ignores model.generation_config fields HF's generate "
-        "honours (repetition_penalty, no_repeat_ngram_size): other tokens",
-        Case(seed=2, tier="fast", model="hf_gpt2", path="hf", ladder=(8,),
-             events=(Change("gen_config"), Generate(2, 4, 6)))),
     "pre_hook_low_level": (
         "found by this matrix: a forward pre-hook on the compiled model returning new inputs, "
         "low-level forward context: the replay copies the hook's tensor into the caller's "
@@ -181,16 +134,6 @@ OPEN: dict[str, tuple[str, Case]] = {
         Case(seed=5, tier="fast", model="keeps_last", path="runner", graph_mode="full",
              ladder=(8,), events=(Call(6, positional=True), Call(5, via="plain"),
                                   Call(6, positional=True)))),
-    # refusals wrong for a user (accepted in the random cases until the fix: refusals.py)
-    "unread_attribute_set": (
-        "issue 42: setting an attribute forward never reads refuses every later call",
-        Case(seed=1, tier="fast", model="silly", path="plain",
-             events=(Call(3), Change("instance_attr"), Call(3)))),
-    "positional_after_keyword_capture": (
-        "issue 42: a graph captured by a keyword call, replayed by a positional one: "
-        "InputMismatchError",
-        Case(seed=1, tier="fast", model="sandwich", path="context", graph_mode="full",
-             ladder=(4,), events=(Call(4), Call(4), Call(4, positional=True)))),
 }
 
 
@@ -265,6 +208,63 @@ def _compile_instances(mode: str, instances: int) -> None:
 # Bugs the matrix found, fixed since: each as the shortest case that showed it (the seed it came
 # from, the commit that fixed it); most on c9d3e67 (docs/results/matrix-c9d3e67.txt).
 FOUND: dict[str, Case] = {
+    # OPEN until the trust merge (d529a4c) fixed them (issue 42); the reason each was open:
+    # issue 42 item 2: a module-level global forward reads, changed after the first call, keeps
+    # its first value (a wrong answer)
+    "module_global": Case(
+        seed=1, tier="fast", model="reads_global", path="plain",
+        events=(Call(3), Change("module_global"), Call(3))),
+    # issue 42 item 1: a plain tensor attribute replaced after capture: planned and unplanned
+    # runner steps answer with the old tensor
+    "tensor_attr_replaced_graphs": Case(
+        seed=1, tier="fast", model="tensor_attr", path="runner", graph_mode="full",
+        ladder=(4,), events=(Call(3, positional=True), Call(3, positional=True),
+                             Change("tensor_attr_replaced"), Call(3, positional=True))),
+    # issue 42 item 3: a Python float / int argument on breakable graphs replays the captured
+    # value (a wrong answer)
+    "scalar_arg_breakable": Case(
+        seed=1, tier="fast", model="timestep", path="context", mode="none",
+        breakable=True, graph_mode="piecewise", ladder=(4,),
+        events=(Call(4, scalar=0), Call(4, scalar=2))),
+    # issue 42 item 3: a class attribute changed after a breakable capture is not seen
+    "class_attr_breakable": Case(
+        seed=1, tier="fast", model="reads_attrs", path="context", mode="none",
+        breakable=True, graph_mode="piecewise", ladder=(4,),
+        events=(Call(4), Change("class_attr"), Call(4))),
+    # issue 42 item 12: torch.compile(backend='freezeframe') in a forward context, a Python float
+    # that changes: a CaptureError about aten._local_scalar_dense, naming no argument
+    "scalar_arg_stock_context": Case(
+        seed=1, tier="fast", model="timestep", path="torch_compile",
+        graph_mode="piecewise", ladder=(4,),
+        events=(Call(4, via="context"), Call(4, via="context", scalar=2))),
+    # issue 42 item 4: a model returning a plain @dataclass of tensors (a raw AttributeError here;
+    # the padded rows on a runner step)
+    "dataclass_out": Case(
+        seed=1, tier="fast", model="dataclass_out", path="runner", graph_mode="full",
+        ladder=(4,), events=(Call(3, positional=True), Call(3, positional=True))),
+    # issue 42 item 9a: verify=N on a model that writes its input: a false VerifyError
+    "verify_writes_input": Case(
+        seed=1, tier="fast", model="makes_ones", path="runner", graph_mode="full",
+        ladder=(4,), verify=2, events=(Call(3, positional=True),)),
+    # issue 42 item 9b: verify=N with a forward hook on the compiled model: a false VerifyError
+    # (the reference skips the hook)
+    "verify_hooked": Case(
+        seed=1, tier="fast", model="silly", path="runner", graph_mode="full",
+        ladder=(4,), verify=2, events=(Change("hook_model_fwd"), Call(3, positional=True))),
+    # issue 42 item 5: lm.generate ignores model.generation_config fields HF's generate honours
+    # (repetition_penalty, no_repeat_ngram_size): other tokens
+    "hf_generation_config": Case(
+        seed=2, tier="fast", model="hf_gpt2", path="hf", ladder=(8,),
+        events=(Change("gen_config"), Generate(2, 4, 6))),
+    # issue 42: setting an attribute forward never reads refuses every later call
+    "unread_attribute_set": Case(
+        seed=1, tier="fast", model="silly", path="plain",
+        events=(Call(3), Change("instance_attr"), Call(3))),
+    # issue 42: a graph captured by a keyword call, replayed by a positional one:
+    # InputMismatchError
+    "positional_after_keyword_capture": Case(
+        seed=1, tier="fast", model="sandwich", path="context", graph_mode="full",
+        ladder=(4,), events=(Call(4), Call(4), Call(4, positional=True))),
     # fast seed 40: modes "none" and "stock_torch_compile" called module.forward, skipping
     # hooks on the module itself; stock missed a hook added after the first call to a
     # submodule that had none (Dynamo does not guard empty hook dicts): both now call the

@@ -173,3 +173,32 @@ def test_debug_and_plain_calls_refuse_a_changed_global() -> None:
         SCALE = 5.0
         with pytest.raises(ff.CompileError, match="the global SCALE"):
             model(x)
+
+
+_OPS = torch.library.Library("ff_outside_test", "FRAGMENT")
+_OPS.define("scaled(Tensor x) -> Tensor")
+_OPS.define("scaled.by(Tensor x, float k) -> Tensor")
+_OPS.impl("scaled", lambda x: x * 2, "CompositeExplicitAutograd")
+_OPS.impl("scaled.by", lambda x, k: x * k, "CompositeExplicitAutograd")
+
+
+class OpReader(nn.Module):
+    """Calls a custom operator through the global ``torch`` (as the Llama calls its attention)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ff_outside_test.scaled(x) + 1
+
+
+def test_a_torch_operator_forward_reads_is_the_same_after_its_overloads_are_used() -> None:
+    """Found by the matrix (fast seed 8, the Llama): the operator packet forward reads through
+    the global ``torch`` grows a cache as its overloads are first used; it was compared field
+    by field, and the next call was refused as a changed global."""
+    model = ff.compile(OpReader(), ff.CompilationConfig(  # debug: the full check every call
+        mode="piecewise", backend="eager", cudagraph_mode="none", use_cache=False, debug=True))
+    x = torch.arange(6.0).reshape(3, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), x * 2 + 1)
+        torch.ops.ff_outside_test.scaled.by(x, 3.0)  # the packet resolves its other overload
+        torch.ops.ff_outside_test.scaled.default._dispatch_cache.clear()  # and its cache moves
+        torch.testing.assert_close(model(x), x * 2 + 1)
+    assert model.stats.get("retraces") == 0

@@ -13,7 +13,8 @@ arguments, :mod:`module_state` of module attributes; both use :func:`token`::
     obj.method                              by the object (its fields) and the function
     a dataclass, a plain object             by its attributes (``__dict__`` and ``__slots__``,
                                             at most 256)
-    a function, a module, anything else     by identity (:class:`Same`)
+    a function, a module, a torch operator  by identity (:class:`Same`)
+    (``torch.ops.ns.op``), anything else
 
 Containers are compared :data:`MAX_DEPTH` levels deep; deeper values, and objects with more
 than 256 attributes, by identity: a change made in place there is not seen. A long list
@@ -118,7 +119,10 @@ def _parts(value: Any) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
             getattr(value, "__self__", None), types.ModuleType):
         # list.append bound to a list, Tensor.add bound to a tensor
         return ("method", ("__self__", "__name__"), (value.__self__, value.__name__))
-    if isinstance(value, (_CODE, torch.nn.Module, types.ModuleType)):
+    if isinstance(value, (_CODE, torch.nn.Module, types.ModuleType)) \
+            or type(value).__module__ == "torch._ops":
+        # an operator (torch.ops.ns.op, its overloads, namespaces) is one object per process
+        # whose caches fill as its overloads are first used: by identity
         return None
     fields = _object_fields(value)  # a dataclass too: its fields and what __post_init__ set
     if fields is None:

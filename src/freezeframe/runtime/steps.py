@@ -116,8 +116,10 @@ class Stepper:
              num_scheduled_tokens: Sequence[int] | None) -> Any:
         """One step (see ``GraphRunner.__call__``): its shape's kept plan, or a plan made now,
         run."""
-        plans = self.plans
-        if plans and not self.model_hooked():
+        plans, model = self.plans, self._forward.model
+        # a replay skips nn.Module.__call__: only where the call would run nothing else
+        # (model_hooked, written out: this is every step's path)
+        if plans and (not isinstance(model, torch.nn.Module) or may_skip_module_call(model)):
             if kwargs or has_lora or num_active_loras or invalid_modes \
                     or num_scheduled_tokens is not None:
                 plan, inputs = self._lookup(args, kwargs, num_reqs, uniform_decode,
