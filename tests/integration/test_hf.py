@@ -424,3 +424,23 @@ def test_longrope_is_served_only_below_its_switch() -> None:
     prompts = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(5))
     out = lm.generate(prompts, NEW)
     assert torch.equal(out, _hf_greedy(fresh, prompts)[0])
+
+
+def test_dynamic_ntk_rope_is_served_within_its_cached_positions() -> None:
+    # Before: ff.hf.compile of a dynamic-NTK RoPE model failed in Dynamo with "Data-dependent
+    # branching" inside HF's per-call frequency update, naming nothing the user set. Within the
+    # positions the module has cached the update never changes the frequencies, so ff.hf runs
+    # the rotary embedding without it and matches HF's tokens and logits.
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **TINY, max_position_embeddings=32, rope_parameters=rope)).eval()
+    grown = copy.deepcopy(llama)
+    _assert_generates_like_hf(llama, max_cache_len=32, trace=False)
+    # A module HF already grew past its original positions would reset on the next shorter
+    # sequence: refused by name, before anything is changed.
+    grown.model.rotary_emb.max_seq_len_cached = 48
+    with pytest.raises(ff.ConfigError, match=r"model\.rotary_emb \(LlamaRotaryEmbedding\): its "
+                                             r"dynamic NTK RoPE was already grown to 48"):
+        _compile(grown, max_cache_len=32, trace=False)
+    assert "forward" not in grown.model.rotary_emb.__dict__

@@ -83,12 +83,12 @@ from freezeframe.integrations.hf_checks import (
     check_experts,
     check_given_config,
     check_positions,
-    check_rope,
     positive_int,
 )
 from freezeframe.integrations.hf_experts import break_at_experts
 from freezeframe.integrations.hf_generate import GenerateCall
 from freezeframe.integrations.hf_generate import generate as _generate
+from freezeframe.integrations.hf_rope import check_rope, serve_dynamic_rope
 from freezeframe.integrations.hf_sampling import SamplingParams
 from freezeframe.integrations.hf_serving import AsyncFront
 from freezeframe.runtime import GraphRunner, Tokens
@@ -476,6 +476,7 @@ def compile(
     check_attention(model)
     check_positions(model, max_cache_len)
     check_rope(model, max_cache_len)
+    serve_dynamic_rope(model, max_cache_len)
     given: dict[str, Any] = {"max_num_tokens": max_num_tokens, "capture_sizes": capture_sizes,
                              "backend": backend, "graph_backend": graph_backend,
                              "cudagraph_mode": cudagraph_mode,

@@ -32,7 +32,6 @@ __all__ = [
     "check_experts",
     "check_given_config",
     "check_positions",
-    "check_rope",
     "positive_int",
 ]
 
@@ -97,41 +96,6 @@ def check_positions(model: nn.Module, max_cache_len: int) -> None:
         raise ConfigError(
             f"ff.hf.compile: max_cache_len={max_cache_len} is above the model's "
             f"max_position_embeddings={positions_limit}; pass at most {positions_limit}")
-
-
-def _rope_dicts(config: object) -> list[Mapping[str, object]]:
-    """The model's rope parameter dicts: transformers 5's ``rope_parameters`` (one, or one per
-    layer type) or transformers 4's ``rope_scaling``."""
-    found = []
-    for name in ("rope_parameters", "rope_scaling"):
-        value = getattr(config, name, None)
-        if isinstance(value, Mapping):
-            nested = [v for v in value.values() if isinstance(v, Mapping)]
-            found += nested if nested else [value]
-    return found
-
-
-def check_rope(model: nn.Module, max_cache_len: int) -> None:
-    """Refuse a LongRoPE model (Phi-3 128k style) whose cache reaches past its original
-    positions. HF picks the short or the long factors from the largest position of each forward
-    of one sequence; a flat ``ff.hf`` step holds several sequences (and a prompt may be
-    prefilled in chunks), so a sequence past the switch would be rotated with the step's
-    factors, not its own. Below the switch every sequence uses the short factors in HF too."""
-    config = model.config
-    for params in _rope_dicts(config):
-        if (params.get("rope_type") or params.get("type")) != "longrope":
-            continue
-        original = params.get("original_max_position_embeddings") or \
-            getattr(config, "original_max_position_embeddings", None)
-        if isinstance(original, int) and max_cache_len > original:
-            raise ConfigError(
-                f"ff.hf.compile: {type(model).__name__} uses LongRoPE, whose short or long "
-                "factors HF picks from the longest position of each forward of one sequence; "
-                "an ff.hf step mixes sequences and prefills long prompts in chunks, so "
-                f"positions past original_max_position_embeddings={original} would get the "
-                f"factors of the step, not of their sequence. Pass max_cache_len <= {original} "
-                "(every sequence then uses the short factors, as in HF), or serve it without "
-                "ff.hf")
 
 
 def check_given_config(config: object, max_batch_size: int, splitting_op: str,
