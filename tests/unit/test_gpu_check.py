@@ -355,3 +355,44 @@ def test_the_kernel_timeline_of_a_replay_says_which_communication_overlapped() -
                                    [0.15, 0.25, "gemm_b"], [0.4, 0.45, "spin_kernel"],
                                    [0.5, 0.51, "gemm_c"]]
     assert kernel_timeline({"traceEvents": []}) == {"kernels": [], "comm_overlaps": []}
+
+
+def test_the_split_kv_table_sets_off_and_on_side_by_side() -> None:
+    """The report's split-KV section from a probe's rows (made up, two batch sizes: "auto"
+    takes the split at one and one pass at the other), and the step's one-line headline."""
+    from freezeframe.bench.gpu_report import _splitkv_section
+    from freezeframe.bench.gpu_run import StepResult
+    from freezeframe.bench.gpu_steps import splitkv_headline
+
+    ms = {(1, 128, "off"): 0.2, (1, 128, "on"): 0.1, (1, 4096, "off"): 4.0,
+          (1, 4096, "on"): 0.5, (16, 128, "off"): 0.3, (16, 128, "on"): 0.4,
+          (16, 4096, "off"): 6.0, (16, 4096, "on"): 5.0}
+    splits = {1: 16, 16: 2}
+    data = {"device": "GPU", "timing": "graph replays", "steps": 20, "warmup": 3,
+            "tolerance": 0.01, "batch_sizes": [1, 16], "contexts": [128, 4096],
+            "modes": ["off", "on"], "auto_splits": {"1": 16, "16": 1},
+            "shape": {"preset": "1b", "heads": 32, "kv_heads": 8, "head_dim": 64,
+                      "layers": 16, "block_size": 16, "max_blocks": 257, "dtype": "bfloat16"},
+            "rows": [{"batch": b, "context": c, "split_kv": m, "ms": t,
+                      "splits": splits[b] if m == "on" else 1} for (b, c, m), t in ms.items()]}
+    lines = _splitkv_section(StepResult("splitkv", details=data))
+    assert lines[0] == "## Split-KV: the attention op alone"
+    assert lines[2].startswith("1b preset's decode attention, 16 layers' calls per step (32 "
+                               "query heads, 8 KV heads, head dim 64, blocks of 16, a table of "
+                               "257 blocks, bfloat16) on GPU: graph replays; 20 timed after 3.")
+    assert lines[4:] == [
+        "| batch | context | off ms | on ms | on splits | off/on | auto splits |",
+        "|---|---|---|---|---|---|---|",
+        "| 1 | 128 | 0.2000 | 0.1000 | 16 | 2.00 | 16 (= on) |",
+        "| 1 | 4096 | 4.0000 | 0.5000 | 16 | 8.00 | 16 (= on) |",
+        "| 16 | 128 | 0.3000 | 0.4000 | 2 | 0.75 | 1 (= off) |",
+        "| 16 | 4096 | 6.0000 | 5.0000 | 2 | 1.20 | 1 (= off) |",
+        "",
+        "| batch | off 4096/128 | on 4096/128 | auto 4096/128 |",
+        "|---|---|---|---|",
+        "| 1 | 20.00 | 5.00 | 5.00 |",
+        "| 16 | 20.00 | 12.50 | 20.00 |"]
+    assert splitkv_headline(data) == ("; batch 1, context 4096: off 4.000 ms, on 0.500 ms "
+                                      "(16 splits, off/on 8.00)")
+    data["rows"] = data["rows"][:3]  # batch 1, context 4096, "on" not measured
+    assert splitkv_headline(data) == ""
