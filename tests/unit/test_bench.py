@@ -368,7 +368,7 @@ def test_the_refitted_pool_prediction_on_the_h100_capture() -> None:
     six small probes first, 340 MiB, which the runner's own fit predicted as 162 MiB): the
     refit reads the largest PIECEWISE graph and two large probes of each mode and lands
     within 1.5 %."""
-    from freezeframe.bench.pool_memory import CapturedGraph, predict_pool
+    from freezeframe.runtime.graph_memory import CapturedGraph, predict_pool
 
     run2 = json.loads((REPO / "docs" / "results" / "h100-80gb-hbm3-2026-11-26" / "run2" /
                        "capture.json").read_text())

@@ -56,10 +56,11 @@ def test_the_dry_run_walks_every_step_and_writes_what_comes_back(tmp_path: Path)
     lines = proc.stdout.splitlines()
     assert lines[-1] == "plan: 480 s of deadlines"
     assert lines[-2] == "layout: within the return limits"
-    plan = lines[lines.index("gpu_check: the GPU plan (rehearsed on the CPU):") + 1:][:7]
-    assert [line.split()[:3] for line in plan[:6]] == [
-        ["environment", "20", "s"], ["kernels", "40", "s"], ["bench", "315", "s"],
-        ["tests", "50", "s"], ["ubatch", "20", "s"], ["cache", "35", "s"]]
+    plan = lines[lines.index("gpu_check: the GPU plan (rehearsed on the CPU):") + 1:][:8]
+    assert [line.split()[:3] for line in plan[:7]] == [
+        ["environment", "15", "s"], ["kernels", "35", "s"], ["splitkv", "15", "s"],
+        ["bench", "315", "s"], ["tests", "45", "s"], ["ubatch", "20", "s"],
+        ["cache", "35", "s"]]
     assert [(name, status) for name, status, _ in statuses(out)] == [
         (name, "passed") for name in STEPS]
     assert sorted(p.name for p in out.iterdir()) == sorted(RETURN_FILES)
@@ -67,8 +68,9 @@ def test_the_dry_run_walks_every_step_and_writes_what_comes_back(tmp_path: Path)
     raw = raw_files(out)
     assert sorted(raw) == [f"raw/{name}" for name in (
         "bench/bench.log", "bench/latency_vs_batch.png", "bench/results.json", "bench/table.txt",
-        "cache.json", "cache.log", "environment.json", "environment.log", "tests_cuda.log",
-        "tests_kernels.log", "ubatch.json", "ubatch.log", "ubatch_trace.json")]
+        "cache.json", "cache.log", "environment.json", "environment.log", "splitkv.json",
+        "splitkv.log", "tests_cuda.log", "tests_kernels.log", "ubatch.json", "ubatch.log",
+        "ubatch_trace.json")]
     # the test tiers' commands, verbose so a tier stopped at its deadline names its tests
     assert raw["raw/tests_cuda.log"].decode().startswith(
         f"$ {sys.executable} -m pytest -v -rA -p no:cacheprovider -m cuda tests/cuda "
@@ -80,6 +82,16 @@ def test_the_dry_run_walks_every_step_and_writes_what_comes_back(tmp_path: Path)
         assert bench["modes"][mode]["planned_steps"] == bench["modes"][mode]["timed_steps"] == 7
     assert set(bench["modes"]["ff-hf"]["generate"]) == {"1", "8"}
     assert bench["modes"]["full_and_piecewise"]["full_decode_profile"]["activity"] == "cpu"
+    splitkv = json.loads(raw["raw/splitkv.json"])
+    assert (splitkv["finished"], splitkv["ok"], splitkv["problems"]) == (True, True, [])
+    assert splitkv["shape"] == {"preset": "tiny", "heads": 4, "kv_heads": 2, "head_dim": 16,
+                                "layers": 2, "block_size": 16, "max_blocks": 3,
+                                "dtype": "bfloat16"}
+    # the table holds 48 positions: too few blocks for "auto" to split, "on" splits in two
+    assert [(r["batch"], r["context"], r["split_kv"], r["splits"]) for r in splitkv["rows"]] \
+        == [(1, 16, "off", 1), (1, 16, "on", 2), (1, 32, "off", 1), (1, 32, "on", 2)]
+    assert splitkv["auto_splits"] == {"1": 1}
+    assert all(0 < r["rel_error"] <= 1e-2 and r["ms"] > 0 for r in splitkv["rows"])
     ubatch = json.loads(raw["raw/ubatch.json"])
     assert (ubatch["finished"], ubatch["micro_batches"], ubatch["graphs_captured"]) == (
         True, 2, 1)
@@ -92,6 +104,17 @@ def test_the_dry_run_walks_every_step_and_writes_what_comes_back(tmp_path: Path)
     readme = (out / "README.md").read_text().splitlines()
     assert readme[0].startswith("# freezeframe GPU check: CPU only, ")
     assert readme[2].startswith(NO_GPU_LINE)
+    table = readme[readme.index("| batch | context | off ms | on ms | on splits | off/on | "
+                                "auto splits |") + 2:][:3]
+    ms = {(r["context"], r["split_kv"]): r["ms"] for r in splitkv["rows"]}
+    assert table == [
+        f"| 1 | 16 | {ms[16, 'off']:.4f} | {ms[16, 'on']:.4f} | 2 | "
+        f"{ms[16, 'off'] / ms[16, 'on']:.2f} | 1 (= off) |",
+        f"| 1 | 32 | {ms[32, 'off']:.4f} | {ms[32, 'on']:.4f} | 2 | "
+        f"{ms[32, 'off'] / ms[32, 'on']:.2f} | 1 (= off) |", ""]
+    ratios = readme[readme.index("| batch | off 32/16 | on 32/16 | auto 32/16 |") + 2]
+    assert ratios == (f"| 1 | {ms[32, 'off'] / ms[16, 'off']:.2f} | "
+                      f"{ms[32, 'on'] / ms[16, 'on']:.2f} | {ms[32, 'off'] / ms[16, 'off']:.2f} |")
     assert (out / "console.log").read_text().splitlines() == lines
 
 
@@ -105,7 +128,8 @@ def test_a_plan_over_its_budget_fails_the_dry_run(tmp_path: Path,
     # skipped, so only the plan can fail the run
     monkeypatch.setattr(gpu_check, "step_environment",
                         lambda run: StepResult("environment", summary="stubbed"))
-    argv = ["--dry-run", "--skip", "kernels,bench,tests,ubatch,cache", "--out", str(tmp_path)]
+    argv = ["--dry-run", "--skip", "kernels,splitkv,bench,tests,ubatch,cache", "--out",
+            str(tmp_path)]
     assert main([*argv, "--timeout", "environment=480"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "plan: 480 s of deadlines"
     assert main([*argv, "--timeout", "environment=481"]) == 1
@@ -121,13 +145,13 @@ def test_the_plan_adds_the_deadlines_the_module_derives() -> None:
     from freezeframe.bench import gpu_steps
 
     assert CUDA_BUDGET_S == 480
-    assert list(DEADLINES) == list(STEPS) == ["environment", "kernels", "bench", "tests",
-                                              "ubatch", "cache"]
+    assert list(DEADLINES) == list(STEPS) == ["environment", "kernels", "splitkv", "bench",
+                                              "tests", "ubatch", "cache"]
     assert sum(d.cuda for d in DEADLINES.values()) == CUDA_BUDGET_S
     doc = gpu_steps.__doc__ or ""
     for name, deadline in DEADLINES.items():
         assert f"``{name}`` {deadline.cuda:.0f} s" in doc
-    assert "Total: 20 + 40 + 315 + 50 + 20 + 35 = 480 s." in doc
+    assert "Total: 15 + 35 + 15 + 315 + 45 + 20 + 35 = 480 s." in doc
     lines, total = plan_lines(CheckOptions(steps=STEPS, skip=frozenset({"cache"})))
     assert (lines[-1], total) == ("plan: 445 s of deadlines", 445)
     assert lines[-2] == "  cache        skipped"
@@ -143,11 +167,11 @@ def test_a_failing_step_makes_the_exit_status_non_zero(tmp_path: Path, outcome: 
                       "--emulated-tests", str(suite), "--out", str(out))
     doc = json.loads((out / "gpu_check.json").read_text())
     assert [(name, status) for name, status, _ in statuses(out)] == [
-        ("environment", "passed"), ("kernels", "skipped"), ("bench", "skipped"),
-        ("tests", "passed" if outcome == "passes" else "failed"), ("ubatch", "skipped"),
-        ("cache", "skipped")]
-    assert statuses(out)[4][2] == NEEDS_CUDA
-    tests = doc["steps"][3]
+        ("environment", "passed"), ("kernels", "skipped"), ("splitkv", "skipped"),
+        ("bench", "skipped"), ("tests", "passed" if outcome == "passes" else "failed"),
+        ("ubatch", "skipped"), ("cache", "skipped")]
+    assert statuses(out)[2][2] == statuses(out)[5][2] == NEEDS_CUDA
+    tests = doc["steps"][4]
     assert tests["details"]["cuda"] == {"status": "skipped", "reason": NEEDS_CUDA}
     emulated = tests["details"]["emulated"]
     if outcome == "passes":
@@ -241,7 +265,7 @@ def test_a_stopped_run_still_writes_what_it_measured(tmp_path: Path) -> None:
                             cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()
-    assert first == "gpu_check: [1/6] environment\n"
+    assert first == "gpu_check: [1/7] environment\n"
     time.sleep(0.5)  # the probe has started; it takes seconds to import torch
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=120)
@@ -331,3 +355,44 @@ def test_the_kernel_timeline_of_a_replay_says_which_communication_overlapped() -
                                    [0.15, 0.25, "gemm_b"], [0.4, 0.45, "spin_kernel"],
                                    [0.5, 0.51, "gemm_c"]]
     assert kernel_timeline({"traceEvents": []}) == {"kernels": [], "comm_overlaps": []}
+
+
+def test_the_split_kv_table_sets_off_and_on_side_by_side() -> None:
+    """The report's split-KV section from a probe's rows (made up, two batch sizes: "auto"
+    takes the split at one and one pass at the other), and the step's one-line headline."""
+    from freezeframe.bench.gpu_report import _splitkv_section
+    from freezeframe.bench.gpu_run import StepResult
+    from freezeframe.bench.gpu_steps import splitkv_headline
+
+    ms = {(1, 128, "off"): 0.2, (1, 128, "on"): 0.1, (1, 4096, "off"): 4.0,
+          (1, 4096, "on"): 0.5, (16, 128, "off"): 0.3, (16, 128, "on"): 0.4,
+          (16, 4096, "off"): 6.0, (16, 4096, "on"): 5.0}
+    splits = {1: 16, 16: 2}
+    data = {"device": "GPU", "timing": "graph replays", "steps": 20, "warmup": 3,
+            "tolerance": 0.01, "batch_sizes": [1, 16], "contexts": [128, 4096],
+            "modes": ["off", "on"], "auto_splits": {"1": 16, "16": 1},
+            "shape": {"preset": "1b", "heads": 32, "kv_heads": 8, "head_dim": 64,
+                      "layers": 16, "block_size": 16, "max_blocks": 257, "dtype": "bfloat16"},
+            "rows": [{"batch": b, "context": c, "split_kv": m, "ms": t,
+                      "splits": splits[b] if m == "on" else 1} for (b, c, m), t in ms.items()]}
+    lines = _splitkv_section(StepResult("splitkv", details=data))
+    assert lines[0] == "## Split-KV: the attention op alone"
+    assert lines[2].startswith("1b preset's decode attention, 16 layers' calls per step (32 "
+                               "query heads, 8 KV heads, head dim 64, blocks of 16, a table of "
+                               "257 blocks, bfloat16) on GPU: graph replays; 20 timed after 3.")
+    assert lines[4:] == [
+        "| batch | context | off ms | on ms | on splits | off/on | auto splits |",
+        "|---|---|---|---|---|---|---|",
+        "| 1 | 128 | 0.2000 | 0.1000 | 16 | 2.00 | 16 (= on) |",
+        "| 1 | 4096 | 4.0000 | 0.5000 | 16 | 8.00 | 16 (= on) |",
+        "| 16 | 128 | 0.3000 | 0.4000 | 2 | 0.75 | 1 (= off) |",
+        "| 16 | 4096 | 6.0000 | 5.0000 | 2 | 1.20 | 1 (= off) |",
+        "",
+        "| batch | off 4096/128 | on 4096/128 | auto 4096/128 |",
+        "|---|---|---|---|",
+        "| 1 | 20.00 | 5.00 | 5.00 |",
+        "| 16 | 20.00 | 12.50 | 20.00 |"]
+    assert splitkv_headline(data) == ("; batch 1, context 4096: off 4.000 ms, on 0.500 ms "
+                                      "(16 splits, off/on 8.00)")
+    data["rows"] = data["rows"][:3]  # batch 1, context 4096, "on" not measured
+    assert splitkv_headline(data) == ""

@@ -7,18 +7,22 @@ deadlines and where they come from are in ``gpu_steps``):
    compiler and Python headers Triton builds its launchers with, freezeframe; fails when
    something the project needs is missing (optional extras only degrade).
 2. ``kernels`` - the Triton attention kernel's tests (on the GPU where there is one).
-3. ``bench`` - the bench core, ``freezeframe bench``: on CUDA the 1B preset, bf16, eager, every
+3. ``splitkv`` - the Triton attention op alone at the 1B preset's decode shapes, split-KV off
+   and on side by side at batch 1/4/16/64 x context 128/1024/4096, and the count ``"auto"``
+   chose (``splitkv_probe``; on a CPU, in a dry run only, the tiny preset in Triton's
+   interpreter).
+4. ``bench`` - the bench core, ``freezeframe bench``: on CUDA the 1B preset, bf16, eager, every
    freezeframe graph mode through the runner's planned path, ``torch.compile(mode=
    "reduce-overhead")`` at the steps its comparison needs, decode at contexts 128/1024/4096 x
    batch 1/4/16/64, the capture of the default ladder with the graph pool predicted and
    measured, the profiler table of one FULL decode replay, host time per step, and the Hugging
    Face rows (``ff.hf`` against HF's ``generate``); the tiny preset on CPU.
-4. ``tests`` - the ``cuda`` test tier on CUDA (``pytest -m cuda tests/cuda tests/scenarios``,
+5. ``tests`` - the ``cuda`` test tier on CUDA (``pytest -m cuda tests/cuda tests/scenarios``,
    on xdist workers where installed); the emulated tier on CPU (and on CUDA with
    ``--emulated-tier``).
-5. ``ubatch`` - a micro-batched step captured as one FULL graph: replays timed against the
+6. ``ubatch`` - a micro-batched step captured as one FULL graph: replays timed against the
    unsplit model, and the overlap read from a profiler trace of the replays (CUDA only).
-6. ``cache`` - a warm start of the bench's 1B mode from freezeframe's compile cache in a fresh
+7. ``cache`` - a warm start of the bench's 1B mode from freezeframe's compile cache in a fresh
    process (Inductor's own cache empty), against the bench's cold compile (CUDA only).
 
 Every step except ``environment``'s probe runs in child processes with a deadline, so a crash

@@ -3,6 +3,7 @@
     python -m freezeframe.bench.gpu_probes environment --json OUT.json
     python -m freezeframe.bench.gpu_probes warmstart --json OUT.json [--preset 1b]
     python -m freezeframe.bench.gpu_probes ubatch --json OUT.json --trace TRACE.json
+    python -m freezeframe.bench.gpu_probes splitkv --json OUT.json [--preset 1b]
 
 Each writes one JSON object to ``--json`` with ``"ok"`` (did the check pass) and ``"problems"``
 (why not, one sentence each), rewritten after each measurement (a probe killed at its deadline
@@ -302,7 +303,57 @@ def _ubatch_problems(result: dict[str, Any], cuda: bool) -> list[str]:
     return problems
 
 
+# -- split-KV: the attention op alone, on and off --------------------------------------------
+
+def probe_splitkv(preset: str, batch_sizes: Sequence[int], contexts: Sequence[int], steps: int,
+                  warmup: int, write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The Triton attention op of one decode step (every layer) at ``preset``'s shapes, with
+    split-KV off and on, at each batch size and context (:mod:`splitkv_probe`): a row per
+    (batch size, context, mode), written as soon as it is measured, in that order; and per
+    batch size the split count ``"auto"`` chose. A row whose output misses the float32
+    reference is a problem."""
+    import torch
+
+    from freezeframe.bench.splitkv_probe import MODES, TOLERANCE, ProbeShape, SplitKVProbe
+    from freezeframe.models.paged_attention_triton import interpreter_ready
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = ProbeShape.for_preset(preset, contexts, torch.bfloat16)
+    result: dict[str, Any] = {
+        "ok": False, "problems": [], "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "shape": shape.to_json(), "steps": steps, "warmup": warmup,
+        "timing": ("one CUDA graph of the step's calls, CUDA events around each replay after "
+                   "an L2 flush; median" if cuda else
+                   "Triton's interpreter, wall clock: a check of the probe, not a speed figure"),
+        "tolerance": TOLERANCE[shape.dtype], "batch_sizes": list(batch_sizes),
+        "contexts": list(contexts), "modes": list(MODES), "rows": [], "auto_splits": {}}
+    if not cuda and not interpreter_ready():
+        result["problems"].append("no CUDA device and Triton's interpreter is off: run with "
+                                  "TRITON_INTERPRET=1 set before triton is imported")
+        return result
+    probe = SplitKVProbe(shape, max(batch_sizes), max(contexts), device)
+    for bs in batch_sizes:
+        result["auto_splits"][str(bs)] = probe.splits(probe.step(bs, contexts[0]), "auto")
+        for context in contexts:
+            for mode in MODES:
+                row = probe.row(bs, context, mode, steps, warmup)
+                result["rows"].append(row)
+                if not row["rel_error"] <= result["tolerance"]:
+                    result["problems"].append(
+                        f"split_kv={mode!r} at batch {bs}, context {context}: output off the "
+                        f"float32 reference by {row['rel_error']:.3g} (relative L2; tolerance "
+                        f"{result['tolerance']})")
+                write(result)
+    result["ok"] = not result["problems"]
+    return result
+
+
 # -- command line -----------------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m freezeframe.bench.gpu_probes",
@@ -317,7 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ub.add_argument("--tokens", type=int, default=8192)
     ub.add_argument("--hidden", type=int, default=4096)
     ub.add_argument("--steps", type=int, default=20)
-    for p in (env, warm, ub):
+    sk = sub.add_parser("splitkv")
+    sk.add_argument("--preset", default="1b")
+    sk.add_argument("--batch-sizes", default="1,4,16,64")
+    sk.add_argument("--contexts", default="128,1024,4096")
+    sk.add_argument("--steps", type=int, default=20)
+    sk.add_argument("--warmup", type=int, default=3)
+    for p in (env, warm, ub, sk):
         p.add_argument("--json", required=True, help="where to write the result")
     args = parser.parse_args(argv)
     target = Path(args.json)
@@ -332,8 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = probe_environment(need_tests=not args.no_tests)
     elif args.probe == "warmstart":
         result = probe_warmstart(json.loads(Path(args.bench).read_text()), write)
-    else:
+    elif args.probe == "ubatch":
         result = probe_ubatch(Path(args.trace), args.tokens, args.hidden, args.steps, write)
+    else:
+        result = probe_splitkv(args.preset, _ints(args.batch_sizes), _ints(args.contexts),
+                               args.steps, args.warmup, write)
     result["finished"] = True
     write(result)
     return 0 if result["ok"] else 1

@@ -87,8 +87,9 @@ def _sections(run: CheckRun, results: Sequence[StepResult]) -> list[str]:
     by_name = {r.name: r for r in results}
     lines = ["", *_environment_section(run.env_info)]
     for name, section in (("environment", None), ("kernels", _tests_section),
-                          ("bench", _bench_section), ("tests", _tests_section),
-                          ("ubatch", _ubatch_section), ("cache", _cache_section)):
+                          ("splitkv", _splitkv_section), ("bench", _bench_section),
+                          ("tests", _tests_section), ("ubatch", _ubatch_section),
+                          ("cache", _cache_section)):
         r = by_name.get(name)
         if r is None:  # not reached yet (the report is written after every step)
             continue
@@ -133,6 +134,51 @@ def _bench_section(r: StepResult) -> list[str]:
             f"{m} {v}" for m, v in r.details["planned_steps"].items()) + ".", ""]
     if "table" in r.details:
         out += ["```text", r.details["table"], "```"]
+    return out
+
+
+def _splitkv_section(r: StepResult) -> list[str]:
+    """The probe's rows side by side: per batch size and context, split-KV off and on, their
+    ratio and what ``"auto"`` chose; then per batch size the longest context over the
+    shortest, off, on and auto."""
+    d = r.details
+    rows = {(x["batch"], x["context"], x["split_kv"]): x for x in d.get("rows", [])}
+    if not rows:
+        return []
+    shape, auto = d["shape"], d.get("auto_splits", {})
+    out = ["## Split-KV: the attention op alone", "",
+           f"{shape['preset']} preset's decode attention, {shape['layers']} layers' calls per "
+           f"step ({shape['heads']} query heads, {shape['kv_heads']} KV heads, head dim "
+           f"{shape['head_dim']}, blocks of {shape['block_size']}, a table of "
+           f"{shape['max_blocks']} blocks, {shape['dtype']}) on {d['device']}: {d['timing']}; "
+           f"{d['steps']} timed after {d['warmup']}. ms per step; every row's output within "
+           f"{d['tolerance']} of a float32 reference (relative L2) unless a problem says so.",
+           "", "| batch | context | off ms | on ms | on splits | off/on | auto splits |",
+           "|---|---|---|---|---|---|---|"]
+
+    def auto_of(bs: int) -> str:
+        n = auto.get(str(bs))
+        on = next((x["splits"] for (b, _, m), x in rows.items() if b == bs and m == "on"), None)
+        return "" if n is None else f"{n} (= {'off' if n == 1 else 'on' if n == on else '?'})"
+
+    for bs in d["batch_sizes"]:
+        for context in d["contexts"]:
+            off, on = rows.get((bs, context, "off")), rows.get((bs, context, "on"))
+            cells = [f"{off['ms']:.4f}" if off else "", f"{on['ms']:.4f}" if on else "",
+                     str(on["splits"]) if on else "",
+                     f"{off['ms'] / on['ms']:.2f}" if off and on else ""]
+            out.append(f"| {bs} | {context} | {' | '.join(cells)} | {auto_of(bs)} |")
+    short, long = min(d["contexts"]), max(d["contexts"])
+    out += ["", f"| batch | off {long}/{short} | on {long}/{short} | auto {long}/{short} |",
+            "|---|---|---|---|"]
+    for bs in d["batch_sizes"]:
+        cells = []
+        for mode in ("off", "on", "auto"):
+            if mode == "auto":
+                mode = "off" if auto.get(str(bs)) == 1 else "on"
+            a, b = rows.get((bs, long, mode)), rows.get((bs, short, mode))
+            cells.append(f"{a['ms'] / b['ms']:.2f}" if a and b else "")
+        out.append(f"| {bs} | {' | '.join(cells)} |")
     return out
 
 

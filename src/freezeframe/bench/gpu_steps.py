@@ -6,16 +6,28 @@ goes. Only the standard library is imported here.
 
 The plan. A GPU machine is lent for about 15 minutes of device time in all, a cold start of a
 few minutes included, one command of at most 10 minutes. So the default run is held to
-``CUDA_BUDGET_S`` = 480 s of deadlines, ordered by value: the kernel tests, the bench core,
-the cuda tests, then the rest. Each deadline below is derived from what the two H100 runs of
-2026-11-26 measured (``docs/results/h100-80gb-hbm3-2026-11-26/``, run 1 and run 2) plus a
-margin; what has never run on a GPU is estimated from the nearest measured figure, and says so.
+``CUDA_BUDGET_S`` = 480 s of deadlines, ordered by value: the kernel tests and the split-KV
+rows (cheap, and the figure issue 44 turns on), the bench core, the cuda tests, then the rest.
+Each deadline below is derived from what the two H100 runs of 2026-11-26 measured
+(``docs/results/h100-80gb-hbm3-2026-11-26/``, run 1 and run 2) plus a margin; what has never
+run on a GPU is estimated from the nearest measured figure, and says so.
 
-- ``environment`` 20 s: measured 5.8 s (run 1) and 8.2 s (run 2); it now also imports
-  transformers (a few seconds). 20 = 2.4 x the slower run.
-- ``kernels`` 40 s: the attention kernel's tests, 17 of them: 23.8 s (run 1, pytest 16.4 s)
-  and 20.2 s (run 2, pytest 14.2 s), so about 6 s to start and 0.85 s a test; the file holds
-  25 now: 6 + 25 x 0.85 = 27 s, x 1.5 = 40 s.
+- ``environment`` 15 s: measured 5.8 s (run 1) and 8.2 s (run 2); it now also imports
+  transformers (lazily, about 2 s): 10.2 s, and 15 = 1.5 x that.
+- ``kernels`` 35 s: the attention kernel's tests, 17 of them: 23.8 s (run 1, pytest 16.4 s)
+  and 20.2 s (run 2, pytest 14.2 s), so about 6 s to start and 0.83 s a test; the file holds
+  25 now: 6 + 25 x 0.83 = 27 s, x 1.3 = 35 s.
+- ``splitkv`` 15 s (never run on a GPU): the attention op alone at the 1B preset's shapes, 24
+  rows (batch 1/4/16/64 x context 128/1024/4096 x split-KV off/on). Start, import torch and
+  CUDA's context: 5.8 s (run 1's environment step, which does the same and more); the Triton
+  kernels at the 1B shapes, one attention build per split count (1, 2, 4, 16) and one combine
+  per count above 1, 7 builds at most 0.83 s each (the kernels tier's rate above, a test
+  building at least one): 5.8 s; the rows: 8.6 GB of random caches drawn on the device once
+  (under 0.1 s at run 1's 3011 GB/s), then per row a capture of 16 launches or 32, a float32
+  reference of two layers and 23 replays of at most 3 ms (16 layers x 64 requests x 4096
+  positions of bf16 keys and values, 8.6 GB, at 3011 GB/s): about 1.5 s in all. 13.1 s,
+  x 1.15 = 15 s: the rows are written as they are measured, batch 1 first, so a deadline that
+  comes early costs the last rows of batch 64 only.
 - ``bench`` 315 s, the sum of its parts (run 1: 135.1 s for eager, piecewise and
   full_and_piecewise):
   - start, build and bandwidth: import torch 4.2 s (run 2's cache baseline), build 4.6 s
@@ -43,10 +55,10 @@ margin; what has never run on a GPU is estimated from the nearest measured figur
     a graph) 3 s, generates 2 s; ff-hf-lookup's four batch-1 generates 8 s: 105 s.
   The sum, 292.5 s, x 1.08 = 315 s. The modes run in that order (by value), and the bench
   writes its results after every timed row: a deadline that comes early costs the last rows.
-- ``tests`` 50 s: the cuda tier, 285 tests; run 2 ran 33 in 30.1 s (0.73 s a test, its
+- ``tests`` 45 s: the cuda tier, 285 tests; run 2 ran 33 in 30.1 s (0.73 s a test, its
   start included). Serially they would need about 210 s, so the tier runs on 8 pytest-xdist
   workers where xdist is installed (it is on the GPU image): 285 x 0.73 / 8 = 26 s, + 8 s for
-  each worker's start: 34 s, x 1.5 = 50 s. Without xdist, or past the deadline, its log names
+  each worker's start: 34 s, x 1.3 = 45 s. Without xdist, or past the deadline, its log names
   every test that ran (``-v``).
 - ``ubatch`` 20 s: run 1's eager probe took 11.8 s (8192 tokens, hidden 4096); capturing the
   split step once adds well under a second (run 2: 0.3 s a graph). 20 = 1.7 x.
@@ -55,7 +67,9 @@ margin; what has never run on a GPU is estimated from the nearest measured figur
   1B preset has as many distinct pieces, 3) + the ladder's capture 11.8-19.5 s (runs 2 and
   1): 34 s at the slower capture; 35 s.
 
-Total: 20 + 40 + 315 + 50 + 20 + 35 = 480 s. A step's deadline is its own plus what the steps
+Total: 15 + 35 + 15 + 315 + 45 + 20 + 35 = 480 s. The split-KV step's 15 s came from the
+environment (20 -> 15), the kernels (40 -> 35) and the tests (50 -> 45), whose margins over
+the measured figures were 1.5 x or more. A step's deadline is its own plus what the steps
 before it left unused, never what the steps after it need (see ``CheckRun.deadline``).
 """
 
@@ -72,11 +86,11 @@ from typing import Any
 from freezeframe.bench.gpu_run import CheckRun, StepResult, pytest_summary
 
 __all__ = ["CUDA_BUDGET_S", "CUDA_TESTS", "DEADLINES", "GPU_ONLY", "KERNEL_TESTS", "NEEDS_CUDA",
-           "STEPS", "STEP_FUNCS", "Deadline", "cache_figures", "step_deadline",
-           "step_environment"]
+           "STEPS", "STEP_FUNCS", "Deadline", "cache_figures", "splitkv_headline",
+           "step_deadline", "step_environment"]
 
-STEPS = ("environment", "kernels", "bench", "tests", "ubatch", "cache")
-GPU_ONLY = frozenset({"ubatch", "cache"})  # skipped on a CPU, except in a dry run
+STEPS = ("environment", "kernels", "splitkv", "bench", "tests", "ubatch", "cache")
+GPU_ONLY = frozenset({"splitkv", "ubatch", "cache"})  # skipped on a CPU, except in a dry run
 NEEDS_CUDA = "needs CUDA (torch.cuda.is_available() is False)"
 CUDA_BUDGET_S = 480.0
 CUDA_TESTS = ("tests/cuda", "tests/scenarios")  # where every cuda-marked test lives
@@ -96,11 +110,12 @@ class Deadline:
 
 
 DEADLINES: Mapping[str, Deadline] = {
-    "environment": Deadline(20, 120, "measured 5.8 s and 8.2 s (runs 1, 2)"),
-    "kernels": Deadline(40, 600, "measured 23.8 s and 20.2 s for 17 tests; 25 now"),
+    "environment": Deadline(15, 120, "measured 5.8 s and 8.2 s (runs 1, 2) + transformers"),
+    "kernels": Deadline(35, 600, "measured 23.8 s and 20.2 s for 17 tests; 25 now"),
+    "splitkv": Deadline(15, 180, "estimated: start 5.8 s (run 1) + 7 kernel builds + 24 rows"),
     "bench": Deadline(315, 900, "run 1: 135 s for 3 modes; + breakable, reduce-overhead, HF "
                                 "(estimated)"),
-    "tests": Deadline(50, 900, "run 2: 0.73 s a test; 285 tests on 8 xdist workers"),
+    "tests": Deadline(45, 900, "run 2: 0.73 s a test; 285 tests on 8 xdist workers"),
     "ubatch": Deadline(20, 120, "measured 11.8 s (run 1) + one capture"),
     "cache": Deadline(35, 300, "import 4.2 + build 4.6 + warm first call 5.8 + capture 19.5"),
 }
@@ -304,6 +319,39 @@ def _step_ubatch(run: CheckRun, result: StepResult, timeout: float) -> None:
                           f"{len(overlaps)} spin kernels")
 
 
+def _step_splitkv(run: CheckRun, result: StepResult, timeout: float) -> None:
+    args = ["splitkv"]
+    if run.dry:  # the tiny preset in Triton's interpreter: 4 rows
+        args += ["--preset", "tiny", "--batch-sizes", "1", "--contexts", "16,32", "--steps",
+                 "1", "--warmup", "0"]
+    elif run.opts.quick:
+        args += ["--batch-sizes", "1,64", "--contexts", "128,4096", "--steps", "10"]
+    # on a CPU the kernels run in Triton's interpreter, chosen when triton is imported
+    env = None if run.cuda else dict(run.env, TRITON_INTERPRET="1")
+    data = _probe(run, "splitkv", args, result, timeout, env)
+    if data is None:
+        return
+    result.details = data
+    rows = data.get("rows", [])
+    planned = len(data["batch_sizes"]) * len(data["contexts"]) * len(data["modes"])
+    if len(rows) < planned:
+        result.fail(f"split-KV probe: {len(rows)} of {planned} rows measured")
+    result.summary = (f"{data['shape']['preset']} preset's attention alone, split-KV off and "
+                      f"on: {len(rows)} of {planned} rows" + splitkv_headline(data))
+
+
+def splitkv_headline(data: Mapping[str, Any]) -> str:
+    """``"; batch B, context C: off X ms, on Y ms (N splits, off/on R)"`` for the smallest batch
+    and the longest context measured, or ``""`` when that pair lacks a row."""
+    ms = {(r["batch"], r["context"], r["split_kv"]): r for r in data.get("rows", [])}
+    bs, context = min(data["batch_sizes"]), max(data["contexts"])
+    off, on = ms.get((bs, context, "off")), ms.get((bs, context, "on"))
+    if off is None or on is None:
+        return ""
+    return (f"; batch {bs}, context {context}: off {off['ms']:.3f} ms, on {on['ms']:.3f} ms "
+            f"({on['splits']} splits, off/on {off['ms'] / on['ms']:.2f})")
+
+
 def _step_cache(run: CheckRun, result: StepResult, timeout: float) -> None:
     bench = run.raw / "bench" / "results.json"
     if not bench.exists():
@@ -332,8 +380,8 @@ def cache_figures(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 STEP_FUNCS: Mapping[str, Callable[[CheckRun, StepResult, float], None]] = {
-    "kernels": _step_kernels, "bench": _step_bench, "tests": _step_tests,
-    "ubatch": _step_ubatch, "cache": _step_cache,
+    "kernels": _step_kernels, "splitkv": _step_splitkv, "bench": _step_bench,
+    "tests": _step_tests, "ubatch": _step_ubatch, "cache": _step_cache,
 }
 
 

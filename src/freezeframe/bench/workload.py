@@ -2,8 +2,9 @@
 once, its steps, the device's bandwidth and the floor of each decode step; and one mode run on
 it (:meth:`Workload.run_mode`): started, its first logits kept for the check against eager, its
 rows timed (:mod:`rows`), and, for a graph mode, its capture report with the graph pool's
-refitted prediction (:mod:`pool_memory`) and the profiler table of one FULL decode replay
-(:mod:`profile`).
+refitted prediction set beside the measurement (the model is
+:func:`~freezeframe.runtime.graph_memory.predict_pool`) and the profiler table of one FULL
+decode replay (:mod:`profile`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from freezeframe.bench.measure import (
 )
 from freezeframe.bench.modes import TORCH_MODES, Started, start_mode
 from freezeframe.bench.options import BenchOptions
-from freezeframe.bench.pool_memory import CapturedGraph, predict_pool
 from freezeframe.bench.profile import profile_replay
 from freezeframe.bench.progress import Progress
 from freezeframe.bench.rows import RowTimer, rows_of
@@ -40,6 +40,7 @@ from freezeframe.models.attention import resolve_attention_kernel
 from freezeframe.models.inputs import StepInputs
 from freezeframe.models.llama_tp import TPLlamaModel, shard_llama
 from freezeframe.models.parallel import TensorParallel
+from freezeframe.runtime.graph_memory import CapturedGraph, predict_pool
 
 __all__ = ["Setup", "Workload"]
 
