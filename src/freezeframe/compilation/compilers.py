@@ -289,16 +289,8 @@ class InductorCompiler:
         self._stats.inc("inductor_compiles")
         self._stats.inc(f"inductor_compiles_{self.artifact_format or 'compile_fx'}")
         dynamic = "from_example_inputs" if compile_range.is_single_size() else "from_graph"
-        patches = self._patches(compile_range)
-        if dynamic == "from_graph":
-            # Inductor's FX graph cache, on a hit, adds the cached code's guards to the trace's
-            # shape environment: for the reference Llama that pinned its request dim to 4, so
-            # every compile after the first on a machine (the same process or another) failed
-            # "forward pins a dynamic size to 4" (tests/matrix: inductor_llama_on_a_warm_
-            # inductor_cache). A range is compiled afresh; freezeframe's own compile cache
-            # keeps warm starts warm.
-            patches.setdefault("fx_graph_cache", False)
-        with inductor_config.patch(patches), _compiling(compile_range):
+        with inductor_config.patch(self._patches(compile_range)), _compiling(compile_range), \
+                _never_a_cache_hit(dynamic == "from_graph"):
             if self.artifact_format is not None:
                 extra: dict[str, Any] = {"aot": True} if self.artifact_format == "aot" else {}
                 standalone = cast(Callable[..., Any], torch._inductor.standalone_compile)
@@ -312,6 +304,31 @@ class InductorCompiler:
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
                 compile_range: Range, piece_index: int) -> Callable[..., Any]:
         return self.compile_artifact(graph, example_inputs, compile_range, piece_index)[1]
+
+
+@contextlib.contextmanager
+def _never_a_cache_hit(fresh: bool) -> Iterator[None]:
+    """``fresh``: compile without hitting Inductor's caches, while still writing to them.
+
+    Inductor's FX graph cache, on a hit, adds the cached code's guards to the trace's shape
+    environment: for the reference Llama that pinned its request dim to 4, so every range
+    compile after the first on a machine (the same process or another) failed "forward pins a
+    dynamic size to 4" (tests/matrix: inductor_llama_on_a_warm_inductor_cache). Turning the
+    cache off would also take away what a standalone artifact serialises from (its bundled
+    autograd cache entry), and no compiled piece could be saved. So a range compile gets a
+    cache-key tag of its own: it writes as usual and never reads another compile's entry.
+    freezeframe's own compile cache keeps warm starts warm."""
+    compiler_config = torch.compiler.config
+    if not fresh:
+        yield
+    elif hasattr(compiler_config, "cache_key_tag"):
+        with compiler_config.patch(cache_key_tag=f"freezeframe-{uuid_module.uuid4().hex}"):
+            yield
+    else:  # (a torch without the tag: no cache at all, and no saved artifact)
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(fx_graph_cache=False):
+            yield
 
 
 def make_compiler(backend: str, stats: Stats, compile_config: Mapping[str, Any] | None = None,
