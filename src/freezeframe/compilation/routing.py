@@ -40,7 +40,7 @@ from freezeframe.compilation.signature import (
     difference,
     incompatibility,
 )
-from freezeframe.compilation.trace import is_size_equality
+from freezeframe.compilation.trace_backend import is_size_equality
 from freezeframe.compilation.trace_checks import (
     refuse_root_hooks,
     refuse_self_changing_forward,
