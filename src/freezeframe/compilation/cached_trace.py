@@ -43,7 +43,8 @@ from torch import nn
 from freezeframe.cache.artifacts import prefetch_torch_key
 from freezeframe.cache.entry import CompileCache, SavedTrace
 from freezeframe.cache.files import CorruptArtifactError, cache_enabled
-from freezeframe.cache.key import code_mismatch, is_primitive
+from freezeframe.cache.key import is_primitive
+from freezeframe.cache.traced_code import code_mismatch
 from freezeframe.compilation.compilers import config_passes, pass_sources
 from freezeframe.compilation.constant_stores import ConstantStore
 from freezeframe.compilation.direct_call import free_of_side_effects

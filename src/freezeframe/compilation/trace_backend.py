@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from freezeframe.cache.artifacts import PieceCache
-from freezeframe.cache.key import code_digests, traced_code_objects, traced_files_from_graph
+from freezeframe.cache.key import traced_files_from_graph
+from freezeframe.cache.traced_code import code_digests, traced_code_objects
 from freezeframe.compilation.constant_stores import ConstantStore, stores_of_current_trace
 from freezeframe.compilation.direct_call import Stitched
 from freezeframe.compilation.saved_trace import (
