@@ -29,7 +29,8 @@ from freezeframe.compilation.cached_trace import ModelCache
 from freezeframe.compilation.compilers import CompilerManager, make_compiler
 from freezeframe.compilation.direct_call import DirectCall, Stitched
 from freezeframe.compilation.module_call import PositionalForm
-from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards
+from freezeframe.compilation.signature import CallSignature, Signer
+from freezeframe.compilation.size_conditions import SizeGuards
 from freezeframe.compilation.split import splitting_ops_of
 from freezeframe.compilation.trace import TraceOnce
 from freezeframe.compilation.trace_backend import TraceBackend

@@ -25,7 +25,8 @@ from typing import Any
 
 from freezeframe.compilation.constant_stores import ConstantStore, imported_module, resolve
 from freezeframe.compilation.constant_stores import apply as apply_stores
-from freezeframe.compilation.signature import Signer, SizeGuards
+from freezeframe.compilation.signature import Signer
+from freezeframe.compilation.size_conditions import SizeGuards
 from freezeframe.errors import CacheError
 
 __all__ = ["missing_values", "valued_nodes"]

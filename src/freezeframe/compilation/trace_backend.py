@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import re
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -44,6 +42,7 @@ from freezeframe.compilation.saved_trace import (
     _wrapped_frame_code,
     valued_nodes,
 )
+from freezeframe.compilation.size_conditions import SizeConditions, size_conditions_now
 from freezeframe.compilation.split import values_the_split_reads
 from freezeframe.errors import CacheError
 
@@ -51,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.cache.entry import CompileCache
     from freezeframe.compilation.backend import CompileBackend
 
-__all__ = ["Built", "KeptTrace", "SizeConditions", "TraceBackend", "source_name"]
+__all__ = ["Built", "KeptTrace", "TraceBackend", "source_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +62,6 @@ class Built:
 
     stitched: Stitched
     sources: tuple[str | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class SizeConditions:
-    """The trace's conditions on dynamic sizes (Python branches on them): (sympy expression,
-    where in the user's code), and which (argument, dim) each size symbol stands for."""
-
-    conditions: tuple[tuple[Any, str], ...] = ()
-    symbols: Mapping[Any, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,69 +133,6 @@ def source_name(node: Any) -> str | None:
         return None
     name = source.name  # a property in torch 2.13, a method in older builds
     return str(name() if callable(name) else name)
-
-
-# -- the sizes stage ------------------------------------------------------------------------
-_USER_LOC_RE = re.compile(r"^(?P<code>.*?)\s+#\s+(?P<file>\S+):(?P<line>\d+) in (?P<fn>\S+)$")
-
-
-def is_size_equality(expr: Any) -> bool:
-    """``Eq(s0, s1)``: two dynamic sizes the trace found equal (rows of two arguments)."""
-    import sympy
-
-    return (isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol)
-            and isinstance(expr.rhs, sympy.Symbol))
-
-
-def _from_user_branch(guard: Any) -> bool:
-    """Whether Dynamo added ``guard`` while evaluating the user's own Python on a size (an
-    ``if``, ``bool()``, ``assert`` on ``x.shape[0]``), as opposed to the 0/1 and contiguity
-    assumptions torch's shape functions make, which trace-once deliberately ignores."""
-    frame = getattr(getattr(guard, "sloc", None), "framework_loc", None)
-    filename = getattr(frame, "filename", None) or (frame if isinstance(frame, str) else "")
-    return f"_dynamo{os.sep}variables{os.sep}" in filename
-
-
-def _user_location(text: str | None) -> str:
-    """``file:line in fn (`code`)`` from Dynamo's ``code  # file:line in fn``."""
-    if not text:
-        return "an unknown line"
-    match = _USER_LOC_RE.match(text.strip())
-    if match is None:
-        return text.strip()
-    path = match["file"].lstrip(".").lstrip("/")
-    return f"{os.path.basename(path)}:{match['line']} in {match['fn']} (`{match['code']}`)"
-
-
-def size_conditions_now(dims: Mapping[str, Sequence[int]]) -> SizeConditions:
-    """The shape guards on the dynamic dims (``dims``) of the trace Dynamo is making (read
-    inside the backend, where the tracing context still holds the shape environment)."""
-    from torch._guards import TracingContext
-
-    ctx = TracingContext.try_get()
-    shape_env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
-    if shape_env is None:
-        return SizeConditions()
-    symbols: dict[Any, tuple[str, int]] = {}
-    for sym, sources in getattr(shape_env, "var_to_sources", {}).items():
-        for source in sources:
-            base = getattr(source, "base", None)
-            name = getattr(base, "local_name", None)
-            idx = getattr(source, "idx", None)
-            prop = getattr(getattr(source, "prop", None), "name", None)
-            if isinstance(name, str) and name in dims and isinstance(idx, int) \
-                    and prop == "SIZE":
-                symbols[sym] = (name, idx)
-                break
-    conditions: list[tuple[Any, str]] = []
-    for guard in getattr(shape_env, "guards", ()):
-        free: set[Any] = getattr(guard.expr, "free_symbols", set())
-        if free and free <= symbols.keys() and (is_size_equality(guard.expr)
-                                                or _from_user_branch(guard)):
-            sloc = getattr(guard, "sloc", None)
-            conditions.append((guard.expr,
-                               _user_location(getattr(sloc, "maybe_user_loc", None))))
-    return SizeConditions(tuple(conditions), symbols)
 
 
 # -- the keep stage -------------------------------------------------------------------------

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from freezeframe.compilation.module_state import ModuleState
+from freezeframe.compilation.size_conditions import is_size_equality
 from freezeframe.compilation.trace import TraceOnce
-from freezeframe.compilation.trace_backend import is_size_equality
 from freezeframe.errors import CompileError, FreezeframeError
 from freezeframe.stats import Stats
 
