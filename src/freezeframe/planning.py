@@ -51,7 +51,7 @@ from typing import Any
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import ConfigError
 from freezeframe.planning_search import RungProblem
-from freezeframe.sizes import default_capture_sizes
+from freezeframe.sizes import default_capture_sizes, padded_size
 
 __all__ = [
     "CapturePlan",
@@ -264,9 +264,9 @@ def _score(sizes: Sequence[int], observed: tuple[int, ...], counts: tuple[int, .
     padded_tokens = real_tokens = uncovered = 0
     work = 0.0
     for size, count in zip(observed, counts, strict=True):
-        i = bisect.bisect_left(sizes, size)
-        padded = sizes[i] if i < len(sizes) else size
-        uncovered += count if i == len(sizes) else 0
+        rung = padded_size(size, sizes)
+        padded = size if rung is None else rung  # (above the ladder: unpadded, no graph)
+        uncovered += count if rung is None else 0
         real_tokens += count * size
         padded_tokens += count * padded
         work += count * step_cost(padded)

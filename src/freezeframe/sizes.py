@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 __all__ = [
     "Range",
@@ -120,16 +121,10 @@ def padded_size(num_tokens: int, capture_sizes: Sequence[int]) -> int | None:
 
 
 def padding_table(capture_sizes: Sequence[int]) -> list[int]:
-    """``table[n]`` = padded size for every ``n`` in ``0..max(capture_sizes)``."""
-    if not capture_sizes:
-        return [0]
-    table = [0] * (capture_sizes[-1] + 1)
-    prev = 0
-    for size in capture_sizes:
-        for n in range(prev + 1, size + 1):
-            table[n] = size
-        prev = size
-    return table
+    """``table[n]`` = :func:`padded_size` of ``n`` for every ``n`` in ``0..max(capture_sizes)``
+    (a lookup for the dispatcher's hot path)."""
+    top = capture_sizes[-1] if capture_sizes else 0
+    return [cast(int, padded_size(n, capture_sizes)) for n in range(top + 1)]
 
 
 def padding_intervals(capture_sizes: Sequence[int]) -> list[tuple[Range, int]]:

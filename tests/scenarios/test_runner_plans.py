@@ -356,3 +356,24 @@ def test_padding_rows_hold_the_fill_at_every_step(rig: Rig, graph_mode: str) -> 
         assert torch.equal(rig.host(runner(mine)), want), (step, n)
         # the write reached the caller's rows only
         assert torch.equal(rig.host(mine), rig.host(theirs)), (step, n)
+
+
+def test_piecewise_steps_are_planned_when_the_trace_came_from_the_cache(
+        rig: Rig, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm start (the trace loaded from the compile cache, so Dynamo never ran) plans its
+    PIECEWISE steps as a cold one does (the bench found 3 of 6 rows planned on a warm cache)."""
+    monkeypatch.delenv("FREEZEFRAME_DISABLE_CACHE")
+    cfg = config(rig, "piecewise", use_cache=True, cache_dir=str(tmp_path / "cache"),
+                 cudagraph_capture_sizes=[4])
+    planned = []
+    for start in ("cold", "warm"):
+        model = ff.compile(SillyModel().to(rig.device), cfg)
+        runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, device=rig.device,
+                             progress=False)
+        runner.capture()
+        assert model.stats.get("traces_loaded") == (start == "warm")
+        for step in range(3):
+            x = randn(rig, 3, step)
+            assert torch.equal(rig.host(runner(x)), rig.host(eager_silly(rig, x)))
+        planned.append(runner.stats.get("steps_planned"))
+    assert planned == [2, 2]  # every step after the first of its shape ran from the plan

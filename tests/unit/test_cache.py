@@ -22,6 +22,7 @@ from freezeframe.cache import entry as ff_entry
 from freezeframe.cache import files as ff_files
 from freezeframe.cache import inspect as ff_inspect
 from freezeframe.cache import key as ff_key
+from freezeframe.cache import traced_code
 from freezeframe.cache.entry import CompileCache
 from freezeframe.cache.files import CorruptArtifactError
 from freezeframe.compilation.compilers import config_passes, pass_sources
@@ -322,17 +323,17 @@ def test_traced_code_without_a_file_is_in_the_key(tmp_path: Path) -> None:
     one = compiled("def f(x):\n    return x + 1\n")
     same = compiled("\n\ndef f(x):\n    return x + 1\n")  # moved, not changed
     two = compiled("def f(x):\n    return x + 2\n")
-    assert ff_key.code_digests([one]) == ff_key.code_digests([same])
-    assert ff_key.code_digests([one]) != ff_key.code_digests([two])
-    assert ff_key.code_digests([Tiny.forward.__code__]) == {}  # a real file: hashed instead
+    assert traced_code.code_digests([one]) == traced_code.code_digests([same])
+    assert traced_code.code_digests([one]) != traced_code.code_digests([two])
+    assert traced_code.code_digests([Tiny.forward.__code__]) == {}  # a real file: hashed instead
     a, b, c = _open(tmp_path), _open(tmp_path), _open(tmp_path)
-    a.add_traced_code(ff_key.code_digests([one]))
-    b.add_traced_code(ff_key.code_digests([same]))
-    c.add_traced_code(ff_key.code_digests([two]))
+    a.add_traced_code(traced_code.code_digests([one]))
+    b.add_traced_code(traced_code.code_digests([same]))
+    c.add_traced_code(traced_code.code_digests([two]))
     assert a.key == b.key != c.key
     assert a.key != _open(tmp_path).key
     with pytest.raises(CacheError, match="after the cache key was fixed"):
-        a.add_traced_code(ff_key.code_digests([two]))
+        a.add_traced_code(traced_code.code_digests([two]))
 
 
 # -- lock across processes -----------------------------------------------------------------

@@ -19,7 +19,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe.cache.key import graph_hash
-from freezeframe.compilation import cached_trace, saved_trace
+from freezeframe.compilation import cached_trace, saved_trace, trace_backend
 from freezeframe.compilation.split import split_graph, values_the_split_reads
 from freezeframe.errors import CacheError
 from tests.helpers.silly import OP_NAME, attention
@@ -65,14 +65,14 @@ class _Spy:
 def _traced_graph(root: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A cold start under ``root``; the graph Dynamo traced, with every node's value."""
     graphs: list[Any] = []
-    real = cached_trace.ModelCache._keep_graph
+    real = trace_backend.keep_trace
 
-    def keep(self: Any, gm: Any) -> None:
+    def keep(gm: Any, *args: Any) -> Any:
         graphs.append(gm)
-        real(self, gm)
+        return real(gm, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(cached_trace.ModelCache, "_keep_graph", keep)
+        patch.setattr(trace_backend, "keep_trace", keep)
         _start(root)
     (gm,) = graphs
     return gm
@@ -220,7 +220,7 @@ def test_a_trace_whose_values_cannot_be_written_is_not_saved(
         raise TypeError("cannot write this value")
 
     with monkeypatch.context() as patch:
-        patch.setattr(cached_trace, "_detached", refuse)
+        patch.setattr(trace_backend, "_detached", refuse)
         cold, cold_out = _start(tmp_path)
     assert (cold.stats.traces_not_saved, cold.stats.artifacts_saved) == (1, 0)
     spy = _Spy(monkeypatch)

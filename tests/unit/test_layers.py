@@ -11,6 +11,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "freezeframe"
 # Each stage may use every stage on an earlier line.
 STAGES: list[set[str]] = [
     {"_version", "errors", "sizes"},
+    {"modes"},
     {"config", "config_fields", "batch", "stats", "planning", "planning_search"},
     {"context"},
     {"graphs"},

@@ -275,7 +275,7 @@ class CompileCache:
 
     def add_traced_code(self, digests: Mapping[str, Iterable[str]]) -> None:
         """Record the digests of traced code that has no source file to hash
-        (:func:`code_digests`); they join the key. Same timing rule as
+        (``traced_code.code_digests``); they join the key. Same timing rule as
         :meth:`add_traced_files`."""
         if self._code is not None:
             if any(set(d) - set(self._code.get(name, ())) for name, d in digests.items()):

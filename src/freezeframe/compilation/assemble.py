@@ -7,6 +7,9 @@ point (per graph Dynamo hands over) compile the same way::
            --make-----> compiler (eager / inductor) --> CompilerManager (compile-or-load)
     per graph:          CompileBackend (split, compile per range, PIECEWISE wrappers)
                         + a FULL GraphWrapper around the whole, when the mode has FULL graphs
+    per trace (ff.compile): TraceBackend (keep for saving, build = the above + stitch, the
+                        size conditions), TraceOnce through it, ModelCache (load or trace,
+                        then save) around both
 
 One :class:`CompileStack` serves one compiled model (or one ``FreezeframeBackend``): its pieces
 share the stats, the compiler manager (so a repeated piece compiles once), the graph backend
@@ -16,17 +19,21 @@ share the stats, the compiler manager (so a repeated piece compiles once), the g
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
+
+from torch import nn
 
 from freezeframe.compilation.backend import CompileBackend
 from freezeframe.compilation.cached_trace import ModelCache
 from freezeframe.compilation.compilers import CompilerManager, make_compiler
 from freezeframe.compilation.direct_call import DirectCall, Stitched
 from freezeframe.compilation.module_call import PositionalForm
-from freezeframe.compilation.saved_trace import source_name
-from freezeframe.compilation.signature import CallSignature, Signer, SizeGuards
+from freezeframe.compilation.signature import CallSignature, Signer
+from freezeframe.compilation.size_conditions import SizeGuards
+from freezeframe.compilation.split import splitting_ops_of
 from freezeframe.compilation.trace import TraceOnce
+from freezeframe.compilation.trace_backend import TraceBackend
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.graphs import (
     CaptureWindow,
@@ -48,12 +55,11 @@ class Variant:
 
     signature: CallSignature | None  # None until its first call
     trace: TraceOnce
-    backend: CompileBackend
+    backend: CompileBackend  # the pieces: split, compiled, wrapped
+    dynamo: TraceBackend  # the one backend of the trace, holding what its stages made
     cache: ModelCache
     full_wrapper: GraphWrapper | None
     guards: SizeGuards | None = None  # the trace's conditions on sizes; None until traced
-    stitched: Stitched | None = None  # what the trace's code calls, once traced
-    sources: list[str | None] | None = None  # the Dynamo source of each graph input
     # the trace called without Dynamo's bytecode (direct_call.py), from its second call on;
     # ``direct_tried`` is set once that was worked out (``direct`` left None where the direct
     # call could differ: the bytecode stays)
@@ -63,6 +69,18 @@ class Variant:
     sized: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
     # the one spelling of a call for the FULL graph (model(x=a) and model(a) alike)
     spelling: PositionalForm | None = None
+
+    @property
+    def stitched(self) -> Stitched | None:
+        """What the trace's code calls, once traced (or loaded)."""
+        built = self.dynamo.built
+        return built.stitched if built is not None else None
+
+    @property
+    def sources(self) -> list[str | None] | None:
+        """The Dynamo source of each graph input, once traced (or loaded)."""
+        built = self.dynamo.built
+        return list(built.sources) if built is not None else None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.full_wrapper is not None:
@@ -138,26 +156,19 @@ class CompileStack:
         return GraphWrapper(run, CUDAGraphMode.PIECEWISE, backend, options=GraphOptions(),
                             stats=self.stats, window=self.window, debug=self.config.debug)
 
-    def variant(self, model: Any, dims: dict[str, tuple[int, ...]], user_key: str | None,
-                signer: Signer | None, signature: CallSignature | None) -> Variant:
-        """A new, untraced trace of ``model`` (a CompiledModel): its piece compiler, the
-        on-disk cache around it and the first call, the trace-once callable, its FULL
-        wrapper. The first call through ``variant.cache`` traces (or loads) it."""
-        backend = self.piece_compiler(model.model_key)
-        cache = ModelCache(model, dims, model_key=user_key, signer=signer)
-        holder: list[Variant] = []
-
-        def stitched_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
-            stitched = Stitched(backend(gm, example_inputs))
-            holder[0].stitched = stitched
-            holder[0].sources = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
-            return stitched
-
-        trace = TraceOnce(model.module, cache.wrap_backend(stitched_backend), dims,
-                          dims_given=getattr(model, "dims_given", True))
-        cache.trace = trace
-        made = Variant(signature, trace, backend, cache, self.full_wrapper(cache))
+    def variant(self, module: nn.Module, model_key: str, dims: dict[str, tuple[int, ...]],
+                user_key: str | None, signer: Signer | None, signature: CallSignature | None,
+                *, dims_given: bool = True) -> Variant:
+        """A new, untraced trace of ``module``: its backend (the piece compiler inside), the
+        trace-once callable Dynamo traces through it, the first call around both (load or
+        trace, then save), its FULL wrapper. The first call through ``variant.cache`` traces
+        (or loads) it."""
+        pieces = self.piece_compiler(model_key)
+        backend = TraceBackend(pieces, module, dims, splitting_ops_of(self.config))
+        trace = TraceOnce(module, backend, dims, dims_given=dims_given)
+        cache = ModelCache(module, self.config, self.stats, backend, trace, dims,
+                           model_key=user_key, signer=signer)
+        made = Variant(signature, trace, pieces, backend, cache, self.full_wrapper(cache))
         if made.full_wrapper is not None:
-            made.spelling = PositionalForm(model.module.forward)
-        holder.append(made)
+            made.spelling = PositionalForm(module.forward)
         return made

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from freezeframe.cache.key import graph_hash
-from freezeframe.compilation.compilers import CompilerManager
+from freezeframe.compilation.compilers import ArtifactCache, CompilerManager
 from freezeframe.compilation.piecewise import PiecewiseBackend, _concrete, concrete_inputs
 from freezeframe.compilation.split import (
     Piece,
@@ -210,6 +210,10 @@ class CompileBackend:
         self._unused_reported: set[str] = set()
         if config.mode is CompilationMode.PIECEWISE and config.splitting_ops:
             check_splitting_ops(config.splitting_ops)
+
+    def use_cache(self, cache: ArtifactCache) -> None:
+        """Load and save the pieces' compiled artifacts through ``cache`` from now on."""
+        self.manager.use_cache(cache)
 
     @property
     def capturable_names(self) -> list[str]:

@@ -1,13 +1,13 @@
-"""The first call of a compiled model with the cache on: load a saved trace, else trace with
-Dynamo and save the trace.
+"""The first call of one trace: load a saved trace, else trace with Dynamo, then save the trace.
 
-Holds :class:`ModelCache`, through which :mod:`freezeframe.compilation.model` routes calls: on
-the first call it opens the model's :class:`~freezeframe.cache.entry.CompileCache`, takes the
-model lock, and either compiles a saved trace that fits (checked with
-:mod:`freezeframe.compilation.saved_trace`) so Dynamo never runs, or runs trace-once and saves
-what the trace produced. It does not hold the trace itself (:mod:`freezeframe.compilation.trace`),
-what a saved trace is made of (:mod:`freezeframe.compilation.saved_trace`) or the files
-(:mod:`freezeframe.cache`).
+Holds :class:`ModelCache`, through which a trace's calls go: on the first call it opens the
+model's :class:`~freezeframe.cache.entry.CompileCache` (or finds the cache off and just
+traces), takes the model lock, and either has the trace's backend build a saved trace that
+fits (checked with :mod:`freezeframe.compilation.saved_trace`) so Dynamo never runs, or runs
+trace-once and, as a step after that call, saves what the backend kept of the trace. It does
+not hold the trace itself (:mod:`freezeframe.compilation.trace`), the backend and what it keeps
+(:mod:`freezeframe.compilation.trace_backend`), what a saved trace is made of
+(:mod:`freezeframe.compilation.saved_trace`) or the files (:mod:`freezeframe.cache`).
 
 Counters (``model.stats``): ``cache_hits`` / ``cache_misses`` count Inductor piece x range
 lookups (a hit produced a runnable without Inductor; a miss, including a corrupt or unloadable
@@ -32,26 +32,21 @@ plain objects without guarding either identity) is not seen; ``model_key`` is th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import pickle
-import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from freezeframe.cache.artifacts import PieceCache, prefetch_torch_key
+from torch import nn
+
+from freezeframe.cache.artifacts import prefetch_torch_key
 from freezeframe.cache.entry import CompileCache, SavedTrace
 from freezeframe.cache.files import CorruptArtifactError, cache_enabled
-from freezeframe.cache.key import (
-    code_digests,
-    code_mismatch,
-    is_primitive,
-    traced_code_objects,
-    traced_files_from_graph,
-)
+from freezeframe.cache.key import is_primitive
+from freezeframe.cache.traced_code import code_mismatch
 from freezeframe.compilation.compilers import config_passes, pass_sources
-from freezeframe.compilation.constant_stores import ConstantStore, stores_of_current_trace
+from freezeframe.compilation.constant_stores import ConstantStore
 from freezeframe.compilation.direct_call import free_of_side_effects
 from freezeframe.compilation.guard_checks import (
     ValueCheck,
@@ -60,26 +55,20 @@ from freezeframe.compilation.guard_checks import (
     value_checks,
 )
 from freezeframe.compilation.saved_trace import (
-    _KEEP_META,
-    _detached,
     _first_mismatch,
     _Frame,
-    _holds_view,
     _load_graph,
     _LoadedTrace,
-    _OutputRecorder,
     _SavedSizes,
-    _unviewed,
-    _wrapped_frame_code,
-    source_name,
-    valued_nodes,
 )
 from freezeframe.compilation.signature import Signer
-from freezeframe.compilation.split import splitting_ops_of, values_the_split_reads
+from freezeframe.config import CompilationConfig
 from freezeframe.errors import CacheError
+from freezeframe.stats import Stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.compilation.trace import TraceOnce
+    from freezeframe.compilation.trace_backend import KeptTrace, TraceBackend
 
 __all__ = ["ModelCache"]
 
@@ -99,20 +88,20 @@ class _Chosen:
 
 
 class ModelCache:
-    """Drives the cache for one :class:`~freezeframe.compilation.model.CompiledModel`.
+    """The first call of one trace of a :class:`~freezeframe.compilation.model.CompiledModel`,
+    and every call after it (in place of the trace-once callable).
 
-    The compile path calls :meth:`wrap_backend` around its Dynamo backend when it builds the
-    trace, and routes calls through :meth:`__call__` (in place of the trace-once callable).
     The first call opens the cache (the input signature is part of the key), takes the model
     lock and then either
 
     * loads a saved trace (sources unchanged, every value and piece of code the trace
-      specialised on unchanged) and feeds the stored graph to the backend, so Dynamo never
-      runs and every Inductor piece comes from an artifact; or
-    * traces with Dynamo as usual, records the traced files and code, and saves the trace
-      afterwards (with checks built from the trace's guards) when the forward's inputs and
-      outputs can be expressed without Dynamo's bytecode and every guard can be re-checked in
-      another process.
+      specialised on unchanged) and has the trace's backend build the stored graph, so Dynamo
+      never runs and every Inductor piece comes from an artifact; or
+    * traces with Dynamo as usual (the backend keeps what saving needs: see
+      :class:`~freezeframe.compilation.trace_backend.KeptTrace`), and then, a step after the
+      call, saves the trace (with checks built from the trace's guards) when the forward's
+      inputs and outputs can be expressed without Dynamo's bytecode and every guard can be
+      re-checked in another process.
 
     The saved trace assumes what trace-once already assumes: forward has no Python side effects
     outside the graph. It is loaded only for a call whose sizes meet the conditions its Python
@@ -120,59 +109,20 @@ class ModelCache:
     sizes fit.
     """
 
-    def __init__(self, model: Any, dynamic_arg_dims: Mapping[str, Any] | None = None, *,
+    def __init__(self, module: nn.Module, config: CompilationConfig, stats: Stats,
+                 backend: TraceBackend, trace: TraceOnce,
+                 dynamic_arg_dims: Mapping[str, Any] | None = None, *,
                  model_key: str | None = None, signer: Signer | None = None) -> None:
-        self._model = model
+        self._module = module
+        self._config = config
+        self._stats = stats
+        self._backend = backend
+        self.trace = trace
         self._signer = signer  # the model's call keys: the sizes a saved trace is checked on
         self._dims = dict(dynamic_arg_dims or {})
         self._user_key = model_key
-        self.trace: TraceOnce | None = None  # the trace-once callable, set by the model
-        self._backend: Callable[..., Any] | None = None
-        self._recorder: _OutputRecorder | None = None
-        self._graph_blob: bytes | None = None
-        # the nodes the graph blob holds a fake value for
-        self._valued: list[str] | None = None
-        self._sources: list[str] | None = None
-        self._frame_kind: str | None = None
-        self._not_saved: str | None = None  # why this trace cannot be saved, once known
-        # forward's side effects, when all are constant stores a saved trace can repeat
-        self._stores: tuple[ConstantStore, ...] | None = None
         self._run: Callable[..., Any] | None = None
         self.cache: CompileCache | None = None
-        self.trace_loaded = False
-
-    # -- hooks for the compile path -------------------------------------------------------
-    def wrap_backend(self, backend: Callable[..., Any]) -> Callable[..., Any]:
-        """The Dynamo backend to trace with: records traced files and code for the key and
-        keeps what the saved trace needs, then calls ``backend``."""
-        self._backend = backend
-
-        def cached_backend(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-            if self.cache is not None:
-                codes = traced_code_objects()
-                self.cache.add_traced_files(traced_files_from_graph(gm))
-                self.cache.add_traced_code(code_digests(codes))
-                self._frame_kind = self._traced_frame_kind(codes)
-                self._keep_graph(gm)
-                self._stores = stores_of_current_trace()
-            fn = backend(gm, example_inputs)
-            if self.cache is not None and self._graph_blob is not None:
-                self._recorder = _OutputRecorder(fn)
-                return self._recorder
-            return fn
-
-        return cached_backend
-
-    def _traced_frame_kind(self, codes: Sequence[types.CodeType]) -> str | None:
-        """Which frame Dynamo traced (see :class:`_Frame`), from the first traced code."""
-        func = getattr(getattr(self._model.module, "forward", None), "__func__", None)
-        if not codes or func is None:
-            return None
-        if codes[0] == func.__code__:  # (a private copy of it: see TraceOnce)
-            return "forward"
-        if codes[0] is _wrapped_frame_code():
-            return "wrapped"
-        return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._run is not None:
@@ -181,25 +131,19 @@ class ModelCache:
 
     # -- first call -----------------------------------------------------------------------
     def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        model, trace = self._model, self.trace
-        if trace is None:
-            raise CacheError("ModelCache.trace was not set; the compile path must assign the "
-                             "trace-once callable before the first call")
+        config, trace = self._config, self.trace
         # the passes are resolved only for a cache that is on, as CompileCache.open did itself
-        passes = (pass_sources(config_passes(model.config)) if cache_enabled(model.config)
-                  else None)
-        self.cache = CompileCache.open(model.config, stats=model.stats, module=model.module,
+        passes = pass_sources(config_passes(config)) if cache_enabled(config) else None
+        self.cache = CompileCache.open(config, stats=self._stats, module=self._module,
                                        args=args, kwargs=kwargs, dynamic_arg_dims=self._dims,
                                        model_key=self._user_key, inductor_passes=passes)
         if self.cache is None:
             self._run = trace
             return trace(*args, **kwargs)
-        manager = getattr(model, "manager", None)
-        if manager is not None:
-            manager.cache = PieceCache(self.cache)
-        if model.config.backend == "inductor":
+        self._backend.save_into(self.cache)
+        if config.backend == "inductor":
             prefetch_torch_key()  # every artifact load compares it; overlaps the trace's load
-        with self.cache.lock(), self.cache.inductor_dir(model.config.backend == "inductor"):
+        with self.cache.lock(), self.cache.inductor_dir(config.backend == "inductor"):
             loaded = self._try_saved_trace(args, kwargs)
             if loaded is not None:
                 self._run = loaded
@@ -207,96 +151,67 @@ class ModelCache:
                 self.cache.record_start(trace_loaded=True)
                 return out
             out = trace(*args, **kwargs)
-            self._save_trace(out, args, kwargs)
+            self._save_trace(out, args, kwargs)  # the step after the first call
             self.cache.record_start(trace_loaded=False)
         self._run = trace
         return out
 
-    def _keep_graph(self, gm: Any) -> None:
-        """Keeps what saving this trace will need of the graph Dynamo traced, while the graph
-        still holds its fake values: the sources of its inputs and the pickled graph. Notes
-        instead why the trace cannot be saved."""
-        try:
-            from torch.fx._graph_pickler import GraphPickler, Options
-        except ImportError:  # pragma: no cover - torch without a graph pickler
-            self._not_saved = "this torch has no graph pickler"
-            return
-        sources, why = _input_sources(gm)
-        if why is not None:
-            self._not_saved = why
-            return
-        # Node metadata: only what splitting and Inductor read (Dynamo's own entries hold real
-        # tensors and weak references).
-        options = Options(ops_filter=None, node_metadata_key_filter=_KEEP_META.__contains__)
-        try:
-            with _kept_values_only(gm, splitting_ops_of(self._model.config)):
-                self._graph_blob = GraphPickler.dumps(gm, options)
-                self._valued = valued_nodes(gm)
-        except Exception as exc:
-            self._graph_blob = None
-            self._not_saved = f"the traced graph cannot be serialised ({type(exc).__name__}: {exc})"
-            logger.debug("graph pickling failed", exc_info=True)
-            return
-        self._sources = sources
-
     def _not_saving(self, why: str) -> None:
         logger.info("the trace of %s is not saved, so warm starts will trace with Dynamo: %s",
-                    type(self._model.module).__name__, why)
-        self._model.stats.inc("traces_not_saved")
+                    type(self._module).__name__, why)
+        self._stats.inc("traces_not_saved")
 
     def _save_trace(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Saves the first call's trace (``out`` is what it returned) for warm starts, or logs
         and counts why it cannot be saved: the reasons are checked cheapest first."""
-        cache, rec = self.cache, self._recorder
+        cache, kept, rec = self.cache, self._backend.kept, self._backend.outputs
         if cache is None:
             return
-        if self._not_saved is not None:
-            self._not_saving(self._not_saved)
+        if kept is not None and kept.not_saved is not None:
+            self._not_saving(kept.not_saved)
             return
-        if rec is None or rec.outputs is None or self._sources is None:
+        if kept is None or rec is None or rec.outputs is None:
             self._not_saving("the compiled graph was not called by the first call")
             return
-        if self._frame_kind is None:
+        if kept.frame is None:
             self._not_saving("Dynamo traced a frame other than the forward")
             return
         stores: tuple[ConstantStore, ...] = ()
-        if self.trace is not None and not free_of_side_effects(self.trace):
+        pure = free_of_side_effects(self.trace)
+        if not pure:
             # Dynamo's code repeats forward's Python side effects on every call (a store such
             # as self.last_hidden = h); a saved trace calls the graph alone, so a warm start
             # would skip them where a cold one makes them, unless they are constant stores
             # it repeats itself (constant_stores.py)
-            stores = self._stores or ()
-        if self.trace is not None and not free_of_side_effects(self.trace) and not stores:
+            stores = kept.stores or ()
+        if not pure and not stores:
             self._not_saving("forward has Python side effects (it stores into the module or "
                              "elsewhere) that only Dynamo's code repeats")
             return
-        entries = getattr(self.trace, "guard_entries", None)
-        if entries is None:
-            self._not_saving("the trace does not record its guards")
-            return
         try:
             described, spec_text = _output_layout(out, rec.outputs)
-            checks, modules = self._checks_holding_now(entries, self._frame_kind, args, kwargs)
+            checks, modules = self._checks_holding_now(self.trace.guard_entries, kept,
+                                                       kept.frame, args, kwargs)
         except _NotSaved as exc:
             self._not_saving(str(exc))
             return
-        sizes = _SavedSizes.of(self.trace, self._signer, self._model.config.backend == "inductor",
+        sizes = _SavedSizes.of(self.trace, self._signer, self._config.backend == "inductor",
                                args, kwargs)
-        payload = pickle.dumps({"graph": self._graph_blob, "sources": self._sources,
+        payload = pickle.dumps({"graph": kept.graph, "sources": list(kept.sources),
                                 "out_spec": spec_text, "out_leaves": described,
-                                "frame": self._frame_kind, "sizes": sizes.to_data(),
-                                "valued": self._valued,
+                                "frame": kept.frame, "sizes": sizes.to_data(),
+                                "valued": list(kept.valued),
                                 "stores": [store.to_data() for store in stores],
                                 "modules": modules})
         try:
-            cache.save_trace(payload, {"inputs": len(self._sources)},
+            cache.save_trace(payload, {"inputs": len(kept.sources)},
                              [c.as_tuple() for c in checks])
         except CacheError:
             raise
         except Exception as exc:
             logger.warning("could not save the trace (%s: %s)", type(exc).__name__, exc)
 
-    def _checks_holding_now(self, entries: Sequence[Any], frame_kind: str,
+    def _checks_holding_now(self, entries: Sequence[Any], kept: KeptTrace, frame_kind: str,
                             args: tuple[Any, ...], kwargs: dict[str, Any]
                             ) -> tuple[list[ValueCheck], dict[str, str]]:
         """The value checks to save with the trace, built from its guards, each of which must
@@ -305,11 +220,11 @@ class ModelCache:
         globals Dynamo installed by id hold (see ``_Frame.installed_modules``). Raises
         :class:`_NotSaved` when they cannot be built or one does not hold."""
         try:
-            frame = _Frame(self._model.module, frame_kind)
+            frame = _Frame(self._module, frame_kind)
             checks = value_checks(entries, frame)
             modules = frame.installed_modules(
                 [c.source for c in checks] + [str(c.arg) for c in checks if c.arg is not None]
-                + list(self._sources or ()))
+                + list(kept.sources))
             why = failed_check(checks, frame, frame.locals_at_entry(args, kwargs))
         except _CannotCheck as exc:
             raise _NotSaved(f"the trace specialised on {exc}, which another process cannot "
@@ -326,9 +241,9 @@ class ModelCache:
         backend, so Dynamo never runs; None when there is none (the cache then counts and logs
         why)."""
         cache = self.cache
-        if cache is None or self._backend is None:
+        if cache is None:
             return None
-        if getattr(getattr(self._model.module, "forward", None), "__func__", None) is None:
+        if getattr(getattr(self._module, "forward", None), "__func__", None) is None:
             return None
         chosen: list[_Chosen] = []
 
@@ -338,13 +253,13 @@ class ModelCache:
         if cache.load_trace(accept) is None:
             return None
         pick = chosen[-1]
-        pick.loaded.fn = self._backend(pick.gm, pick.example_inputs)  # errors here are real
-        # the branches the saved trace took on sizes, for the per-call size checks
-        if self.trace is not None:
-            self.trace.adopt_size_conditions(pick.sizes.conditions, pick.sizes.symbols)
-            self.trace.adopt_value_reads(pick.reads)
-        self.trace_loaded = True
-        self._model.stats.inc("traces_loaded")
+        # errors here are real
+        pick.loaded.fn = self._backend.build(pick.gm, pick.example_inputs).stitched
+        # the branches the saved trace took on sizes, for the per-call size checks; a trace
+        # whose stores the loaded forward repeats is not free of side effects
+        self.trace.adopt_saved(pick.sizes.conditions, pick.sizes.symbols, pick.reads,
+                               side_effects=pick.loaded.has_stores)
+        self._stats.inc("traces_loaded")
         logger.info("loaded the saved trace from %s; Dynamo did not run", cache.entry_dir)
         return pick.loaded
 
@@ -354,7 +269,7 @@ class ModelCache:
         specialised on, its conditions on sizes, its placeholders), or None after appending it,
         loaded, to ``chosen``. Raises :class:`CorruptArtifactError` for a trace that cannot be
         read."""
-        module = self._model.module
+        module = self._module
         # rows of another layout raise TypeError: load_trace removes the file
         checks = tuple(ValueCheck(*row) for row in saved.checks)
         try:
@@ -392,68 +307,6 @@ class ModelCache:
 class _NotSaved(Exception):
     """Why the first call's trace cannot be saved (logged, and counted in
     ``traces_not_saved``)."""
-
-
-def _input_sources(gm: Any) -> tuple[list[str], str | None]:
-    """The sources the traced graph's inputs are read from (``L['x']``, ``G['consts'].T``), in
-    placeholder order, and why the trace cannot be saved when one has no such plain source (a
-    saved trace rebinds each input from its source, without Dynamo's bytecode)."""
-    sources: list[str] = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        name = source_name(node)
-        if name is None or not (name.startswith("L[") or name.startswith("G[")):
-            return sources, f"graph input {node.name} has no plain source"
-        sources.append(name)
-    return sources, None
-
-
-@contextlib.contextmanager
-def _kept_values_only(gm: Any, splitting_ops: Sequence[str]) -> Iterator[None]:
-    """The traced graph as a saved trace stores it, for the duration of the block; its node
-    metadata is restored on the way out, whatever happens.
-
-    A placeholder that is a view (say a reshaped block table) is stored as a plain tensor of the
-    same sizes and strides: what the graph sees, without the view's base. So is every fake value
-    the split reads (:func:`~freezeframe.compilation.split.values_the_split_reads`: the values
-    crossing piece boundaries, sizes), a view as its ``detach()`` (the graph pickler cannot
-    write a view's base), so a warm start need not re-derive them by fake propagation through
-    the whole graph; :func:`valued_nodes` lists the nodes stored with one. The values inside
-    pieces are left out (most of them: unpickling one costs about 2 ms); a piece compiled on a
-    warm start is traced again by Inductor from its inputs' values. A trace whose kept values
-    cannot be written (state the pickler cannot write) is not saved: re-deriving them by fake
-    propagation outside Dynamo's tracing context can pin a symbolic size to the traced one (an
-    op that reads it as an int), so warm starts trace it with Dynamo instead (its pieces'
-    artifacts still load).
-    """
-    replaced: dict[tuple[Any, str], Any] = {}
-
-    def put(node: Any, key: str, value: Any) -> None:
-        replaced.setdefault((node, key), node.meta[key])
-        node.meta[key] = value
-
-    try:
-        for node in gm.graph.nodes:
-            for key in ("example_value", "val"):
-                if key in node.meta and node.op == "placeholder":
-                    put(node, key, _unviewed(node.meta[key]))
-        keep = values_the_split_reads(gm, splitting_ops)
-        for node in gm.graph.nodes:
-            for key in ("example_value", "val"):
-                if key not in node.meta or node.op == "placeholder":
-                    continue
-                if node.name not in keep:
-                    replaced.setdefault((node, key), node.meta[key])
-                    del node.meta[key]
-                    continue
-                put(node, key, _detached(node.meta[key]))
-                if _holds_view(node.meta[key]):
-                    raise CacheError(f"the value of {node.name} is still a view")
-        yield
-    finally:
-        for (node, key), value in replaced.items():
-            node.meta[key] = value
 
 
 def _output_layout(out: Any, outputs: Sequence[Any]) -> tuple[list[tuple[str, Any]], str]:

@@ -390,6 +390,10 @@ class CompilerManager:
         # piece whose structure an earlier piece had reuses that piece's compiled code
         self._compiled: dict[tuple[str, int, int], tuple[int, Callable[..., Any]]] = {}
 
+    def use_cache(self, cache: ArtifactCache | None) -> None:
+        """Load and save compiled artifacts through ``cache`` (None: compile every time)."""
+        self.cache = cache
+
     def _compile_once_more_after_recovery(self, graph: fx.GraphModule,
                                           example_inputs: list[Any], compile_range: Range,
                                           piece_index: int) -> Callable[..., Any]:

@@ -101,8 +101,8 @@ _NAME_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME"})
 def free_of_side_effects(trace: TraceOnce) -> bool:
     """Whether the code Dynamo generated for ``forward`` does nothing but call the graph."""
     code = trace.bytecode
-    if code is None:  # no bytecode: a saved trace, which already assumes no side effects
-        return trace.traced
+    if code is None:  # a saved trace: its forward repeats the stores it was saved with, if any
+        return trace.traced or trace.loaded_side_effects is False
     for ins in dis.get_instructions(code):
         if ins.opname in _SIDE_EFFECT_OPS:
             return False

@@ -132,18 +132,20 @@ class PieceRecording:
     runner around its first PIECEWISE step of a shape (a call of ``variant`` for
     ``descriptor``, its graphs those ``owner`` captured)."""
 
-    __slots__ = ("_descriptor", "_inference", "_model_key", "_owner", "_variant", "calls")
+    __slots__ = ("_descriptor", "_inference", "_model_key", "_owner", "_stitched", "_variant",
+                 "calls")
 
     def __init__(self, variant: Variant, descriptor: BatchDescriptor, owner: object,
                  inference: bool, model_key: str) -> None:
         self._variant, self._descriptor, self._owner = variant, descriptor, owner
+        self._stitched = variant.stitched  # what the trace's code calls (read once)
         self._inference, self._model_key = inference, model_key
         # (flat inputs, flat outputs) of each stitching call; None: not recording (another
         # recording was under way)
         self.calls: list[tuple[tuple[Any, ...], Any]] | None = []
 
     def __enter__(self) -> PieceRecording:
-        stitched = self._variant.stitched
+        stitched = self._stitched
         if stitched is None or stitched.recording is not None:
             self.calls = None
         else:
@@ -151,7 +153,7 @@ class PieceRecording:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stitched = self._variant.stitched
+        stitched = self._stitched
         if self.calls is not None and stitched is not None \
                 and stitched.recording is self.calls:
             stitched.recording = None
@@ -162,7 +164,7 @@ class PieceRecording:
         generated code, not one stitching call, an output that is not the graph's own, a piece
         without a graph of this owner)."""
         variant, calls = self._variant, self.calls
-        backend, stitched = variant.backend, variant.stitched
+        backend, stitched = variant.backend, self._stitched
         stitching = backend.stitching
         if calls is None or len(calls) != 1 or stitching is None or stitched is None:
             return None

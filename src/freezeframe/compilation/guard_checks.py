@@ -34,7 +34,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from freezeframe.cache.key import code_digest
+from freezeframe.cache.traced_code import code_digest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -316,7 +316,7 @@ def failed_check(checks: Sequence[ValueCheck], frame: _Frame, locals_: Mapping[s
     """Why ``checks`` do not hold in ``frame`` (with ``locals_`` as its ``L``), or None when
     each holds. A source that cannot be evaluated fails its check. Values evaluated are
     appended to ``seen`` (their code is compared by
-    :func:`freezeframe.cache.key.code_mismatch`)."""
+    :func:`freezeframe.cache.traced_code.code_mismatch`)."""
     namespace = _guard_namespace(frame, locals_)
     state = _torch_state()
 

@@ -135,7 +135,8 @@ class CompiledModel(nn.Module):
         self._exact, self._same = self._router.exact, self._router.same
 
     def _new_variant(self, signature: CallSignature | None) -> Variant:
-        return self._stack.variant(self, self._dims, self._user_key, self._signer, signature)
+        return self._stack.variant(self.module, self.model_key, self._dims, self._user_key,
+                                   self._signer, signature, dims_given=self.dims_given)
 
     # -- routing and tracing ----------------------------------------------------------------
     def _route(self, key: tuple[Any, ...], args: tuple[Any, ...],

@@ -36,11 +36,10 @@ from freezeframe.compilation.signature import (
     CallSignature,
     SameCall,
     Signer,
-    SizeGuards,
     difference,
     incompatibility,
 )
-from freezeframe.compilation.trace import is_size_equality
+from freezeframe.compilation.size_conditions import SizeGuards, is_size_equality
 from freezeframe.compilation.trace_checks import (
     refuse_root_hooks,
     refuse_self_changing_forward,

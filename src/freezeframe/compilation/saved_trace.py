@@ -25,10 +25,11 @@ from typing import Any
 
 from freezeframe.compilation.constant_stores import ConstantStore, imported_module, resolve
 from freezeframe.compilation.constant_stores import apply as apply_stores
-from freezeframe.compilation.signature import Signer, SizeGuards
+from freezeframe.compilation.signature import Signer
+from freezeframe.compilation.size_conditions import SizeGuards
 from freezeframe.errors import CacheError
 
-__all__ = ["missing_values", "source_name", "valued_nodes"]
+__all__ = ["missing_values", "valued_nodes"]
 
 
 # Dynamo names the globals it installs ``<prefix>_<n>`` with a dunder prefix; the numbers differ
@@ -175,16 +176,6 @@ def _parameter_list(code: types.CodeType) -> list[str]:
     return params
 
 
-def source_name(node: Any) -> str | None:
-    """The name of the Dynamo source a graph placeholder was read from (``L['x']``), if any."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    if source is None:
-        return None
-    name = source.name  # a property in torch 2.13, a method in older builds
-    return str(name() if callable(name) else name)
-
-
 class _OutputRecorder:
     """Wraps the compiled graph Dynamo's bytecode calls, to see the first call's graph outputs
     (so the forward's return value can be expressed in terms of them for the saved trace)."""
@@ -222,6 +213,11 @@ class _LoadedTrace:
         self._single = self._spec.is_leaf() and self._leaves[0][0] == "out"
         # forward's constant stores, repeated after each call as Dynamo's code did them
         self._stores = resolve(stores)
+
+    @property
+    def has_stores(self) -> bool:
+        """Whether each call repeats constant stores of forward's (Python side effects)."""
+        return bool(self._stores)
 
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The graph inputs for a call, evaluated as Dynamo's bytecode would."""
@@ -301,7 +297,7 @@ def _load_graph(blob: bytes, valued: Sequence[str] | None) -> tuple[Any, list[An
     """A saved graph with the fake values it was saved with, and its placeholders' values.
 
     ``valued`` names the nodes saved with a fake value
-    (:meth:`~freezeframe.compilation.cached_trace.ModelCache._keep_graph`: those the split
+    (:func:`~freezeframe.compilation.trace_backend.keep_trace`: those the split
     reads). A trace saved without that list (an older version kept the placeholders' values
     only) or whose values do not all come back is refused with :class:`CacheError`, and the
     caller traces with Dynamo: re-deriving them by fake propagation outside Dynamo's tracing

@@ -13,8 +13,9 @@ This module puts back the checks that matter, at the cost of one small tuple per
   another dtype, device, rank or fixed size than the trace had: an :class:`InputMismatchError`
   naming the argument and the fix) or merely another structure worth its own trace (``None``
   where a tensor was, another plain value, another memory layout, aliasing).
-* :class:`SizeGuards` holds the trace's conditions on dynamic sizes (``if x.shape[0] > 4:``
-  in ``forward``) and says whether a call's sizes satisfy them.
+
+The trace's conditions on dynamic sizes (``if x.shape[0] > 4:`` in ``forward``) and whether a
+call's sizes satisfy them: :mod:`~freezeframe.compilation.size_conditions`.
 
 Example: ``forward(self, x: Tensor, mask: Optional[Tensor] = None, scale: float = 1.0)`` with
 ``x`` dynamic in dim 0 has, for ``model(torch.randn(8, 16))``, the structure
@@ -36,7 +37,7 @@ import torch
 from freezeframe.compilation.values import MAX_DEPTH, Same, describe, parts, plain_token, token
 from freezeframe.errors import InputMismatchError
 
-__all__ = ["CallSignature", "SameCall", "Signer", "SizeGuards", "TensorSpec", "difference",
+__all__ = ["CallSignature", "SameCall", "Signer", "TensorSpec", "difference",
            "distinct_storages", "exact_key", "incompatibility", "same_call"]
 
 logger = logging.getLogger(__name__)
@@ -495,61 +496,3 @@ def _sharing(sig: CallSignature) -> str:
 
 def _grad(enabled: bool | None) -> str:
     return "grad enabled" if enabled else "grad disabled"
-
-
-class SizeGuards:
-    """The conditions a trace placed on dynamic sizes, as a predicate over a call's sizes.
-
-    Dynamo records a condition for every Python decision on a symbolic size (``if
-    x.shape[0] > 4:``); trace-once drops them, so here they are evaluated per call instead
-    (memoised per distinct sizes, so each batch size costs one evaluation).
-    """
-
-    def __init__(self, conditions: Sequence[tuple[Any, str]],
-                 symbols: Mapping[Any, tuple[str, int]],
-                 only_sizes: Mapping[tuple[str, int], int] | None = None) -> None:
-        self.conditions = list(conditions)  # (sympy expression, where in the user's code)
-        self._symbols = dict(symbols)
-        self._only = dict(only_sizes or {})
-        self._memo: dict[tuple[int, ...], bool] = {}
-        self._keys = sorted({*self._symbols.values(), *self._only})
-
-    @classmethod
-    def of_trace(cls, conditions: Sequence[tuple[Any, str]],
-                 symbols: Mapping[Any, tuple[str, int]],
-                 traced_at: Mapping[tuple[str, int], int], inductor: bool) -> SizeGuards:
-        """The guards of a trace made at sizes ``traced_at``. With Inductor, a trace made at
-        size 1 serves size 1 only: Inductor specialises code on a size-1 dim even when Dynamo
-        kept it symbolic, so another size traces again."""
-        only = {where: 1 for where, n in traced_at.items() if n == 1} if inductor else {}
-        return cls(conditions, symbols, only)
-
-    @property
-    def trivial(self) -> bool:
-        return not self.conditions and not self._only
-
-    def accepts(self, sizes: Mapping[tuple[str, int], int]) -> bool:
-        if self.trivial:
-            return True
-        try:
-            probe = tuple(sizes[k] for k in self._keys)
-        except KeyError:
-            return False
-        hit = self._memo.get(probe)
-        if hit is None:
-            hit = self._evaluate(dict(zip(self._keys, probe, strict=True)))
-            self._memo[probe] = hit
-        return hit
-
-    def _evaluate(self, sizes: Mapping[tuple[str, int], int]) -> bool:
-        import sympy
-
-        for key, size in self._only.items():
-            if sizes[key] != size:
-                return False
-        subs = {sym: sympy.Integer(sizes[where]) for sym, where in self._symbols.items()}
-        for expr, _ in self.conditions:
-            value = expr.xreplace(subs)
-            if value is not sympy.true and not bool(value):
-                return False
-        return True

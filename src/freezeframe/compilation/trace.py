@@ -15,18 +15,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 import re
 import threading
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from freezeframe.errors import CompileError, ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from freezeframe.compilation.trace_backend import TraceBackend
 
 __all__ = ["TraceOnce", "dynamo_off_reason", "resolve_dynamic_arg_dims"]
 
@@ -115,37 +117,6 @@ def resolve_dynamic_arg_dims(forward: Callable[..., Any],
     return out
 
 
-_USER_LOC_RE = re.compile(r"^(?P<code>.*?)\s+#\s+(?P<file>\S+):(?P<line>\d+) in (?P<fn>\S+)$")
-
-
-def is_size_equality(expr: Any) -> bool:
-    """``Eq(s0, s1)``: two dynamic sizes the trace found equal (rows of two arguments)."""
-    import sympy
-
-    return (isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Symbol)
-            and isinstance(expr.rhs, sympy.Symbol))
-
-
-def _from_user_branch(guard: Any) -> bool:
-    """Whether Dynamo added ``guard`` while evaluating the user's own Python on a size (an
-    ``if``, ``bool()``, ``assert`` on ``x.shape[0]``), as opposed to the 0/1 and contiguity
-    assumptions torch's shape functions make, which trace-once deliberately ignores."""
-    frame = getattr(getattr(guard, "sloc", None), "framework_loc", None)
-    filename = getattr(frame, "filename", None) or (frame if isinstance(frame, str) else "")
-    return f"_dynamo{os.sep}variables{os.sep}" in filename
-
-
-def _user_location(text: str | None) -> str:
-    """``file:line in fn (`code`)`` from Dynamo's ``code  # file:line in fn``."""
-    if not text:
-        return "an unknown line"
-    match = _USER_LOC_RE.match(text.strip())
-    if match is None:
-        return text.strip()
-    path = match["file"].lstrip(".").lstrip("/")
-    return f"{os.path.basename(path)}:{match['line']} in {match['fn']} (`{match['code']}`)"
-
-
 @contextlib.contextmanager
 def _dynamo_limits() -> Iterator[None]:
     cfg = torch._dynamo.config
@@ -225,7 +196,7 @@ def _size_oblivious() -> Iterator[None]:
 class TraceOnce:
     """Owns the one Dynamo trace of ``module.forward`` and the fast call path after it."""
 
-    def __init__(self, module: nn.Module, backend: Callable[..., Any],
+    def __init__(self, module: nn.Module, backend: TraceBackend,
                  dynamic_arg_dims: Mapping[str, Sequence[int]], *,
                  dims_given: bool = True) -> None:
         """``dims_given``: the dims were the user's, not the default dim 0 of every tensor
@@ -239,6 +210,9 @@ class TraceOnce:
         self._fast: Callable[..., Any] | None = None
         self._lock = threading.Lock()  # one trace even if two threads make the first call
         self.traced = False
+        # a trace loaded from the cache: whether its forward repeats Python side effects
+        # (constant stores); None when Dynamo traced
+        self.loaded_side_effects: bool | None = None
         # Every guard Dynamo built for the trace (and that trace-once then dropped): the values
         # the trace specialised on (``CONSTANT_MATCH`` on ``self.scale``, ``G['consts'].SCALE``,
         # ...), for whoever must re-check them without Dynamo (the saved trace).
@@ -331,16 +305,11 @@ class TraceOnce:
             self.value_reads = [(_guard_source(e), str(e.guard_type)) for e in entries]
             return _drop_all_guards(entries)
 
-        def observing_backend(gm: Any, example_inputs: Sequence[Any]) -> Any:
-            fn = self._backend(gm, example_inputs)
-            self._record_size_conditions()
-            return fn
-
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
         handle = convert_frame.register_bytecode_hook(hook)  # type: ignore[arg-type]
         self._compiled = torch.compile(forward, fullgraph=True, dynamic=False,
-                                       backend=observing_backend,
+                                       backend=self._backend,
                                        options={"guard_filter_fn": drop_and_record})
         try:
             with _dynamo_limits(), _size_oblivious():
@@ -355,6 +324,8 @@ class TraceOnce:
         finally:
             handle.remove()
         self.traced = True
+        self.size_conditions = list(self._backend.sizes.conditions)
+        self.size_symbols = dict(self._backend.sizes.symbols)
         func = self._forward_func
         if (captured and func is not None and code is not None
                 and captured[0].co_freevars == code.co_freevars):
@@ -366,47 +337,17 @@ class TraceOnce:
                         "torch.compile with recompiles forbidden", type(self._module).__name__)
         return out
 
-    def _record_size_conditions(self) -> None:
-        """Keep the shape guards on dynamic dims (read inside the backend, where the tracing
-        context still holds the shape environment)."""
-        from torch._guards import TracingContext
-
-        ctx = TracingContext.try_get()
-        shape_env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
-        if shape_env is None:
-            return
-        symbols: dict[Any, tuple[str, int]] = {}
-        for sym, sources in getattr(shape_env, "var_to_sources", {}).items():
-            for source in sources:
-                base = getattr(source, "base", None)
-                name = getattr(base, "local_name", None)
-                idx = getattr(source, "idx", None)
-                prop = getattr(getattr(source, "prop", None), "name", None)
-                if name in self._dims and isinstance(idx, int) and prop == "SIZE":
-                    symbols[sym] = (name, idx)
-                    break
-        conditions: list[tuple[Any, str]] = []
-        for guard in getattr(shape_env, "guards", ()):
-            free: set[Any] = getattr(guard.expr, "free_symbols", set())
-            if free and free <= symbols.keys() and (is_size_equality(guard.expr)
-                                                    or _from_user_branch(guard)):
-                sloc = getattr(guard, "sloc", None)
-                conditions.append((guard.expr,
-                                   _user_location(getattr(sloc, "maybe_user_loc", None))))
-        self.size_symbols = symbols
-        self.size_conditions = conditions
-
-    def adopt_value_reads(self, reads: Sequence[tuple[str, str]]) -> None:
-        """Take the sources and guard kinds of the values a trace loaded from the cache
-        specialised on (its saved checks) as this trace's."""
-        self.value_reads = list(reads)
-
-    def adopt_size_conditions(self, conditions: Sequence[tuple[Any, str]],
-                              symbols: Mapping[Any, tuple[str, int]]) -> None:
-        """Take the size conditions of a trace loaded from the cache (Dynamo did not run, so
-        none were recorded here) as this trace's."""
+    def adopt_saved(self, conditions: Sequence[tuple[Any, str]],
+                    symbols: Mapping[Any, tuple[str, int]], reads: Sequence[tuple[str, str]],
+                    *, side_effects: bool) -> None:
+        """Take what a trace loaded from the cache recorded (Dynamo did not run, so nothing was
+        recorded here) as this trace's: its conditions on sizes, the sources and guard kinds
+        of the values it specialised on (its saved checks), and whether its forward repeats
+        Python side effects."""
         self.size_conditions = list(conditions)
         self.size_symbols = dict(symbols)
+        self.value_reads = list(reads)
+        self.loaded_side_effects = side_effects
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fast is not None:

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from freezeframe.compilation.module_state import ModuleState
-from freezeframe.compilation.trace import TraceOnce, is_size_equality
+from freezeframe.compilation.size_conditions import is_size_equality
+from freezeframe.compilation.trace import TraceOnce
 from freezeframe.errors import CompileError, FreezeframeError
 from freezeframe.stats import Stats
 
