@@ -318,7 +318,7 @@ def _never_a_cache_hit(fresh: bool) -> Iterator[None]:
     autograd cache entry), and no compiled piece could be saved. So a range compile gets a
     cache-key tag of its own: it writes as usual and never reads another compile's entry.
     freezeframe's own compile cache keeps warm starts warm."""
-    compiler_config = torch.compiler.config
+    compiler_config: Any = torch.compiler.config  # (a config module: patch() is dynamic)
     if not fresh:
         yield
     elif hasattr(compiler_config, "cache_key_tag"):
