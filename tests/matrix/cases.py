@@ -46,14 +46,7 @@ RUNNER_VIAS = (*RUNNER_PATHS, "second_runner")
 # does not draw them while they are listed here, and each has a named strict-xfail case in
 # test_matrix.py (OPEN) that shows the bug. The lead switches a kind on (removes it here, and
 # moves its OPEN case to FOUND) after merging its fix.
-PENDING_KINDS: tuple[str, ...] = (
-    "pre_hook_low_level",
-    "hooks_micro_batch",
-    "micro_batch_full_uniform",
-    "micro_batch_requests",
-    "capture_writes_attributes",
-    "stored_output_rebound",
-)
+PENDING_KINDS: tuple[str, ...] = ()
 # every kind PENDING_KINDS may hold, in words (the item in brackets)
 SWITCHED_KINDS: dict[str, str] = {
     "module_global": "a module-level global forward reads, changed (change module_global) "

@@ -291,6 +291,8 @@ class Harness:
             causes.add("forward_writes_state")
         if len(self.structures) >= 8:
             causes.add("many_structures")
+        if case.path == "microbatch" and self.spec.requests:
+            causes.add("micro_batch_requests")
         if len(self.scalars) > 1:
             if case.breakable:
                 causes.add("scalar_breakable")
