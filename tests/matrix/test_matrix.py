@@ -210,6 +210,14 @@ FOUND: dict[str, Case] = {
         seed=5, tier="fast", model="keeps_last", path="runner", graph_mode="full",
         ladder=(8,), events=(Call(6, positional=True), Call(5, via="plain"),
                              Call(6, positional=True))),
+    # fast seed 17 once the six kinds above were drawn: a runner step cut each place of one
+    # tensor object returned twice ({"pair": (h, [y, h*2]), "logits": y}) as a tensor of its
+    # own; the cut (and copy_outputs, and a micro-batched step's join) now keeps it one
+    "repeated_output_tensor": Case(
+        seed=17, tier="fast", model="nested_out", path="runner",
+        graph_mode="full_decode_only", ladder=(1, 2, 4, 8), policy="background",
+        inference_mode=False, verify=2, events=(Call(1, grad="inference", opt=True,
+                                                     positional=True),)),
     # OPEN until the trust merge (d529a4c) fixed them (issue 42); the reason each was open:
     # issue 42 item 2: a module-level global forward reads, changed after the first call, keeps
     # its first value (a wrong answer)

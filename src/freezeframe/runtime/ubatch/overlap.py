@@ -137,9 +137,15 @@ def _concat(outputs: Sequence[Any]) -> Any:
         return torch.cat(list(outputs), dim=0)
     leaves0, spec = pytree.tree_flatten(first)
     columns = [pytree.tree_flatten(out)[0] for out in outputs]
-    joined = []
+    joined: list[Any] = []
+    where: dict[int, int] = {}  # a tensor found twice in the output is joined once
     for i, leaf in enumerate(leaves0):
         if isinstance(leaf, torch.Tensor):
+            same = where.get(id(leaf))
+            if same is not None and all(col[i] is col[same] for col in columns):
+                joined.append(joined[same])
+                continue
+            where[id(leaf)] = i
             joined.append(torch.cat([col[i] for col in columns], dim=0))
         else:
             joined.append(leaf)
