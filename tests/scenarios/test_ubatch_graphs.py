@@ -8,6 +8,7 @@ are tests/scenarios/test_ubatch.py's. Every scenario runs on every graph backend
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import weakref
@@ -369,3 +370,31 @@ def test_micro_batching_a_runner_with_a_requests_input_is_refused(rig: Rig) -> N
     with pytest.raises(ff.ConfigError, match=r"Requests input 'bias'.*Static input"):
         GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN), "bias": ff.runtime.Requests(
             HIDDEN)}, progress=False, device=rig.device)
+
+
+@dataclasses.dataclass
+class RowsOut:
+    rows: torch.Tensor
+    twice: torch.Tensor
+
+
+class DataclassCommModel(CompiledCommModel):
+    """Returns a plain @dataclass, which torch's pytree does not know."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        y = super().forward(x)
+        return RowsOut(y, y * 2)
+
+
+def test_a_micro_batched_step_joins_a_dataclass_output(rig: Rig) -> None:
+    """Found by the matrix (fast seed 53): the micro-batches' outputs were joined through
+    torch's pytree, to which a dataclass is a leaf: the answer was micro-batch 0's rows."""
+    eager = DataclassCommModel(rig.device)
+    _, runner = e2e_runner(rig, DataclassCommModel(rig.device))
+    for tokens, seed in ((7, 61), (8, 62)):
+        x = inputs(rig, tokens, seed=seed)
+        got = runner(x)
+        with torch.inference_mode():
+            want = eager(x)
+        assert type(got) is RowsOut and tuple(got.rows.shape) == (tokens, HIDDEN)
+        assert same(rig, got.rows, want.rows) and same(rig, got.twice, want.twice)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +109,39 @@ def _mapped(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
         return obj
     children, rebuild = node
     return rebuild([_mapped(v, fn, done) for _, v in children])
+
+def join_outputs(outputs: Sequence[Any], join: Callable[[list[torch.Tensor]], torch.Tensor]
+                 ) -> Any:
+    """One output made of several of the same structure (a micro-batched step's, one per
+    micro-batch): each tensor leaf ``join`` of the leaves at its place, every container
+    rebuilt as the first output's (dataclasses too), any other value the first's. A tensor
+    object found in two places of every output is joined once."""
+    return _joined(list(outputs), join, {})
+
+
+def _joined(parts: list[Any], join: Callable[[list[torch.Tensor]], torch.Tensor],
+            done: dict[tuple[int, ...], torch.Tensor]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        key = tuple(map(id, parts))
+        known = done.get(key)
+        if known is None:
+            known = done[key] = join(parts)
+        return known
+    node = _node(first)
+    if node is None:
+        return first
+    children, rebuild = node
+    columns = [[v for _, v in children]]
+    for other in parts[1:]:
+        found = _node(other)
+        if found is None or len(found[0]) != len(children):
+            raise ValueError(f"the outputs differ in structure: {type(first).__name__} and "
+                             f"{type(other).__name__}")
+        columns.append([v for _, v in found[0]])
+    return rebuild([_joined([col[i] for col in columns], join, done)
+                    for i in range(len(children))])
+
 
 OUTPUT_KINDS = ("tokens", "requests", "none")
 Seen = dict[int, set[tuple[int, int | None, int | None]]]  # leaf -> (tokens, reqs, dim 0)

@@ -69,6 +69,7 @@ from freezeframe.errors import MicroBatchError
 from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
+from freezeframe.runtime.outputs import join_outputs
 from freezeframe.runtime.ubatch.schedule import (
     _CURRENT,
     _POLL_S,
@@ -131,25 +132,11 @@ def _slice_arg(value: Any, sl: MicroBatchSlice, num_tokens_padded: int,
 
 
 def _concat(outputs: Sequence[Any]) -> Any:
-    """Concatenate per-micro-batch outputs along dim 0, leaf by leaf (tensor, tuple, dict)."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
+    """Concatenate per-micro-batch outputs along dim 0, leaf by leaf, in every container the
+    runner's output cut knows (tuples, dicts, dataclasses, pytree nodes)."""
+    if isinstance(outputs[0], torch.Tensor):
         return torch.cat(list(outputs), dim=0)
-    leaves0, spec = pytree.tree_flatten(first)
-    columns = [pytree.tree_flatten(out)[0] for out in outputs]
-    joined: list[Any] = []
-    where: dict[int, int] = {}  # a tensor found twice in the output is joined once
-    for i, leaf in enumerate(leaves0):
-        if isinstance(leaf, torch.Tensor):
-            same = where.get(id(leaf))
-            if same is not None and all(col[i] is col[same] for col in columns):
-                joined.append(joined[same])
-                continue
-            where[id(leaf)] = i
-            joined.append(torch.cat([col[i] for col in columns], dim=0))
-        else:
-            joined.append(leaf)
-    return pytree.tree_unflatten(joined, spec)
+    return join_outputs(outputs, lambda leaves: torch.cat(leaves, dim=0))
 
 
 class MicroBatchWrapper:
