@@ -298,6 +298,8 @@ class Harness:
                 causes.add("scalar_breakable")
             if stock_paths and via == "context":
                 causes.add("stock_context_scalar")
+            if case.mode == "stock_torch_compile" and graphs:
+                causes.add("stock_mode_scalar")
         return causes
 
     def _note(self, call: Call, via: str) -> None:

@@ -90,9 +90,9 @@ ACCEPTED: tuple[Refusal, ...] = (
     Refusal("an input of another dtype", InputMismatchError, r"dtype", frozenset({"cast"}),
             f"{TABLE}, row 'a tensor's dtype, device or rank ...' (and docs/runner.md: each "
             "input is checked against its spec)"),
-    Refusal("a Python number attribute that changed, stock_torch_compile with graphs",
-            CaptureError, r"is a Python number whose value changed between calls",
-            frozenset({"class_attr", "instance_attr"}),
+    Refusal("a Python number (attribute or argument) that changed, stock_torch_compile with "
+            "graphs", CaptureError, r"is a Python number whose value changed between calls",
+            frozenset({"class_attr", "instance_attr", "stock_mode_scalar"}),
             f"{GUARANTEES}, 'Modes none and stock_torch_compile': under stock_torch_compile a "
             "float that changed (an argument, an attribute) ... a graph step is refused "
             "naming it"),
