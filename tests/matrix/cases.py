@@ -46,14 +46,7 @@ RUNNER_VIAS = (*RUNNER_PATHS, "second_runner")
 # does not draw them while they are listed here, and each has a named strict-xfail case in
 # test_matrix.py (OPEN) that shows the bug. The lead switches a kind on (removes it here, and
 # moves its OPEN case to FOUND) after merging its fix.
-PENDING_KINDS: tuple[str, ...] = (
-    "pre_hook_low_level",
-    "hooks_micro_batch",
-    "micro_batch_full_uniform",
-    "micro_batch_requests",
-    "capture_writes_attributes",
-    "stored_output_rebound",
-)
+PENDING_KINDS: tuple[str, ...] = ()
 # every kind PENDING_KINDS may hold, in words (the issue's item in brackets)
 SWITCHED_KINDS: dict[str, str] = {
     "module_global": "a module-level global forward reads, changed (change module_global) "
@@ -283,10 +276,13 @@ def generate(seed: int, tier: str = "fast") -> Case:
     """The case of ``seed`` in ``tier`` ("fast" or "full")."""
     rng = random.Random(f"{tier}:{seed}")
     full = tier == "full"
-    paths = {"plain": 2, "context": 3, "runner": 4, "microbatch": 1, "torch_compile": 1,
-             "torch_compile_dynamic": 1, "serve": 1, "hf": 1 if full else 0}
-    path = rng.choices(list(paths), weights=list(paths.values()))[0]
-    model = _model(seed, path)
+    path = _path(rng, full)
+    # the seeds before this one whose path draws from the same models (a runner's, or any
+    # model's): those models in turn
+    kind = path in RUNNER_PATHS
+    turn = sum(1 for s in range(seed)
+               if (_path(random.Random(f"{tier}:{s}"), full) in RUNNER_PATHS) == kind)
+    model = _model(turn, path)
     case = Case(seed=seed, tier=tier, model=model, path=path)
     case = _config(rng, case, full)
     case = _runner_options(rng, case)
@@ -294,8 +290,16 @@ def generate(seed: int, tier: str = "fast") -> Case:
     return dataclasses.replace(case, events=tuple(events))
 
 
+def _path(rng: random.Random, full: bool) -> str:
+    """A case's path: the first draw of its seed's generator."""
+    paths = {"plain": 2, "context": 3, "runner": 4, "microbatch": 1, "torch_compile": 1,
+             "torch_compile_dynamic": 1, "serve": 1, "hf": 1 if full else 0}
+    return rng.choices(list(paths), weights=list(paths.values()))[0]
+
+
 def _model(seed: int, path: str) -> str:
-    """In turn by seed, so that any run of consecutive seeds covers every model."""
+    """In turn (``seed``: the case's turn among the seeds from 0 whose paths draw from the
+    same models), so that the seeds from 0 cover the models one after another."""
     if path == "serve":
         return "llama"
     if path == "hf":

@@ -291,11 +291,15 @@ class Harness:
             causes.add("forward_writes_state")
         if len(self.structures) >= 8:
             causes.add("many_structures")
+        if case.path == "microbatch" and self.spec.requests:
+            causes.add("micro_batch_requests")
         if len(self.scalars) > 1:
             if case.breakable:
                 causes.add("scalar_breakable")
             if stock_paths and via == "context":
                 causes.add("stock_context_scalar")
+            if case.mode == "stock_torch_compile" and graphs:
+                causes.add("stock_mode_scalar")
         return causes
 
     def _note(self, call: Call, via: str) -> None:

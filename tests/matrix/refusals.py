@@ -23,6 +23,7 @@ import re
 from freezeframe.errors import (
     CaptureError,
     CompileError,
+    ConfigError,
     FreezeframeError,
     InputMismatchError,
 )
@@ -89,6 +90,16 @@ ACCEPTED: tuple[Refusal, ...] = (
     Refusal("an input of another dtype", InputMismatchError, r"dtype", frozenset({"cast"}),
             f"{TABLE}, row 'a tensor's dtype, device or rank ...' (and docs/runner.md: each "
             "input is checked against its spec)"),
+    Refusal("a Python number (attribute or argument) that changed, stock_torch_compile with "
+            "graphs", CaptureError, r"is a Python number whose value changed between calls",
+            frozenset({"class_attr", "instance_attr", "stock_mode_scalar"}),
+            f"{GUARANTEES}, 'Modes none and stock_torch_compile': under stock_torch_compile a "
+            "float that changed (an argument, an attribute) ... a graph step is refused "
+            "naming it"),
+    Refusal("micro-batching a runner with a Requests input", ConfigError,
+            r"micro_batching=True with the Requests input", frozenset({"micro_batch_requests"}),
+            f"{GUARANTEES}, 'Micro-batching': a runner with a Requests input and "
+            "micro_batching=True is refused (ConfigError naming the input)"),
     Refusal("too many traces", CompileError, r"traces", frozenset({"many_structures"}),
             f"{TABLE}, row 'None where a tensor was ...': at most 8 traces per model, then "
             "ff.CompileError"),

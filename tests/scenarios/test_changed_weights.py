@@ -196,6 +196,30 @@ def test_a_pre_hook_returning_new_inputs_never_writes_the_callers_input(
     torch.testing.assert_close(mine, x * 2.0 if in_place else x, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_pre_hook_on_the_low_level_path_never_writes_the_callers_input(
+        rig: Rig, mode: str) -> None:
+    """Found by the matrix (pre_hook_low_level): in a forward context, a pre-hook returning
+    new inputs made the replay copy them into the captured tensor, which on the low-level
+    path is the caller's own input: it changed, where eagerly it does not."""
+    block = Block().to(rig.device)
+    model = ff.compile(block, rig.config(mode, cudagraph_capture_sizes=[4], max_num_tokens=4))
+    reference = Block()
+    reference.load_state_dict(block.state_dict())
+    reference.to(rig.device)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2)).to(rig.device)
+    with ff.forward_context(4, mode):
+        model(x)  # captured reading x
+    before = rig.host(x)
+    for m in (model, reference):
+        m.register_forward_pre_hook(lambda _, args: (args[0] * 0.5,))
+    for _ in range(2):
+        with ff.forward_context(4, mode):
+            got = rig.host(model(x))
+        torch.testing.assert_close(got, rig.host(_eager(reference, x)), rtol=1e-6, atol=1e-6)
+        assert torch.equal(rig.host(x), before)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_each_answer_is_its_own_tensor_object(rig: Rig, mode: str) -> None:
     """An in-place change of one answer's metadata (``y.t_()``) must not reach the next."""

@@ -69,6 +69,9 @@ class Returns(nn.Module):
             return Pair(out, out * 3)
         if self.kind == "plain":
             return out
+        if self.kind == "repeated":  # one tensor object in two places
+            y = out * 3
+            return {"pair": (out, [y, out]), "y": y}
         return Opaque(out)
 
 
@@ -108,6 +111,24 @@ def test_every_container_is_cut_to_the_real_rows(rig: Rig, graphs: str, kind: st
     # (a PIECEWISE plan repeats only an output made of the stitching graph's own outputs
     # in a container it can rebuild: these take the whole way, cut the same way)
     assert runner.planned_shapes == (0 if graphs == "piecewise" else 1)
+
+
+@pytest.mark.parametrize("copy_outputs", [False, True])
+@pytest.mark.parametrize("graphs", ["full", "piecewise"])
+def test_a_tensor_returned_twice_is_one_object_in_the_answer(rig: Rig, graphs: str,
+                                                             copy_outputs: bool) -> None:
+    """Found by the matrix (fast seed 17): the cut made each place of one tensor object a
+    tensor of its own (eagerly ``out["y"] is out["pair"][1][0]``)."""
+    module, runner = _runner(rig, "repeated", graphs, copy_outputs=copy_outputs)
+    for step in range(3):  # the first step of the shape, then planned ones
+        x = rig.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        got = runner(x)
+        with torch.no_grad():
+            want = module(x)
+        assert got["pair"][0] is got["pair"][1][1] and got["y"] is got["pair"][1][0]
+        assert got["pair"][0] is not got["y"]
+        torch.testing.assert_close(rig.host(got["y"]), rig.host(want["y"]))
+        torch.testing.assert_close(rig.host(got["pair"][0]), rig.host(want["pair"][0]))
 
 
 @pytest.mark.parametrize("graphs", ["full", "piecewise"])

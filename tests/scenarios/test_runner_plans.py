@@ -377,3 +377,44 @@ def test_piecewise_steps_are_planned_when_the_trace_came_from_the_cache(
             assert torch.equal(rig.host(runner(x)), rig.host(eager_silly(rig, x)))
         planned.append(runner.stats.get("steps_planned"))
     assert planned == [2, 2]  # every step after the first of its shape ran from the plan
+
+
+def _keeps_last_runner(rig: Rig, policy: str) -> tuple[KeepsLast, Any, GraphRunner]:
+    module = KeepsLast().to(rig.device)
+    cfg = config(rig, "full")
+    model = ff.compile(module, cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, device=rig.device,
+                         progress=False, capture_policy=policy)
+    runner.capture()
+    return module, model, runner
+
+
+def test_a_full_replay_repeats_forwards_store_after_a_plain_call(rig: Rig) -> None:
+    """Found by the matrix (stored_output_rebound): a FULL graph holds Dynamo's code, its
+    ``self.last = out`` included, but a replay ran kernels only: after a plain call between
+    runner steps, planned or not, ``model.last`` kept the plain call's output."""
+    module, model, runner = _keeps_last_runner(rig, "eager")
+    assert tuple(module.last.shape) == (1,)  # capture()'s dummy steps left nothing there
+    for n in (3, 3, 5, 3):
+        x = full(rig, n, float(n))
+        out = runner(x)
+        assert same(rig, out, 3 * x + 1)
+        assert tuple(module.last.shape) == (4 if n == 3 else 8, 3)  # the padded batch's
+        assert same(rig, module.last[:n], 3 * x + 1)
+        model(full(rig, 2, 7.0))  # a plain call stores its own
+        assert same(rig, module.last, full(rig, 2, 22.0))
+    assert runner.stats.steps_planned == 2
+
+
+def test_a_background_capture_leaves_the_steps_stored_output(rig: Rig) -> None:
+    """Found by the matrix (capture_writes_attributes): the background capture's dummy steps
+    ran forward after a user step, and its ``self.last = out`` left a dummy step's output
+    there; the capture now puts back every attribute its dummy steps bound."""
+    module, _, runner = _keeps_last_runner(rig, "background")
+    x = full(rig, 3, 3.0)
+    assert same(rig, runner(x), 3 * x + 1)
+    runner.wait_for_capture()
+    assert tuple(module.last.shape)[1:] == (3,) and module.last.shape[0] in (3, 4)
+    assert same(rig, module.last[:3], 3 * x + 1)
+    # put back once by the first two dummy steps (capture()), once per key by the thread
+    assert runner.stats.attributes_restored == 1 + len(SIZES)

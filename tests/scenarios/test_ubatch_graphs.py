@@ -8,6 +8,7 @@ are tests/scenarios/test_ubatch.py's. Every scenario runs on every graph backend
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import weakref
@@ -305,3 +306,95 @@ def test_runner_copies_back_inputs_written_by_micro_batches(rig: Rig) -> None:
         assert same(rig, x, theirs), tokens
     assert model.stats.replays == 2 and model.stats.micro_batch_fallbacks == 1
     assert runner.stats.inputs_copied_back == 3
+
+
+def test_a_micro_batched_step_runs_the_compiled_models_hooks_once(rig: Rig) -> None:
+    """Found by the matrix (hooks_micro_batch): a split FULL step replayed its graph and
+    skipped the compiled model's hooks. They run once around the whole step, as around a
+    plain step: the pre-hook's new input is what is split, the forward hook sees the joined
+    output."""
+    eager = CompiledCommModel(rig.device)
+    model, runner = e2e_runner(rig, CompiledCommModel(rig.device))
+    calls: list[int] = []
+
+    def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = kwargs["x"] if "x" in kwargs else args[0]  # (the runner passes it by name)
+        calls.append(x.shape[0])
+        return (), {"x": x * 0.5}
+
+    def post(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        return out * 2 + 1
+
+    for m in (model, eager):
+        m.register_forward_pre_hook(pre, with_kwargs=True)
+        m.register_forward_hook(post)
+    for tokens, seed in ((7, 41), (8, 42)):
+        x = inputs(rig, tokens, seed=seed)
+        theirs = x.clone()
+        with model.stats.expect(replays=1, micro_batched_steps=1, micro_batch_fallbacks=0):
+            out = runner(x)
+        with torch.inference_mode():
+            expected = eager(theirs)
+        assert same(rig, out, expected)
+        assert same(rig, x, theirs)  # the hook's new input never reaches the caller's
+    assert calls == [8, 7, 8, 8]  # the runner's padded step, eager's call: once each
+
+
+def test_a_split_uniform_decode_step_at_a_size_captured_unsplit_replays_it(rig: Rig) -> None:
+    """Found by the matrix (micro_batch_full_uniform): under cudagraph_mode FULL a
+    uniform-decode step shares its graph key with a mixed step; capture() captured the size
+    unsplit (a mixed step of 2 tokens stays under the prefill threshold), the uniform step
+    split at the decode threshold and found no split graph: a CaptureError. It now replays
+    the unsplit graph, counted."""
+    cfg = e2e_config(rig, cudagraph_capture_sizes=[2, 4], micro_batch_prefill_threshold=4)
+    eager = CompiledCommModel(rig.device)
+    model = ff.compile(CompiledCommModel(rig.device), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN)}, progress=False,
+                         device=rig.device)
+    runner.capture()
+    x = inputs(rig, 2, seed=51)
+    with torch.inference_mode():
+        expected = eager(x)
+    with model.stats.expect(replays=1, micro_batch_fallbacks=1, graphs_captured=0):
+        out = runner(x, uniform_decode=True, num_reqs=2)
+    assert same(rig, out, expected)
+
+
+def test_micro_batching_a_runner_with_a_requests_input_is_refused(rig: Rig) -> None:
+    """Found by the matrix (micro_batch_requests): a micro-batch got its requests' rows of a
+    Requests input while a Tokens input of request numbers counted from the step's first
+    request: a raw IndexError, or another request's row."""
+    cfg = e2e_config(rig)
+    model = ff.compile(CompiledCommModel(rig.device), cfg)
+    with pytest.raises(ff.ConfigError, match=r"Requests input 'bias'.*Static input"):
+        GraphRunner(model, cfg, inputs={"x": Tokens(HIDDEN), "bias": ff.runtime.Requests(
+            HIDDEN)}, progress=False, device=rig.device)
+
+
+@dataclasses.dataclass
+class RowsOut:
+    rows: torch.Tensor
+    twice: torch.Tensor
+
+
+class DataclassCommModel(CompiledCommModel):
+    """Returns a plain @dataclass, which torch's pytree does not know."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        y = super().forward(x)
+        return RowsOut(y, y * 2)
+
+
+def test_a_micro_batched_step_joins_a_dataclass_output(rig: Rig) -> None:
+    """Found by the matrix (fast seed 53): the micro-batches' outputs were joined through
+    torch's pytree, to which a dataclass is a leaf: the answer was micro-batch 0's rows."""
+    eager = DataclassCommModel(rig.device)
+    _, runner = e2e_runner(rig, DataclassCommModel(rig.device))
+    for tokens, seed in ((7, 61), (8, 62)):
+        x = inputs(rig, tokens, seed=seed)
+        got = runner(x)
+        with torch.inference_mode():
+            want = eager(x)
+        assert type(got) is RowsOut and tuple(got.rows.shape) == (tokens, HIDDEN)
+        assert same(rig, got.rows, want.rows) and same(rig, got.twice, want.twice)

@@ -135,8 +135,11 @@ class CompiledModel(nn.Module):
         self._exact, self._same = self._router.exact, self._router.same
 
     def _new_variant(self, signature: CallSignature | None) -> Variant:
-        return self._stack.variant(self.module, self.model_key, self._dims, self._user_key,
-                                   self._signer, signature, dims_given=self.dims_given)
+        variant = self._stack.variant(self.module, self.model_key, self._dims, self._user_key,
+                                      self._signer, signature, dims_given=self.dims_given)
+        if variant.full_wrapper is not None:  # its graph holds Dynamo's code, stores too
+            variant.full_wrapper.repeat_stores_of(self.module)
+        return variant
 
     # -- routing and tracing ----------------------------------------------------------------
     def _route(self, key: tuple[Any, ...], args: tuple[Any, ...],

@@ -12,7 +12,9 @@ straight to a trace or a replay. That is the same work ``nn.Module.__call__`` wo
                                    implementation, and not inside someone else's trace
                                    (Dynamo, TorchScript)
 
-A caller with conditions of its own (the compiled model's memo must hold a call) adds them.
+A caller with conditions of its own (the compiled model's memo must hold a call) adds them. A
+caller that runs the forward its own way keeps the hooks with :func:`call_with_forward` (the
+verify reference, a micro-batched step).
 
 A FULL graph holds the argument list of its capture; ``model(x=x)`` and ``model(x)`` are the
 same call, so :class:`PositionalForm` spells both the same way before they reach one.
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-__all__ = ["PositionalForm", "call_eagerly", "hooked", "may_skip_module_call"]
+__all__ = ["PositionalForm", "bare_forward", "call_eagerly", "call_with_forward", "hooked",
+           "may_skip_module_call"]
 
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
@@ -60,13 +63,34 @@ def call_eagerly(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     """``model(*args, **kwargs)`` as a plain call runs it, through ``nn.Module.__call__`` (the
     model's hooks and torch's global ones, a pre-hook's new inputs), with the uncompiled
     ``model.module`` in place of the compiled forward: the eager reference of a step (verify
-    mode). ``forward`` is set on the instance for the call and taken away after it, as if it
-    never was (a call of the model meanwhile goes its compiled way)."""
+    mode)."""
+    module = model.module
+    assert isinstance(module, nn.Module)
+    return call_with_forward(model, module, args, kwargs)
+
+
+def bare_forward(model: nn.Module) -> Callable[..., Any]:
+    """What ``nn.Module.__call__`` of ``model`` calls between its hooks: a ``forward`` set on
+    the instance (a wrapper's), else the class's."""
+    forward = model.__dict__.get("forward")
+    return forward if forward is not None else type(model).forward.__get__(model)
+
+
+def call_with_forward(model: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any]) -> Any:
+    """``model(*args, **kwargs)`` as ``nn.Module.__call__`` runs it (the model's hooks and
+    torch's global ones, a pre-hook's new inputs, a forward hook's new output), with
+    ``forward`` in place of the model's forward: a caller that runs the forward its own way
+    (a micro-batched step) keeps the hooks a plain call runs. ``forward`` is set on the
+    instance for the call and taken away after it, as if it never was (a call of the model
+    meanwhile, ``forward`` itself through :func:`bare_forward` taken before, goes its own
+    way)."""
     attrs = model.__dict__
     saved = attrs.get("forward", _ABSENT)
-    attrs["forward"] = model.module
+    attrs["forward"] = forward
     try:
-        return nn.Module.__call__(model, *args, **kwargs)
+        # (_call_impl: the hooks and forward; not a compiled call implementation)
+        return nn.Module._call_impl(model, *args, **kwargs)
     finally:
         if saved is _ABSENT:
             attrs.pop("forward", None)

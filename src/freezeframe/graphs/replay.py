@@ -15,12 +15,12 @@ So the rules for the arguments are stated here, once:
   (or may have: an inference tensor has no version counter to tell) — unless it is the
   graph's own output memory (its last output passed in again, ``y = f(y)``), which the replay
   has just filled with the answer;
-* in a step of an owner (the forward context's ``owner``: a runner's static buffers), a
-  captured tensor a new argument was copied into is put back as it was once the replay is done
-  (unless it is the graph's output memory): the copy is the replay's own, not a write of the
-  model's, and the owner must see only what the model wrote (a forward pre-hook that returns
-  new inputs makes the replay copy them into the runner's buffers, which eagerly would be the
-  caller's untouched tensors);
+* a captured tensor a new argument was copied into is put back as it was once the replay is
+  done (unless it is the graph's output memory): the copy is the replay's own, not a write of
+  the model's, and whoever holds the captured tensor (a runner's static buffers, or on the
+  low-level path the caller's own buffer) must see only what the model wrote (a forward
+  pre-hook that returns new inputs makes the replay copy them into the captured tensors,
+  which eagerly would be the caller's untouched ones);
 * anything else is an :class:`~freezeframe.errors.InputMismatchError` naming the argument: a
   replay cannot change a shape. The graph does not run.
 
@@ -30,7 +30,8 @@ Before (a piece's graph captured reading ``a``, which it writes into)::
 
 After::
 
-    a.copy_(b); graph.replay(); b.copy_(a)   # and the captured output is returned
+    kept = a.clone(); a.copy_(b); graph.replay(); b.copy_(a); a.copy_(kept)
+    # and the captured output is returned
 
 A ``Replay`` counts into tallies its wrapper owns, so call it from one thread at a time (a
 runner holds its lock; two threads replaying one graph at once would race on its memory
@@ -48,9 +49,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
-from freezeframe.context import get_forward_context
 from freezeframe.errors import InputMismatchError
 from freezeframe.graphs.backend import CapturedGraph
+from freezeframe.graphs.stores import AttributeStores
 from freezeframe.stats import Stats, Tally
 
 __all__ = ["Replay", "ReplayShared", "StaleReplay", "TensorArg", "layout_of", "tensor_args"]
@@ -135,12 +136,16 @@ class Replay:
     returns the captured output (the same objects every time, overwritten by each replay).
     :meth:`drop` forgets the graph: a later call raises :class:`StaleReplay`."""
 
-    __slots__ = ("_inputs", "_output_memory", "_shared", "graph", "key", "layout", "output")
+    __slots__ = ("_inputs", "_output_memory", "_shared", "graph", "key", "layout", "output",
+                 "stores")
 
     def __init__(self, graph: CapturedGraph, output: Any, key: BatchDescriptor,
                  inputs: tuple[TensorArg, ...], written: tuple[bool, ...],
-                 layout: tuple[Any, ...], shared: ReplayShared) -> None:
+                 layout: tuple[Any, ...], shared: ReplayShared,
+                 stores: AttributeStores | None = None) -> None:
         self.graph: CapturedGraph | None = graph
+        # the attribute stores of the capturing call's Python, repeated after each replay
+        self.stores = stores
         self.output = output
         self.key = key
         self.layout = layout  # which arguments were tensors, and the keyword names
@@ -177,32 +182,33 @@ class Replay:
         graph = self.graph
         if graph is None:
             raise StaleReplay(f"the {self._shared.mode} graph for {self.key} was dropped")
-        copied: list[tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]] | None = None
+        copied: list[tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]] | None = None
         for name, then, written in self._inputs:
             now = args[name] if name.__class__ is int else kwargs[name]  # type: ignore[index]
             if now is then or _reads_captured(now, then):
                 continue
             kept = self._copy_in(name, now, then)
-            if written or kept is not None:
-                if copied is None:
-                    copied = []
-                copied.append((now, then, written, kept))
+            if copied is None:
+                copied = []
+            copied.append((now, then, written, kept))
         graph.replay()
         if copied is not None:
             self._after_copies(copied)
+        if self.stores is not None:
+            self.stores.repeat()
         self._shared.replays.n += 1
         return self.output
 
     def _after_copies(self, copied: list[tuple[torch.Tensor, torch.Tensor, bool,
-                                               torch.Tensor | None]]) -> None:
+                                               torch.Tensor]]) -> None:
         """After a replay that copied new arguments in: what the graph wrote into a copy
-        reaches the caller's tensor, and an owner's captured tensor is put back (see the
-        module docstring); neither where it is the graph's output memory."""
+        reaches the caller's tensor, and the captured tensor is put back (see the module
+        docstring); neither where it is the graph's output memory."""
         output = self._output_memory
         for now, then, written, kept in copied:
             if written and now.untyped_storage().data_ptr() not in output:
                 now.copy_(then)
-            if kept is not None and then.untyped_storage().data_ptr() not in output:
+            if then.untyped_storage().data_ptr() not in output:
                 then.copy_(kept)
 
     def on_captured(self) -> Any:
@@ -213,20 +219,21 @@ class Replay:
         if graph is None:
             raise StaleReplay(f"the {self._shared.mode} graph for {self.key} was dropped")
         graph.replay()
+        if self.stores is not None:
+            self.stores.repeat()
         self._shared.replays.n += 1
         return self.output
 
-    def _copy_in(self, name: int | str, now: Any, then: torch.Tensor) -> torch.Tensor | None:
+    def _copy_in(self, name: int | str, now: Any, then: torch.Tensor) -> torch.Tensor:
         """Copy a new argument into the captured tensor, or refuse it. Returns the captured
-        tensor as it was before the copy in a step of an owner (to be put back), else None."""
+        tensor as it was before the copy (to be put back)."""
         shared = self._shared
         if not isinstance(now, torch.Tensor) or now.shape != then.shape \
                 or now.dtype != then.dtype or now.device != then.device:
             raise self._misfit(name, now, then)
         if shared.debug:
             raise self._moved(name, now, then)
-        ctx = get_forward_context()
-        kept = then.clone() if ctx is not None and ctx.owner is not None else None
+        kept = then.clone()
         then.copy_(now)
         shared.copies.n += 1
         if not shared.copy_logged:

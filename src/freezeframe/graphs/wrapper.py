@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
@@ -41,6 +42,7 @@ from freezeframe.context import get_forward_context
 from freezeframe.errors import CaptureError, ConfigError
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend
 from freezeframe.graphs.replay import Replay, ReplayShared, layout_of, tensor_args
+from freezeframe.graphs.stores import AttributeStores
 from freezeframe.stats import Stats
 
 __all__ = ["CaptureWindow", "GraphOptions", "GraphWrapper"]
@@ -213,11 +215,21 @@ class GraphWrapper:
         self._watched: set[int] = set()  # owners whose collection is watched
         self._gone: list[int] = []  # owners collected since the last purge
         self._shared = ReplayShared(mode.name, bool(debug), stats)
+        # the module whose attribute stores (self.last = out) a capture notes and each replay
+        # repeats (see repeat_stores_of)
+        self._stores_of: nn.Module | None = None
 
     @property
     def debug(self) -> bool:
         """Whether a replay refuses a new tensor instead of copying it into the captured one."""
         return self._shared.debug
+
+    def repeat_stores_of(self, module: nn.Module) -> None:
+        """Have every replay repeat the attribute stores the capturing call made on
+        ``module``'s submodules (:mod:`freezeframe.graphs.stores`): for a FULL wrapper around
+        a traced forward, whose Dynamo code stores after the graph call (``self.last = out``)
+        and which a replay does not run."""
+        self._stores_of = module
 
     # -- introspection --------------------------------------------------------------------
     def unwrap(self) -> Callable[..., Any]:
@@ -378,8 +390,11 @@ class GraphWrapper:
         # argument existed keeps working for every capture but a background one
         extra = {"error_mode": ctx.capture_error_mode} \
             if ctx is not None and ctx.capture_error_mode != "global" else {}
+        module = self._stores_of
+        before = AttributeStores.snapshot(module) if module is not None else None
         graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
                                              gc_disable=self.options.gc_disable, **extra)
+        stores = AttributeStores.since(before) if before is not None else None
         # which inputs the graph writes into (unknown for inference tensors: assumed written)
         written = tuple(v is None or _version(a.tensor) != v
                         for a, v in zip(inputs, versions, strict=True))
@@ -396,7 +411,7 @@ class GraphWrapper:
         # it must not return to the pool while the graph exists. The Replay holds the tensor
         # arguments too: the graph reads their memory.
         entry.replay = Replay(graph, output, key, inputs, written, layout_of(args, kwargs),
-                              self._shared)
+                              self._shared, stores)
         self.stats.inc("graphs_captured")
         return output
 

@@ -30,6 +30,8 @@ import torch
 from freezeframe.batch import BatchDescriptor, mixed_step_reqs
 from freezeframe.config import CompilationConfig
 from freezeframe.errors import InputMismatchError
+from freezeframe.graphs.capturable import Capturable
+from freezeframe.graphs.stores import public_attributes
 from freezeframe.runtime.inputs import InputSpec
 from freezeframe.runtime.outputs import map_tensors  # (the one walk of an output tree)
 from freezeframe.stats import Stats
@@ -283,12 +285,19 @@ def detach_from_written(out: Any, values: Mapping[str, torch.Tensor],
 
 
 class SavedBuffers:
-    """The model's buffers as they were before ``capture()``, to undo what its dummy steps
-    write into them (a running count, a KV cache). A copy on the device when the buffers fit
-    in ``DEVICE_LIMIT`` bytes, or in ``device_room`` (a lazy or background capture of one key
-    passes half the device's free memory: a whole KV cache copied to the host and back per key
-    would cost about a second per 10 GiB), on the host otherwise; restored in place (graphs
-    keep the addresses), and only where the version counter moved."""
+    """The model's buffers and attributes as they were before ``capture()``, to undo what its
+    dummy steps did to them.
+
+    Buffers: what the steps wrote into them (a running count, a KV cache). A copy on the device
+    when the buffers fit in ``DEVICE_LIMIT`` bytes, or in ``device_room`` (a lazy or background
+    capture of one key passes half the device's free memory: a whole KV cache copied to the
+    host and back per key would cost about a second per 10 GiB), on the host otherwise;
+    restored in place (graphs keep the addresses), and only where the version counter moved.
+
+    Attributes: what forward stored on any of the module's submodules (``self.last = out``
+    leaves a dummy step's output there): each public attribute's binding is put back, and one
+    the steps added is deleted. An object changed in place (a list appended to) is not
+    followed."""
 
     DEVICE_LIMIT = 256 << 20
 
@@ -303,6 +312,25 @@ class SavedBuffers:
             for buf in buffers:
                 copy = buf.detach().clone() if on_device else buf.detach().to("cpu", copy=True)
                 self.saved.append((buf, version_of(buf), copy))
+        # the user's module (a compiled model's own attributes are its bookkeeping)
+        root = model.module if isinstance(model, Capturable) else model
+        self.bindings: list[tuple[dict[str, Any], dict[str, Any]]] = [
+            (vars(sub), public_attributes(vars(sub))) for sub in root.modules()
+        ] if isinstance(root, torch.nn.Module) else []
+
+    def restore_attributes(self) -> int:
+        """Put back the attributes' bindings (see the class docstring); how many changed."""
+        restored = 0
+        for attrs, saved in self.bindings:
+            for name, value in saved.items():
+                if attrs.get(name, _ABSENT) is not value:
+                    attrs[name] = value
+                    restored += 1
+            for name in [k for k in public_attributes(attrs) if k not in saved]:
+                del attrs[name]
+                restored += 1
+        self.bindings.clear()
+        return restored
 
     def restore(self) -> int:
         restored = 0
@@ -314,6 +342,9 @@ class SavedBuffers:
             restored += 1
         self.saved.clear()
         return restored
+
+
+_ABSENT = object()
 
 
 def rows_of(buf: torch.Tensor) -> int:

@@ -462,12 +462,16 @@ class Capturer:
 
     def _undo_dummy_steps(self, saved: SavedBuffers) -> None:
         """After warm-ups and captures: refill the input buffers (the dummy steps wrote their
-        rows, and the model may have too) and restore the model's buffers they wrote into (a
-        running count, a cache): eagerly, those steps never happened."""
+        rows, and the model may have too), restore the model's buffers they wrote into (a
+        running count, a cache) and the attributes forward stored (``self.last = out``):
+        eagerly, those steps never happened."""
         self._forward.static.reset_padding()
         restored = saved.restore()
         if restored:
             self._stats.inc("buffers_restored", restored)
+        restored = saved.restore_attributes()
+        if restored:
+            self._stats.inc("attributes_restored", restored)
 
 
 def _device_room(device: torch.device, every_key: bool) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -88,14 +88,60 @@ def _holds_tensor(obj: Any) -> bool:
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``obj`` with ``fn`` applied to every tensor, every container rebuilt (namedtuples,
-    dataclasses and registered pytree nodes too)."""
+    dataclasses and registered pytree nodes too). A tensor object found twice (``(h, [y,
+    h])``) is mapped once: both places hold the one result, as they held the one tensor."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    return _mapped(obj, fn, {})
+
+
+def _mapped(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+            done: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        known = done.get(id(obj))
+        if known is not None:
+            return known[1]
+        result = fn(obj)
+        done[id(obj)] = (obj, result)  # (the tensor kept: its id stays its own meanwhile)
+        return result
     node = _node(obj)
     if node is None:
         return obj
     children, rebuild = node
-    return rebuild([map_tensors(v, fn) for _, v in children])
+    return rebuild([_mapped(v, fn, done) for _, v in children])
+
+def join_outputs(outputs: Sequence[Any], join: Callable[[list[torch.Tensor]], torch.Tensor]
+                 ) -> Any:
+    """One output made of several of the same structure (a micro-batched step's, one per
+    micro-batch): each tensor leaf ``join`` of the leaves at its place, every container
+    rebuilt as the first output's (dataclasses too), any other value the first's. A tensor
+    object found in two places of every output is joined once."""
+    return _joined(list(outputs), join, {})
+
+
+def _joined(parts: list[Any], join: Callable[[list[torch.Tensor]], torch.Tensor],
+            done: dict[tuple[int, ...], torch.Tensor]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        key = tuple(map(id, parts))
+        known = done.get(key)
+        if known is None:
+            known = done[key] = join(parts)
+        return known
+    node = _node(first)
+    if node is None:
+        return first
+    children, rebuild = node
+    columns = [[v for _, v in children]]
+    for other in parts[1:]:
+        found = _node(other)
+        if found is None or len(found[0]) != len(children):
+            raise ValueError(f"the outputs differ in structure: {type(first).__name__} and "
+                             f"{type(other).__name__}")
+        columns.append([v for _, v in found[0]])
+    return rebuild([_joined([col[i] for col in columns], join, done)
+                    for i in range(len(children))])
+
 
 OUTPUT_KINDS = ("tokens", "requests", "none")
 Seen = dict[int, set[tuple[int, int | None, int | None]]]  # leaf -> (tokens, reqs, dim 0)
@@ -147,29 +193,28 @@ class OutputCut:
 
     def cut(self, out: Any, padded_tokens: int, num_tokens: int, padded_reqs: int | None,
             reqs: int | None) -> Any:
-        """The real rows of each output leaf (see the module docstring)."""
-        return self._cut(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs, [0])
+        """The real rows of each output leaf (see the module docstring); a tensor object
+        found twice, as one kind, is cut once (both places hold the one cut, as eager's held
+        the one tensor)."""
+        return self._cut(out, self.outputs, padded_tokens, num_tokens, padded_reqs, reqs, [0],
+                         {})
 
     def _cut(self, out: Any, kinds: Any, padded_tokens: int, num_tokens: int,
-             padded_reqs: int | None, reqs: int | None, leaf: list[int]) -> Any:
+             padded_reqs: int | None, reqs: int | None, leaf: list[int],
+             done: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if isinstance(out, torch.Tensor):
             if not isinstance(kinds, str):
                 raise ConfigError(f"outputs={self.outputs!r} does not match a single tensor "
                                   "output; use outputs='tokens', 'requests' or 'none'")
             index = leaf[0]
             leaf[0] += 1
-            fixed = self._fixed.get(index)
-            if fixed is not None and kinds in fixed:
-                return out.detach()
-            scale = self._scaled.get(index)
-            if scale is not None and kinds == "tokens" and padded_tokens != num_tokens:
-                raise ConfigError(
-                    f"output {index} (a tensor of shape {tuple(out.shape)}) has a dim 0 of "
-                    f"{scale} x the padded token count at every captured size (a flatten() "
-                    "or view(-1) of per-token rows): the runner cannot tell its padding rows "
-                    f"from the real ones. Return it with the tokens first ((tokens, {scale}, "
-                    "...)) so they are cut, or mark it outputs='none' and cut it yourself")
-            return cut_rows(out, kinds, padded_tokens, num_tokens, padded_reqs, reqs)
+            known = done.get((id(out), kinds))
+            if known is not None:
+                return known[1]
+            result = self._cut_leaf(out, kinds, index, padded_tokens, num_tokens,
+                                    padded_reqs, reqs)
+            done[(id(out), kinds)] = (out, result)
+            return result
         node = _node(out)
         if node is None:
             if kinds != "none" and _holds_tensor(out):
@@ -190,8 +235,24 @@ class OutputCut:
             kind = (kinds[key] if isinstance(kinds, Mapping)
                     else kinds[i] if isinstance(kinds, (tuple, list)) else kinds)
             parts.append(self._cut(value, kind, padded_tokens, num_tokens, padded_reqs, reqs,
-                                   leaf))
+                                   leaf, done))
         return rebuild(parts)
+
+    def _cut_leaf(self, out: torch.Tensor, kind: str, index: int, padded_tokens: int,
+                  num_tokens: int, padded_reqs: int | None, reqs: int | None) -> torch.Tensor:
+        """Output leaf ``index`` cut as ``kind``."""
+        fixed = self._fixed.get(index)
+        if fixed is not None and kind in fixed:
+            return out.detach()
+        scale = self._scaled.get(index)
+        if scale is not None and kind == "tokens" and padded_tokens != num_tokens:
+            raise ConfigError(
+                f"output {index} (a tensor of shape {tuple(out.shape)}) has a dim 0 of "
+                f"{scale} x the padded token count at every captured size (a flatten() "
+                "or view(-1) of per-token rows): the runner cannot tell its padding rows "
+                f"from the real ones. Return it with the tokens first ((tokens, {scale}, "
+                "...)) so they are cut, or mark it outputs='none' and cut it yourself")
+        return cut_rows(out, kind, padded_tokens, num_tokens, padded_reqs, reqs)
 
 
 def cut_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,

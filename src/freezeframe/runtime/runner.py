@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from freezeframe.config import CompilationConfig, CUDAGraphMode
+from freezeframe.errors import ConfigError
 from freezeframe.graphs.backend import graphs_possible
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.runtime.buffers import StaticBuffers
@@ -210,6 +211,16 @@ class GraphRunner:
         graph), when ``config.micro_batching`` is on."""
         if not config.micro_batching:
             return None
+        per_request = [name for name, s in self.specs.items() if s.kind == "requests"]
+        if per_request:
+            raise ConfigError(
+                f"GraphRunner: micro_batching=True with the Requests input "
+                f"{per_request[0]!r}: a micro-batch would get only its own requests' rows of "
+                "it, and freezeframe cannot tell how forward finds a token's request (a Tokens "
+                "input of request numbers counts from the step's first request, not the "
+                "micro-batch's), so the answer could be another request's row. Pass "
+                f"{per_request[0]!r} as a Static input (every micro-batch reads it whole), or "
+                "set micro_batching=False")
         kinds: dict[str | int, str] = {name: s.kind for name, s in self.specs.items()}
         kinds.update({i: s.kind for i, s in enumerate(self.specs.values())})
         return MicroBatchWrapper.for_runner(model, config, input_kinds=kinds,

@@ -54,15 +54,22 @@ from types import MappingProxyType
 from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
+from freezeframe.compilation.module_call import (
+    bare_forward,
+    call_with_forward,
+    may_skip_module_call,
+)
 from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import ForwardContext, entered, get_forward_context
 from freezeframe.errors import MicroBatchError
 from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
+from freezeframe.runtime.outputs import join_outputs
 from freezeframe.runtime.ubatch.schedule import (
     _CURRENT,
     _POLL_S,
@@ -125,19 +132,11 @@ def _slice_arg(value: Any, sl: MicroBatchSlice, num_tokens_padded: int,
 
 
 def _concat(outputs: Sequence[Any]) -> Any:
-    """Concatenate per-micro-batch outputs along dim 0, leaf by leaf (tensor, tuple, dict)."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
+    """Concatenate per-micro-batch outputs along dim 0, leaf by leaf, in every container the
+    runner's output cut knows (tuples, dicts, dataclasses, pytree nodes)."""
+    if isinstance(outputs[0], torch.Tensor):
         return torch.cat(list(outputs), dim=0)
-    leaves0, spec = pytree.tree_flatten(first)
-    columns = [pytree.tree_flatten(out)[0] for out in outputs]
-    joined = []
-    for i, leaf in enumerate(leaves0):
-        if isinstance(leaf, torch.Tensor):
-            joined.append(torch.cat([col[i] for col in columns], dim=0))
-        else:
-            joined.append(leaf)
-    return pytree.tree_unflatten(joined, spec)
+    return join_outputs(outputs, lambda leaves: torch.cat(leaves, dim=0))
 
 
 class MicroBatchWrapper:
@@ -255,11 +254,24 @@ class MicroBatchWrapper:
                                              micro_batches=None)):
                 return self.runnable(*args, **kwargs)
         self.stats.inc("micro_batched_steps")
+        model = self.runnable
+        if isinstance(model, nn.Module) and not may_skip_module_call(model):
+            # the model's hooks run once around the whole step, as around a plain step (a
+            # pre-hook's new inputs are what is split, a forward hook sees the joined output);
+            # the micro-batches call the forward between them
+            bare = bare_forward(model)
+            return call_with_forward(
+                model, lambda *a, **k: self._split(fctx, plan, a, k, bare), args, kwargs)
+        return self._split(fctx, plan, args, kwargs, model)
+
+    def _split(self, fctx: ForwardContext, plan: MicroBatchPlan, args: tuple[Any, ...],
+               kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
+        """The step as micro-batches, each running ``call`` on its slices (or its graph)."""
         desc = fctx.batch_descriptor
         with _compile_stance_kept():
             if fctx.mode is CUDAGraphMode.FULL and self._graphs is not None and desc is not None:
-                return self._graphed(desc, fctx, plan, args, kwargs)
-            return self._launch(fctx, plan, args, kwargs).finish()
+                return self._graphed(desc, fctx, plan, args, kwargs, call)
+            return self._launch(fctx, plan, args, kwargs, call).finish()
 
     def _run_unsplit(self, fctx: ForwardContext | None, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
@@ -277,23 +289,34 @@ class MicroBatchWrapper:
 
     # -- graphs -------------------------------------------------------------------------------
     def _graphed(self, desc: BatchDescriptor, fctx: ForwardContext, plan: MicroBatchPlan,
-                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                 args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]
+                 ) -> Any:
         """A split FULL step: replay its graph, or capture it."""
-        assert self._graphs is not None
+        graphs = self._graphs
+        assert graphs is not None
         layout = self._layouts.get(desc)
         if layout is not None and layout != plan.padded_slices:
             # captured with the tokens cut elsewhere: the graph would compute that layout
             self.stats.inc("micro_batch_fallbacks")
             logger.debug("split step at %s cut as %s, but its graph was captured cut as %s: "
                          "running the micro-batches eagerly", desc, plan.padded_slices, layout)
-            return self._launch(fctx, plan, args, kwargs).finish()
+            return self._launch(fctx, plan, args, kwargs, call).finish()
         if layout is not None:
-            return self._graphs(*args, **kwargs)
+            return graphs(*args, **kwargs)
+        if not graphs.window.is_open_for(fctx.owner) and self._captured_unsplit(desc, fctx):
+            # captured unsplit (the capture's step of this size was not split: under FULL a
+            # uniform-decode step shares its key with a mixed one, which splits at another
+            # threshold): the model's own graph of the size is the whole step's answer
+            self.stats.inc("micro_batch_fallbacks")
+            logger.debug("split step at %s, whose FULL graph was captured unsplit: replaying "
+                         "it unsplit", desc)
+            with entered(dataclasses.replace(fctx, micro_batches=None)):
+                return call(*args, **kwargs)
         # Threads start, and create their CUDA events and handles, before the capture begins
         # (creating them inside one is not allowed); inside it they only run.
-        run = self._pending = self._launch(fctx, plan, args, kwargs)
+        run = self._pending = self._launch(fctx, plan, args, kwargs, call)
         try:
-            out = self._graphs(*args, **kwargs)
+            out = graphs(*args, **kwargs)
         finally:
             pending, self._pending = self._pending, None
             if pending is not None:  # the capture was refused before it ran the step
@@ -301,6 +324,15 @@ class MicroBatchWrapper:
         self._layouts[desc] = plan.padded_slices
         self._captured_work[desc] = tuple(run.work)
         return out
+
+    def _captured_unsplit(self, desc: BatchDescriptor, fctx: ForwardContext) -> bool:
+        """Whether the model holds its own FULL graph of ``desc`` for this step's owner."""
+        held = self.runnable
+        if not isinstance(held, Capturable):
+            return False
+        return any(w.runtime_mode is CUDAGraphMode.FULL
+                   and w.graph_for(desc, fctx.owner) is not None
+                   for w in held.graph_wrappers())
 
     def _split_step(self, *args: Any, **kwargs: Any) -> Any:
         """What the split graph captures: the threads started by :meth:`_graphed`, run to the
@@ -343,7 +375,8 @@ class MicroBatchWrapper:
             micro_batch_index=index, dp_metadata=plan.dp[index] if plan.dp is not None else None)
 
     def _launch(self, fctx: ForwardContext | None, plan: MicroBatchPlan,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Run:
+                args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]
+                ) -> _Run:
         """Start one thread per micro-batch and wait until all are initialised (CUDA handles and
         events created, so none of that happens inside a capture); nobody runs the model until
         :meth:`_Run.finish` hands micro-batch 0 the baton."""
@@ -358,7 +391,7 @@ class MicroBatchWrapper:
             sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded, self.input_kinds.get(k))
                           for k, v in kwargs.items()}
             work.append(_Work(self._thread_context(fctx, plan, index), sub_args, sub_kwargs))
-        run = _Run(self, plan, work, self._comm() if use_cuda else None)
+        run = _Run(self, plan, work, self._comm() if use_cuda else None, call)
         run.start()
         return run
 
@@ -376,9 +409,10 @@ class _Run:
     """One micro-batched step in flight: its threads, schedule and per-thread results."""
 
     def __init__(self, wrapper: MicroBatchWrapper, plan: MicroBatchPlan, work: list[_Work],
-                 comm: Any) -> None:
+                 comm: Any, call: Callable[..., Any]) -> None:
         n = plan.num_micro_batches
         self.wrapper = wrapper
+        self.call = call  # what each micro-batch runs (the model, or its forward when hooked)
         self.plan = plan
         self.work = work
         self.comm = comm  # the comm stream, on CUDA
@@ -439,7 +473,7 @@ class _Run:
             token = _CURRENT.set(ctx)
             try:
                 with grad_mode, entered(work.context), self.join_capture():
-                    self.results[index] = self.wrapper.runnable(*work.args, **work.kwargs)
+                    self.results[index] = self.call(*work.args, **work.kwargs)
                 ctx._rejoin_compute()
             finally:
                 ctx._leave_sm_partition()
