@@ -1,0 +1,116 @@
+"""Named cases that kill the mutants of scripts/mutate.py the seeds of the fast slice may miss.
+
+Each case is a few calls on tiny shapes (eager compiler, emulated graphs), run against eager
+PyTorch like every matrix case; the comment above it names the mutants it kills (see
+``python scripts/mutate.py --list``). Each mutant is killed by at least two of these cases or
+seeds, so one case changing does not leave it unseen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.matrix.cases import Call, Case, Change
+from tests.matrix.harness import run_case
+
+_P = Call(3, positional=True)  # a runner step of 3 tokens, tensors positional (planned)
+_K = Call(3)  # the same step, tensors by name (planned alike)
+
+KILLS: dict[str, Case] = {
+    # planned FULL steps of new values, by position and by name: plan_skips_last_input_copy,
+    # plan_same_tensor_object
+    "planned_full_new_values": Case(
+        seed=3, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, _K, _P)),
+    # a Requests and a Static input after the tokens: the last input is not the first
+    # (plan_skips_last_input_copy, plan_same_tensor_object)
+    "planned_full_per_request": Case(
+        seed=4, tier="fast", model="per_request", path="runner", graph_mode="full",
+        ladder=(4,), events=(Call(3, reqs=2), Call(3, reqs=2), Call(3, reqs=2))),
+    # a change the module-state check sees, after planned steps: plan_skips_state_check,
+    # plan_in_context_skips_check, class_attr_unseen
+    "planned_full_class_attr": Case(
+        seed=5, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Change("class_attr"), _P, Change("restore_class_attr"),
+                             _P)),
+    "planned_piecewise_class_attr": Case(
+        seed=6, tier="fast", model="reads_attrs", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, _P, Change("class_attr"), _P, Change("restore_class_attr"),
+                             _P)),
+    "planned_full_train": Case(
+        seed=7, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Change("train"), _P, Change("eval"), _P)),
+    # an input of another dtype after planned steps of float32: plan_key_without_dtype,
+    # input_dtype_unchecked
+    "planned_full_cast_input": Case(
+        seed=8, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Call(3, positional=True, cast=True), _P)),
+    "planned_piecewise_cast_input": Case(
+        seed=9, tier="fast", model="sandwich", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_K, _K, Call(3, cast=True), _K)),
+    # hooks on the compiled model after planned steps: plan_ignores_hooks,
+    # skip_call_ignores_pre_hooks
+    "planned_full_pre_hook": Case(
+        seed=10, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Change("hook_model_pre"), _P, _P, Change("remove_hook"),
+                             _P)),
+    "planned_piecewise_fwd_hook": Case(
+        seed=11, tier="fast", model="sandwich", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, _P, Change("hook_model_fwd"), _P, _P)),
+    "plain_pre_hook_after_memo": Case(
+        seed=12, tier="fast", model="reads_attrs", path="plain",
+        events=(Call(3), Call(3), Change("hook_model_pre"), Call(3), Call(3))),
+    # hooked before the first step: whole_way_ignores_hooks
+    "hooked_from_the_start_full": Case(
+        seed=13, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(Change("hook_model_fwd"), _P, _P, _P)),
+    "pre_hooked_from_the_start_full": Case(
+        seed=14, tier="fast", model="sandwich", path="runner", graph_mode="full",
+        ladder=(4,), events=(Change("hook_model_pre"), _K, _K, _P)),
+    # planned PIECEWISE steps: piecewise_plan_cut_reused
+    "planned_piecewise_steps": Case(
+        seed=15, tier="fast", model="outer", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, _P, _P, _K)),
+    # a model writing its input: copy_back_skipped (runner), replay_no_copy_back (context, a
+    # fresh tensor each call)
+    "writes_input_runner_full": Case(
+        seed=16, tier="fast", model="makes_ones", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, _P)),
+    "writes_input_runner_piecewise": Case(
+        seed=17, tier="fast", model="makes_ones", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, _K, _P)),
+    "writes_input_context_fresh": Case(
+        seed=18, tier="fast", model="makes_ones", path="context", graph_mode="full",
+        ladder=(4,), events=(Call(4), Call(4, fresh=True), Call(4, fresh=True))),
+    "writes_input_context_piecewise_fresh": Case(
+        seed=19, tier="fast", model="makes_ones", path="context", graph_mode="piecewise",
+        ladder=(4,), events=(Call(4), Call(4, fresh=True), Call(4, fresh=True))),
+    # output containers on runner steps: cut_rebuilds_lists, dataclass_output_uncut,
+    # cut_keeps_padding
+    "namedtuple_out_runner": Case(
+        seed=20, tier="fast", model="namedtuple_out", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P)),
+    "namedtuple_out_piecewise": Case(
+        seed=21, tier="fast", model="namedtuple_out", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, _K)),
+    "dataclass_out_piecewise": Case(
+        seed=22, tier="fast", model="dataclass_out", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, _K, _P)),
+    # a global forward reads, changed and put back: outside_value_unchecked,
+    # global_change_unseen, global_compared_by_identity
+    "global_changed_and_back": Case(
+        seed=23, tier="fast", model="reads_global", path="plain",
+        events=(Call(3), Call(3), Change("module_global"), Call(3), Change("restore_global"),
+                Call(3))),
+    "global_changed_runner": Case(
+        seed=24, tier="fast", model="reads_global", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Change("module_global"), _P, Change("restore_global"),
+                             _P)),
+}
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_named_kill(name: str, tmp_path: Path) -> None:
+    run_case(KILLS[name], None, shrink=False)
