@@ -4,14 +4,21 @@ the library, does the fast slice find, and with how many seeds?
 Each mutant is a small record: a file under src/freezeframe, a snippet of it that must occur
 exactly once, and what replaces it. For each mutant the script copies src/ to a temporary
 directory, applies the mutant there (never to the working tree), and runs the matrix's fast
-slice (its seeds and its floor test, no shrinking) against that copy. A mutant is *killed*
-when a test fails; the seeds that failed are counted. A mutant whose snippet is not found any
-more (the code moved on) is reported as such, to be re-pointed.
+slice against that copy: the named kill cases (tests/matrix/test_kills.py) first, then the
+seeds, the floor test and the found bugs' regression cases (no shrinking; Inductor's cases left
+out). A first run without any mutant (the baseline) finds the tests that fail on the library as
+it is (open bugs): they kill no mutant. A mutant is *killed* when another test fails; the seeds
+and named cases that failed are listed. A mutant whose snippet is not found any more (the code
+moved on) is reported as such, to be re-pointed.
 
     python scripts/mutate.py                 # every mutant (long: one fast slice each)
     python scripts/mutate.py --list          # the mutants, in words
+    python scripts/mutate.py --check         # does each still apply (and import)?
     python scripts/mutate.py plan_key_without_dtype copy_back_skipped   # some of them
-    python scripts/mutate.py --seeds 30      # against the first 30 seeds only (quicker)
+    python scripts/mutate.py --seeds 8       # against the first 8 seeds only (quicker)
+    python scripts/mutate.py --first         # stop each run at its first failure (quicker)
+    python scripts/mutate.py --named-only    # the named kill cases only, all of them counted
+    python scripts/mutate.py --assume-failing none m1 m2   # no baseline run: none fails
 
 Run from the repository root with the project's interpreter. It prints one line per mutant as
 it finishes and a summary table (markdown) at the end.
@@ -237,7 +244,8 @@ BASELINE = Mutant("(none: the library as it is)", "__init__.py", "", "", "the ba
 
 
 def run(mutant: Mutant, seeds: int, python: str, base: Path,
-        baseline: frozenset[str] = frozenset(), first: bool = False) -> dict[str, object]:
+        baseline: frozenset[str] = frozenset(), first: bool = False,
+        named_only: bool = False) -> dict[str, object]:
     """One mutant against the selection; killed when a test fails that passes without it
     (``baseline``: the tests that fail on the library as it is, left out). ``first``: stop at
     the first failure (the named cases run first)."""
@@ -262,7 +270,8 @@ def run(mutant: Mutant, seeds: int, python: str, base: Path,
             if first else []
         subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                         "no:logging", "tests/matrix/test_kills.py", "tests/matrix", "-k",
-                        SELECTION[0], "-m", SELECTION[1], f"--junitxml={junit}", *stop],
+                        "test_named_kill" if named_only else SELECTION[0], "-m", SELECTION[1],
+                        f"--junitxml={junit}", *stop],
                        env=env, cwd=base, capture_output=True, text=True, timeout=3600)
         failed = [name for name in _failed(junit) if name not in baseline]
     seeds_failed = sorted(int(m.group(1)) for name in failed
@@ -314,6 +323,12 @@ def main() -> None:
     parser.add_argument("--first", action="store_true",
                         help="stop each mutant's run at its first failure (quicker; the cases "
                              "that fail are then not all counted)")
+    parser.add_argument("--named-only", action="store_true",
+                        help="run only the named kill cases (tests/matrix/test_kills.py), every "
+                             "one, to count how many kill each mutant")
+    parser.add_argument("--assume-failing", action="append", default=None, metavar="TEST",
+                        help="a test taken as failing without a mutant, as the baseline run "
+                             "prints it (repeatable; skips the baseline run; 'none': none)")
     parser.add_argument("--check", action="store_true",
                         help="only apply each mutant to a copy and import it (re-pointing)")
     args = parser.parse_args()
@@ -329,12 +344,17 @@ def main() -> None:
     results = []
     base = snapshot(Path(tempfile.mkdtemp(prefix="mutate-base-")))
     # the tests that fail without any mutant (open bugs) kill no mutant
-    first = run(BASELINE, args.seeds, sys.executable, base)
-    baseline = frozenset(first["failed"])  # type: ignore[arg-type]
-    print(f"baseline: {len(baseline)} test(s) fail without a mutant {sorted(baseline)} "
-          f"({first['seconds']} s)", flush=True)
+    if args.assume_failing is not None:
+        baseline = frozenset(args.assume_failing) - {"none"}
+        print(f"baseline (assumed): {sorted(baseline)}", flush=True)
+    else:
+        first = run(BASELINE, args.seeds, sys.executable, base, named_only=args.named_only)
+        baseline = frozenset(first["failed"])  # type: ignore[arg-type]
+        print(f"baseline: {len(baseline)} test(s) fail without a mutant {sorted(baseline)} "
+              f"({first['seconds']} s)", flush=True)
     for mutant in chosen:
-        result = run(mutant, args.seeds, sys.executable, base, baseline, args.first)
+        result = run(mutant, args.seeds, sys.executable, base, baseline, args.first,
+                     args.named_only)
         results.append(result)
         print(f"{mutant.name}: {result['status']}"
               + (f", {len(result['seeds'])} seed(s) {result['seeds']}"  # type: ignore[arg-type]

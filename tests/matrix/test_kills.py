@@ -73,6 +73,16 @@ KILLS: dict[str, Case] = {
     "planned_piecewise_steps": Case(
         seed=15, tier="fast", model="outer", path="runner", graph_mode="piecewise",
         ladder=(4,), events=(_P, _P, _P, _K)),
+    # the last op a splitting op (ffmatrix::mix returns a new tensor): each planned PIECEWISE
+    # step's output is a new tensor (piecewise_plan_cut_reused)
+    "planned_piecewise_split_last": Case(
+        seed=31, tier="fast", model="per_request", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(Call(3, reqs=2), Call(3, reqs=2), Call(3, reqs=2))),
+    "planned_piecewise_split_last_mixed": Case(
+        seed=32, tier="fast", model="per_request", path="runner",
+        graph_mode="full_and_piecewise", ladder=(2, 4),
+        events=(Call(3, reqs=2), Call(2, reqs=1), Call(3, reqs=2), Call(2, reqs=1),
+                Call(3, reqs=2))),
     # a model writing its input: copy_back_skipped (runner), replay_no_copy_back (context, a
     # fresh tensor each call)
     "writes_input_runner_full": Case(
@@ -108,6 +118,29 @@ KILLS: dict[str, Case] = {
         seed=24, tier="fast", model="reads_global", path="runner", graph_mode="full",
         ladder=(4,), events=(_P, _P, Change("module_global"), _P, Change("restore_global"),
                              _P)),
+    # a parameter replaced after planned steps: graphs_kept_after_weights_replaced,
+    # replaced_weights_unseen
+    "planned_full_param_replaced": Case(
+        seed=25, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Change("replace_param", 0), _P, _K)),
+    "context_full_param_replaced": Case(
+        seed=26, tier="fast", model="tensor_attr", path="context", graph_mode="full",
+        ladder=(4,), events=(Call(4), Call(4), Change("replace_param", 0), Call(4))),
+    # a submodule's hook and an equal attribute after calls of a remembered shape:
+    # hooks_change_unseen, state_check_skipped_on_memo, refuses_after_a_change
+    "plain_sub_hook_after_memo": Case(
+        seed=27, tier="fast", model="sandwich", path="plain",
+        events=(Call(3), Call(3), Change("hook_sub_fwd", 0), Call(3), Call(3))),
+    "plain_equal_attr_after_memo": Case(
+        seed=28, tier="fast", model="reads_attrs", path="plain",
+        events=(Call(3), Call(3), Change("equal_attr"), Call(3), Change("train"), Call(3))),
+    # two shapes, each remembered, called in turn: memo_route_unchecked
+    "plain_two_shapes_in_turn": Case(
+        seed=29, tier="fast", model="reads_attrs", path="plain",
+        events=(Call(3), Call(5), Call(3), Call(5), Call(3))),
+    "context_two_shapes_in_turn": Case(
+        seed=30, tier="fast", model="sandwich", path="context", graph_mode="piecewise",
+        ladder=(4, 8), events=(Call(4), Call(8), Call(4), Call(8))),
 }
 
 
