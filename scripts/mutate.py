@@ -277,7 +277,7 @@ def run(mutant: Mutant, seeds: int, python: str, base: Path,
     seeds_failed = sorted(int(m.group(1)) for name in failed
                           if (m := re.search(r"seed(\d+)\]", name)))
     named = sorted(m.group(1) for name in failed
-                   if (m := re.search(r"(?:test_regression|test_named_kill)\[(\w+)\]", name)))
+                   if (m := re.search(r"(?:test_regression|test_named_kill)(?:\[|_)(\w+)", name)))
     floor = any("compares_most_calls" in name for name in failed)
     return {"name": mutant.name, "status": "killed" if failed else "survived",
             "seeds": seeds_failed, "named": named, "floor": floor, "failed": failed,
@@ -332,7 +332,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true",
                         help="only apply each mutant to a copy and import it (re-pointing)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    by_name = {m.name: m for m in MUTANTS}
+    chosen = [by_name[n] for n in args.names] if args.names else list(MUTANTS)
     if args.list:
         for m in MUTANTS:
             print(f"{m.name:38} {m.file:30} {m.what}")

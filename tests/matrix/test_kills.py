@@ -11,7 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+import freezeframe as ff
+from freezeframe.runtime import GraphRunner, Tokens
+from tests.helpers.configs import silly_config
+from tests.helpers.toy_models import SillyModel
 from tests.matrix.cases import Call, Case, Change
 from tests.matrix.harness import run_case
 
@@ -147,3 +152,21 @@ KILLS: dict[str, Case] = {
 @pytest.mark.parametrize("name", list(KILLS))
 def test_named_kill(name: str, tmp_path: Path) -> None:
     run_case(KILLS[name], None, shrink=False)
+
+
+@pytest.mark.parametrize("first_uniform", [True, False])
+def test_named_kill_uniform_and_mixed_steps_dispatch_apart(first_uniform: bool) -> None:
+    """Under FULL_DECODE_ONLY a uniform-decode step replays the FULL graph and a mixed step of
+    as many tokens runs eagerly, whichever came first (the answers are alike, the modes are
+    the runner's stats): dispatch_memo_without_uniform."""
+    cfg = silly_config("emulated", "full_decode_only", cudagraph_capture_sizes=[2, 4],
+                       max_num_tokens=4, max_num_seqs=4)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    runner.capture()
+    eager = SillyModel()
+    for uniform in (first_uniform, not first_uniform, first_uniform):
+        x = torch.randn(2, 3)
+        torch.testing.assert_close(runner(x, uniform_decode=uniform), eager(x))
+    full = 2 if first_uniform else 1
+    assert (runner.stats.steps_full, runner.stats.steps_eager) == (full, 3 - full)
