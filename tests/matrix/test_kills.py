@@ -146,6 +146,15 @@ KILLS: dict[str, Case] = {
     "context_two_shapes_in_turn": Case(
         seed=30, tier="fast", model="sandwich", path="context", graph_mode="piecewise",
         ladder=(4, 8), events=(Call(4), Call(8), Call(4), Call(8))),
+    # a second runner on one compiled model: replay_of_another_owner
+    "second_runner_piecewise": Case(
+        seed=35, tier="fast", model="sandwich", path="runner", graph_mode="piecewise",
+        ladder=(4,), events=(_P, Call(3, positional=True, via="second_runner"), _P,
+                             Call(3, positional=True, via="second_runner"))),
+    "second_runner_full_and_piecewise": Case(
+        seed=34, tier="fast", model="reads_attrs", path="runner",
+        graph_mode="full_and_piecewise", ladder=(4,),
+        events=(_P, Call(3, via="second_runner"), _K, Call(3, via="second_runner"))),
 }
 
 
@@ -170,3 +179,22 @@ def test_named_kill_uniform_and_mixed_steps_dispatch_apart(first_uniform: bool) 
         torch.testing.assert_close(runner(x, uniform_decode=uniform), eager(x))
     full = 2 if first_uniform else 1
     assert (runner.stats.steps_full, runner.stats.steps_eager) == (full, 3 - full)
+
+
+@pytest.mark.parametrize("graph_mode", ["full", "piecewise"])
+def test_named_kill_each_size_pads_to_the_next_capture_size(graph_mode: str) -> None:
+    """Steps of 1 to 4 tokens with capture sizes [2, 4] pad to 2, 2, 4, 4 and each replays a
+    graph (the answers of a step padded further, or run eagerly, are alike: the runner's stats
+    tell): padding_table_shifted."""
+    cfg = silly_config("emulated", graph_mode, cudagraph_capture_sizes=[2, 4],
+                       max_num_tokens=4, max_num_seqs=4)
+    model = ff.compile(SillyModel(), cfg)
+    runner = GraphRunner(model, cfg, inputs={"x": Tokens(3)}, progress=False)
+    runner.capture()
+    eager = SillyModel()
+    for n in (1, 2, 3, 4):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(runner(x), eager(x))
+    stats = runner.stats
+    graphs = stats.steps_full if graph_mode == "full" else stats.steps_piecewise
+    assert (graphs, stats.steps_eager, stats.padded_tokens) == (4, 0, 2)
