@@ -139,22 +139,6 @@ KILLS: dict[str, Case] = {
     "plain_equal_attr_after_memo": Case(
         seed=28, tier="fast", model="reads_attrs", path="plain",
         events=(Call(3), Call(3), Change("equal_attr"), Call(3), Change("train"), Call(3))),
-    # two shapes, each remembered, called in turn: memo_route_unchecked
-    "plain_two_shapes_in_turn": Case(
-        seed=29, tier="fast", model="reads_attrs", path="plain",
-        events=(Call(3), Call(5), Call(3), Call(5), Call(3))),
-    "context_two_shapes_in_turn": Case(
-        seed=30, tier="fast", model="sandwich", path="context", graph_mode="piecewise",
-        ladder=(4, 8), events=(Call(4), Call(8), Call(4), Call(8))),
-    # a second runner on one compiled model: replay_of_another_owner
-    "second_runner_piecewise": Case(
-        seed=35, tier="fast", model="sandwich", path="runner", graph_mode="piecewise",
-        ladder=(4,), events=(_P, Call(3, positional=True, via="second_runner"), _P,
-                             Call(3, positional=True, via="second_runner"))),
-    "second_runner_full_and_piecewise": Case(
-        seed=34, tier="fast", model="reads_attrs", path="runner",
-        graph_mode="full_and_piecewise", ladder=(4,),
-        events=(_P, Call(3, via="second_runner"), _K, Call(3, via="second_runner"))),
 }
 
 
