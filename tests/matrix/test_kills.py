@@ -35,7 +35,7 @@ KILLS: dict[str, Case] = {
         seed=4, tier="fast", model="per_request", path="runner", graph_mode="full",
         ladder=(4,), events=(Call(3, reqs=2), Call(3, reqs=2), Call(3, reqs=2))),
     # a change the module-state check sees, after planned steps: plan_skips_state_check,
-    # plan_in_context_skips_check, class_attr_unseen
+    # plan_in_context_skips_check, class_attr_unseen, hooks_change_unseen
     "planned_full_class_attr": Case(
         seed=5, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
         ladder=(4,), events=(_P, _P, Change("class_attr"), _P, Change("restore_class_attr"),
@@ -44,6 +44,9 @@ KILLS: dict[str, Case] = {
         seed=6, tier="fast", model="reads_attrs", path="runner", graph_mode="piecewise",
         ladder=(4,), events=(_P, _P, Change("class_attr"), _P, Change("restore_class_attr"),
                              _P)),
+    "planned_full_sub_hook": Case(
+        seed=36, tier="fast", model="sandwich", path="runner", graph_mode="full",
+        ladder=(4,), events=(_P, _P, Change("hook_sub_fwd", 0), _P, Change("remove_hook"), _P)),
     "planned_full_train": Case(
         seed=7, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
         ladder=(4,), events=(_P, _P, Change("train"), _P, Change("eval"), _P)),
