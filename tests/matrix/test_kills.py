@@ -134,11 +134,21 @@ KILLS: dict[str, Case] = {
     "context_full_param_replaced": Case(
         seed=26, tier="fast", model="tensor_attr", path="context", graph_mode="full",
         ladder=(4,), events=(Call(4), Call(4), Change("replace_param", 0), Call(4))),
-    # a submodule's hook and an equal attribute after calls of a remembered shape:
-    # hooks_change_unseen, state_check_skipped_on_memo, refuses_after_a_change
+    # changes after calls of a remembered shape (positional: the compiled model's short cut):
+    # state_check_skipped_on_memo, hooks_change_unseen, refuses_after_a_change
     "plain_sub_hook_after_memo": Case(
         seed=27, tier="fast", model="sandwich", path="plain",
         events=(Call(3), Call(3), Change("hook_sub_fwd", 0), Call(3), Call(3))),
+    "plain_class_attr_after_memo": Case(
+        seed=37, tier="fast", model="reads_attrs", path="plain",
+        events=(Call(3, positional=True), Call(3, positional=True), Call(3, positional=True),
+                Change("class_attr"), Call(3, positional=True),
+                Change("restore_class_attr"), Call(3, positional=True))),
+    "plain_global_after_memo": Case(
+        seed=38, tier="fast", model="reads_global", path="plain",
+        events=(Call(3, positional=True), Call(3, positional=True), Call(3, positional=True),
+                Change("module_global"), Call(3, positional=True),
+                Change("restore_global"), Call(3, positional=True))),
     "plain_equal_attr_after_memo": Case(
         seed=28, tier="fast", model="reads_attrs", path="plain",
         events=(Call(3), Call(3), Change("equal_attr"), Call(3), Change("train"), Call(3))),
