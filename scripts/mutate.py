@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -350,7 +351,7 @@ def main() -> None:
         print(f"baseline (assumed): {sorted(baseline)}", flush=True)
     else:
         first = run(BASELINE, args.seeds, sys.executable, base, named_only=args.named_only)
-        baseline = frozenset(first["failed"])  # type: ignore[arg-type]
+        baseline = frozenset(typing.cast("list[str]", first["failed"]))
         print(f"baseline: {len(baseline)} test(s) fail without a mutant {sorted(baseline)} "
               f"({first['seconds']} s)", flush=True)
     for mutant in chosen:
