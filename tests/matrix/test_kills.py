@@ -47,9 +47,15 @@ KILLS: dict[str, Case] = {
     "planned_full_sub_hook": Case(
         seed=36, tier="fast", model="sandwich", path="runner", graph_mode="full",
         ladder=(4,), events=(_P, _P, Change("hook_sub_fwd", 0), _P, Change("remove_hook"), _P)),
-    "planned_full_train": Case(
-        seed=7, tier="fast", model="reads_attrs", path="runner", graph_mode="full",
-        ladder=(4,), events=(_P, _P, Change("train"), _P, Change("eval"), _P)),
+    # train() on a model that branches on self.training: training_unseen
+    "plain_train_branches": Case(
+        seed=39, tier="fast", model="branches", path="plain",
+        events=(Call(3, positional=True), Call(3, positional=True), Change("train"),
+                Call(3, positional=True), Change("eval"), Call(3, positional=True))),
+    "context_train_branches": Case(
+        seed=40, tier="fast", model="branches", path="context", graph_mode="piecewise",
+        ladder=(4,), events=(Call(4), Call(4), Change("train"), Call(4), Change("eval"),
+                             Call(4))),
     # an input of another dtype after planned steps of float32: plan_key_without_dtype,
     # input_dtype_unchecked
     "planned_full_cast_input": Case(
