@@ -4,14 +4,21 @@ the library, does the fast slice find, and with how many seeds?
 Each mutant is a small record: a file under src/freezeframe, a snippet of it that must occur
 exactly once, and what replaces it. For each mutant the script copies src/ to a temporary
 directory, applies the mutant there (never to the working tree), and runs the matrix's fast
-slice (its seeds and its floor test, no shrinking) against that copy. A mutant is *killed*
-when a test fails; the seeds that failed are counted. A mutant whose snippet is not found any
-more (the code moved on) is reported as such, to be re-pointed.
+slice against that copy: the named kill cases (tests/matrix/test_kills.py) first, then the
+seeds, the floor test and the found bugs' regression cases (no shrinking; Inductor's cases left
+out). A first run without any mutant (the baseline) finds the tests that fail on the library as
+it is (open bugs): they kill no mutant. A mutant is *killed* when another test fails; the seeds
+and named cases that failed are listed. A mutant whose snippet is not found any more (the code
+moved on) is reported as such, to be re-pointed.
 
     python scripts/mutate.py                 # every mutant (long: one fast slice each)
     python scripts/mutate.py --list          # the mutants, in words
+    python scripts/mutate.py --check         # does each still apply (and import)?
     python scripts/mutate.py plan_key_without_dtype copy_back_skipped   # some of them
-    python scripts/mutate.py --seeds 30      # against the first 30 seeds only (quicker)
+    python scripts/mutate.py --seeds 8       # against the first 8 seeds only (quicker)
+    python scripts/mutate.py --first         # stop each run at its first failure (quicker)
+    python scripts/mutate.py --named-only    # the named kill cases only, all of them counted
+    python scripts/mutate.py --assume-failing none m1 m2   # no baseline run: none fails
 
 Run from the repository root with the project's interpreter. It prints one line per mutant as
 it finishes and a summary table (markdown) at the end.
@@ -28,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -44,34 +52,54 @@ class Mutant:
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    # -- the runner's planned steps (runtime/plan.py, runtime/buffers.py) -----------------------
-    Mutant("plan_skips_last_input_copy", "runtime/plan.py",
-           "        self._static.stage_into(plan.staging, args)\n",
-           "        self._static.stage_into(dataclasses.replace(\n"
-           "            plan.staging, targets=plan.staging.targets[:-1]), args[:-1])\n",
-           "a planned step copies every input but its last into the static buffers"),
-    Mutant("plan_skips_state_check", "compilation/graph_steps.py",
-           "    def checked() -> Any:\n        check()\n        return on_captured()\n",
-           "    def checked() -> Any:\n        return on_captured()\n",
+    # -- the runner's planned steps (runtime/steps.py Stepper.run, runtime/plan.py) ------------
+    Mutant("plan_skips_last_input_copy", "runtime/steps.py",
+           "        static.stage_into(plan.staging, inputs)\n",
+           "        if plan.kept and plan.context is None:\n"
+           "            static.stage_into(dataclasses.replace(\n"
+           "                plan.staging, targets=plan.staging.targets[:-1]), inputs[:-1])\n"
+           "        else:\n"
+           "            static.stage_into(plan.staging, inputs)\n",
+           "a planned FULL step copies every input but its last into the static buffers"),
+    Mutant("plan_skips_state_check", "runtime/steps.py",
+           "                if check is not None:\n                    check()\n"
+           "                out = work.replay.on_captured()",
+           "                out = work.replay.on_captured()",
            "a planned FULL step skips the module-state check"),
-    Mutant("plan_same_tensor_object", "runtime/plan.py",
-           "        return out.detach() if out.__class__ is torch.Tensor else "
+    Mutant("plan_same_tensor_object", "runtime/steps.py",
+           "            out = out.detach() if out.__class__ is torch.Tensor else "
            "map_tensors(out, alias)\n",
-           "        return out\n",
+           "",
            "a planned FULL step hands out the same tensor object every step"),
     Mutant("plan_key_without_dtype", "runtime/plan.py",
-           '_input_key = operator.attrgetter("__class__", "shape", "dtype", "device")',
-           '_input_key = operator.attrgetter("__class__", "shape", "device")',
+           'input_key = operator.attrgetter("__class__", "shape", "dtype", "device")',
+           'input_key = operator.attrgetter("__class__", "shape", "device")',
            "a plan's key leaves out the input's dtype (another dtype is cast silently)"),
-    Mutant("plan_ignores_hooks", "runtime/plan.py",
-           "        if not self.plans or self.model_hooked():\n",
-           "        if not self.plans:\n",
+    Mutant("plan_ignores_hooks", "runtime/steps.py",
+           "        if plans and (not isinstance(model, torch.nn.Module) or "
+           "may_skip_module_call(model)):\n",
+           "        if plans:\n",
            "a planned step skips the compiled model's hooks registered after the plan"),
-    Mutant("piecewise_plan_cut_reused", "runtime/plan.py",
+    Mutant("piecewise_plan_cut_reused", "runtime/steps.py",
            "        if out is plan.last_out:",
            "        if plan.last_out is not None:",
            "a planned PIECEWISE step reuses the last cut even for a new output tensor"),
-    # -- inputs, staging, copy-back ------------------------------------------------------------
+    Mutant("plan_in_context_skips_check", "runtime/steps.py",
+           "        with entered(ctx):\n            if check is not None:\n"
+           "                check()\n",
+           "        with entered(ctx):\n",
+           "a planned PIECEWISE step (replays in context) skips the module-state check"),
+    # -- the one skip-__call__ rule (compilation/module_call.py) ---------------------------------
+    Mutant("skip_call_ignores_pre_hooks", "compilation/module_call.py",
+           "    return bool(module._forward_hooks or module._forward_pre_hooks or "
+           "module._backward_hooks\n",
+           "    return bool(module._forward_hooks or module._backward_hooks\n",
+           "the skip-__call__ rule ignores forward pre-hooks (a replay or a remembered call skips "
+           "them)"),
+    Mutant("skip_call_ignores_instance_forward", "compilation/module_call.py",
+           "                or \"forward\" in module.__dict__\n",
+           "",
+           "the skip-__call__ rule ignores a forward set on the instance"),
     Mutant("input_dtype_unchecked", "runtime/inputs.py",
            "        if t.dtype != spec.dtype:\n",
            "        if False:\n",
@@ -98,15 +126,20 @@ MUTANTS: tuple[Mutant, ...] = (
            "        return t.detach()\n",
            "an output is not cut to the real rows"),
     Mutant("cut_rebuilds_lists", "runtime/outputs.py",
-           '            return type(out)(parts) if not hasattr(out, "_fields") else '
-           "type(out)(*parts)\n",
-           "            return list(parts)\n",
+           "        return rebuild(parts)\n",
+           "        return list(parts) if isinstance(out, tuple) else rebuild(parts)\n",
            "a tuple or namedtuple output comes back as a list"),
+    Mutant("dataclass_output_uncut", "runtime/outputs.py",
+           "        node = _node(out)\n        if node is None:\n            if kinds != \"none\" "
+           "and _holds_tensor(out):\n",
+           "        node = None if dataclasses.is_dataclass(out) else _node(out)\n"
+           "        if node is None:\n            if kinds != \"none\" and _holds_tensor(out) "
+           "and not dataclasses.is_dataclass(out):\n",
+           "a dataclass output is not cut to the real rows (returned with its padding rows)"),
     # -- replay (graphs/replay.py, graphs/wrapper.py) ---------------------------------------------
     Mutant("replay_no_copy_back", "graphs/replay.py",
-           "                if now.untyped_storage().data_ptr() not in self._output_memory:\n"
-           "                    now.copy_(then)\n",
-           "                pass\n",
+           "            if written and now.untyped_storage().data_ptr() not in output:\n",
+           "            if False:\n",
            "a replay does not copy back into a new input tensor the graph wrote"),
     Mutant("replay_no_copy_in", "graphs/replay.py",
            "        then.copy_(now)\n        shared.copies.n += 1\n",
@@ -121,11 +154,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "    for wrapper in holding:\n        pass\n",
            "graphs that read a replaced weight's old memory are kept"),
     # -- the module-state check and routing (compilation/) ----------------------------------------
-    Mutant("whole_way_ignores_hooks", "runtime/plan.py",
-           "        hooked = self.model_hooked()  # its hooks run in __call__: no direct replay "
-           "then\n",
-           "        hooked = False\n",
-           "a runner step of a hooked model replays its FULL graph directly (no hooks run)"),
+    Mutant("whole_way_ignores_hooks", "runtime/steps.py",
+           "                 and slices is None and not self._options.dp_sync and not "
+           "self.model_hooked())\n",
+           "                 and slices is None and not self._options.dp_sync)\n",
+           "a runner step of a hooked model is planned (its replay skips the hooks)"),
     Mutant("float_arguments_equal", "compilation/values.py",
            "            return (type(value), repr(value))  # np.float64 is a float too\n",
            "            return (type(value), repr(value))  # np.float64 is a float too\n"
@@ -137,20 +170,30 @@ MUTANTS: tuple[Mutant, ...] = (
            "                if False\n",
            "a parameter replaced after a capture is not seen as moved (graphs read the old one)"),
     Mutant("state_check_skipped_on_memo", "compilation/model.py",
-           "            return super().__call__(*args, **kwargs)\n        state = self._state\n"
-           "        if state is not None and (self._check_state_every_call or "
-           "state.changed_cheaply()):\n",
-           "            return super().__call__(*args, **kwargs)\n        state = self._state\n"
-           "        if False:\n",
-           "a call routed by the exact-key memo skips the module-state check"),
+           "        self._check()\n        last = self._last",
+           "        last = self._last",
+           "a call of a remembered shape skips the module-state check"),
     Mutant("hooks_change_unseen", "compilation/module_state.py",
            "        if now.hooks != self.hooks:\n",
            "        if False:\n",
            "a forward hook added to a submodule after the trace is not a difference"),
-    Mutant("class_attr_unseen", "compilation/module_state.py",
+    Mutant("class_attr_unseen", "compilation/outside_reads.py",
            "            if now != then:\n                return (f\"the class attribute",
            "            if False:\n                return (f\"the class attribute",
            "a class attribute forward reads, changed after the trace, is not a difference"),
+    # -- values from outside the module (compilation/outside_reads.py) ----------------------------
+    Mutant("outside_value_unchecked", "compilation/outside_reads.py",
+           "        for j, read in enumerate(self.globals):\n            expr = ",
+           "        for j, read in enumerate(()):\n            expr = ",
+           "the every-call check skips the globals forward reads (a changed one is not seen)"),
+    Mutant("global_change_unseen", "compilation/outside_reads.py",
+           "            if now != read.then:\n",
+           "            if False:\n",
+           "a global forward reads, changed, is no difference for the full check"),
+    Mutant("global_compared_by_identity", "compilation/outside_reads.py",
+           "        return token(value, _tensor_token)\n",
+           "        return (\"object\", id(value))\n",
+           "a global forward reads is compared by identity only (an equal new value is refused)"),
     Mutant("training_unseen", "compilation/module_state.py",
            "        if now.training != self.training:\n",
            "        if False:\n",
@@ -161,8 +204,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if (last is not None and not kwargs and len(args) == last.count\n",
            "a call goes where the last remembered one went without its tensor check"),
     Mutant("refuses_after_a_change", "compilation/model.py",
-           "        why = state.difference()\n        if why is None:\n",
-           "        why = state.difference()\n        if why is None and False:\n",
+           "            if why is None:\n                moved = state.moved_tensors()\n",
+           "            if why is None and False:\n                moved = state.moved_tensors()\n",
            "any change the cheap check sees (a weight replaced, an equal attribute) is refused"),
     Mutant("refuses_every_later_call", "compilation/model.py",
            "        last = self._last  # the last remembered call served: is this one alike?\n",
@@ -194,14 +237,27 @@ def snapshot(into: Path) -> Path:
     return into
 
 
-def run(mutant: Mutant, seeds: int, python: str, base: Path) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+# What the fast slice runs per mutant: its seeds, the floor test, and the named cases (the found
+# bugs' regression cases and the cases named after the mutants they kill), Inductor's left out.
+SELECTION = ("test_seed or compares_most_calls or test_regression or test_named_kill",
+             "not inductor")
+BASELINE = Mutant("(none: the library as it is)", "__init__.py", "", "", "the baseline")
+
+
+def run(mutant: Mutant, seeds: int, python: str, base: Path,
+        baseline: frozenset[str] = frozenset(), first: bool = False,
+        named_only: bool = False) -> dict[str, object]:
+    """One mutant against the selection; killed when a test fails that passes without it
+    (``baseline``: the tests that fail on the library as it is, left out). ``first``: stop at
+    the first failure (the named cases run first)."""
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         src = Path(tmp) / "src"
         shutil.copytree(base / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
-        try:
-            apply(src, mutant)
-        except LookupError as exc:
-            return {"name": mutant.name, "status": "not applied", "why": str(exc)}
+        if mutant is not BASELINE:
+            try:
+                apply(src, mutant)
+            except LookupError as exc:
+                return {"name": mutant.name, "status": "not applied", "why": str(exc)}
         env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{base}", FF_MATRIX="fast",
                    FF_MATRIX_SHRINK="0", FF_MATRIX_SEEDS=str(seeds))
         where = subprocess.run([python, "-c", "import freezeframe; print(freezeframe.__file__)"],
@@ -211,16 +267,22 @@ def run(mutant: Mutant, seeds: int, python: str, base: Path) -> dict[str, object
                                f"{where.stderr[-500:]}")
         junit = Path(tmp) / "junit.xml"
         began = time.monotonic()
+        stop = ["-x", *(f"--deselect={_node_id(name)}" for name in sorted(baseline))] \
+            if first else []
         subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                        "no:logging", "tests/matrix", "-k",
-                        "test_seed or compares_most_calls", f"--junitxml={junit}"],
+                        "no:logging", "tests/matrix/test_kills.py", "tests/matrix", "-k",
+                        "test_named_kill" if named_only else SELECTION[0], "-m", SELECTION[1],
+                        f"--junitxml={junit}", *stop],
                        env=env, cwd=base, capture_output=True, text=True, timeout=3600)
-        failed = _failed(junit)
+        failed = [name for name in _failed(junit) if name not in baseline]
     seeds_failed = sorted(int(m.group(1)) for name in failed
                           if (m := re.search(r"seed(\d+)\]", name)))
+    named = sorted(m.group(1) for name in failed
+                   if (m := re.search(r"(?:test_regression|test_named_kill)(?:\[|_)(\w+)", name)))
     floor = any("compares_most_calls" in name for name in failed)
     return {"name": mutant.name, "status": "killed" if failed else "survived",
-            "seeds": seeds_failed, "floor": floor, "seconds": round(time.monotonic() - began)}
+            "seeds": seeds_failed, "named": named, "floor": floor, "failed": failed,
+            "seconds": round(time.monotonic() - began)}
 
 
 def check(mutant: Mutant, python: str) -> str:
@@ -239,11 +301,19 @@ def check(mutant: Mutant, python: str) -> str:
 
 
 def _failed(junit: Path) -> list[str]:
+    """The failed tests of a junit report, as ``tests.matrix.test_x::test_y[param]``."""
     if not junit.exists():
         return ["(pytest wrote no report: it failed to start)"]
     tree = ET.parse(junit)
-    return [case.get("name", "") for case in tree.iter("testcase")
+    return [f"{case.get('classname', '')}::{case.get('name', '')}"
+            for case in tree.iter("testcase")
             if case.find("failure") is not None or case.find("error") is not None]
+
+
+def _node_id(name: str) -> str:
+    """``tests.matrix.test_x::test_y[p]`` as pytest's node id (for --deselect)."""
+    module, _, test = name.partition("::")
+    return f"{module.replace('.', '/')}.py::{test}"
 
 
 def main() -> None:
@@ -251,10 +321,20 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
     parser.add_argument("--seeds", type=int, default=88, help="fast-slice seeds (default 88)")
+    parser.add_argument("--first", action="store_true",
+                        help="stop each mutant's run at its first failure (quicker; the cases "
+                             "that fail are then not all counted)")
+    parser.add_argument("--named-only", action="store_true",
+                        help="run only the named kill cases (tests/matrix/test_kills.py), every "
+                             "one, to count how many kill each mutant")
+    parser.add_argument("--assume-failing", action="append", default=None, metavar="TEST",
+                        help="a test taken as failing without a mutant, as the baseline run "
+                             "prints it (repeatable; skips the baseline run; 'none': none)")
     parser.add_argument("--check", action="store_true",
                         help="only apply each mutant to a copy and import it (re-pointing)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    by_name = {m.name: m for m in MUTANTS}
+    chosen = [by_name[n] for n in args.names] if args.names else list(MUTANTS)
     if args.list:
         for m in MUTANTS:
             print(f"{m.name:38} {m.file:30} {m.what}")
@@ -265,11 +345,22 @@ def main() -> None:
         return
     results = []
     base = snapshot(Path(tempfile.mkdtemp(prefix="mutate-base-")))
+    # the tests that fail without any mutant (open bugs) kill no mutant
+    if args.assume_failing is not None:
+        baseline = frozenset(args.assume_failing) - {"none"}
+        print(f"baseline (assumed): {sorted(baseline)}", flush=True)
+    else:
+        first = run(BASELINE, args.seeds, sys.executable, base, named_only=args.named_only)
+        baseline = frozenset(typing.cast("list[str]", first["failed"]))
+        print(f"baseline: {len(baseline)} test(s) fail without a mutant {sorted(baseline)} "
+              f"({first['seconds']} s)", flush=True)
     for mutant in chosen:
-        result = run(mutant, args.seeds, sys.executable, base)
+        result = run(mutant, args.seeds, sys.executable, base, baseline, args.first,
+                     args.named_only)
         results.append(result)
         print(f"{mutant.name}: {result['status']}"
               + (f", {len(result['seeds'])} seed(s) {result['seeds']}"  # type: ignore[arg-type]
+                 f", named {result['named']}"
                  f"{', the floor' if result['floor'] else ''} ({result['seconds']} s)"
                  if result["status"] != "not applied" else f" ({result['why']})"),
               flush=True)
@@ -278,14 +369,17 @@ def main() -> None:
     print(f"\n{len(killed)} of {len(applied)} mutants killed"
           f" ({100 * len(killed) / max(1, len(applied)):.0f}%)\n")
     shutil.rmtree(base, ignore_errors=True)
-    print("| mutant | what | result | seeds that failed |\n|---|---|---|---|")
+    print("| mutant | what | result | seeds that failed | named cases that failed |\n"
+          "|---|---|---|---|---|")
     by_name = {m.name: m for m in MUTANTS}
     for r in results:
         seeds = r.get("seeds", [])
         shown = (f"{len(seeds)}: {seeds}" if seeds else "-")  # type: ignore[arg-type]
         if r.get("floor"):
             shown += " + the floor test"
-        print(f"| {r['name']} | {by_name[str(r['name'])].what} | {r['status']} | {shown} |")
+        named = ", ".join(r.get("named", [])) or "-"  # type: ignore[arg-type]
+        print(f"| {r['name']} | {by_name[str(r['name'])].what} | {r['status']} | {shown} "
+              f"| {named} |")
 
 
 if __name__ == "__main__":
