@@ -201,3 +201,51 @@ def test_named_kill_each_size_pads_to_the_next_capture_size(graph_mode: str) -> 
     stats = runner.stats
     graphs = stats.steps_full if graph_mode == "full" else stats.steps_piecewise
     assert (graphs, stats.steps_eager, stats.padded_tokens) == (4, 0, 2)
+
+
+OFFSETS = [0.5, 1.5]  # a global forward reads (rebound to an equal new list below)
+
+
+class _ReadsOffsets(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + OFFSETS[1]
+
+
+@pytest.mark.parametrize("graph_mode", ["none", "full"])
+def test_named_kill_a_global_rebound_to_an_equal_value_is_served(graph_mode: str) -> None:
+    """A module-level global forward reads, rebound to a new object of equal value, is served
+    as the guarantees state (compared by value, as an argument is); another value is refused
+    by name: global_compared_by_identity."""
+    global OFFSETS
+    cfg = silly_config("emulated", graph_mode, cudagraph_capture_sizes=[4])
+    model = ff.compile(_ReadsOffsets(), cfg)
+    x = torch.arange(12.0).reshape(4, 3)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), x * 2 + 1.5)
+            OFFSETS = [0.5, float("1.5")]  # a new list, equal items
+            torch.testing.assert_close(model(x), x * 2 + 1.5)
+            OFFSETS = [0.5, 2.5]
+            with pytest.raises(ff.CompileError, match=r"OFFSETS"):
+                model(x)
+    finally:
+        OFFSETS = [0.5, 1.5]
+
+
+def test_named_kill_a_forward_set_on_the_compiled_model_runs() -> None:
+    """A wrapper set as ``forward`` on the compiled model's instance (as accelerate's hooks do)
+    runs on every later call, also for a shape seen before, whose calls otherwise skip
+    ``nn.Module.__call__``: skip_call_ignores_instance_forward."""
+    cfg = silly_config("emulated", "none")
+    model = ff.compile(SillyModel(), cfg)
+    eager = SillyModel()
+    x = torch.randn(3, 3)
+    with torch.no_grad():
+        for _ in range(3):  # a shape seen twice: its calls take the short cut
+            torch.testing.assert_close(model(x), eager(x))
+        traced = model.forward
+        model.forward = lambda *args, **kwargs: traced(*args, **kwargs) * 2
+        for _ in range(2):
+            torch.testing.assert_close(model(x), eager(x) * 2)
+        del model.forward
+        torch.testing.assert_close(model(x), eager(x))
