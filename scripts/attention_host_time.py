@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src")]  # this checkout's freezeframe
+sys.path[:0] = [str(REPO / "src"), str(REPO)]  # this checkout's freezeframe, and its tests/
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (no GPU here)
 
 import torch  # noqa: E402
+from tests.helpers.launches import attention_triton_kernels  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import freezeframe as ff  # noqa: E402
@@ -52,17 +53,8 @@ CACHE = KVCacheConfig(num_blocks=32, block_size=16, max_model_len=256, attention
 
 def _silence_triton_launches() -> None:
     """Every Triton kernel of the attention op's modules launches nothing (its ``run``)."""
-    import importlib
-
-    for name in ("freezeframe.models.attention_kernels",
-                 "freezeframe.models.paged_attention_triton"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        for value in vars(module).values():
-            if hasattr(value, "add_pre_run_hook") and hasattr(value, "run"):
-                value.run = lambda *args, **kwargs: None
+    for kernel in attention_triton_kernels():
+        kernel.run = lambda *args, **kwargs: None
 
 
 class _FirstOpCall(TorchDispatchMode):

@@ -19,35 +19,22 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO)]  # this checkout's freezeframe, and its tests/
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (no GPU here)
 
 import torch  # noqa: E402
-from tests.helpers.launches import LaunchCensus, inductor_kernels  # noqa: E402
+from tests.helpers.launches import (  # noqa: E402
+    LaunchCensus,
+    attention_triton_kernels,
+    inductor_kernels,
+)
 
 import freezeframe as ff  # noqa: E402
 from freezeframe.models import ATTENTION_OP, KVCacheConfig, LlamaModel, build_llama  # noqa: E402
 from freezeframe.models import attention as attention_module  # noqa: E402
 from freezeframe.models.inputs import RequestChunk, build_step  # noqa: E402
-
-
-def _triton_kernels() -> list[Any]:
-    """Every Triton kernel of the attention op's modules (whatever this checkout calls them)."""
-    import importlib
-
-    found = []
-    for name in ("freezeframe.models.attention_kernels",
-                 "freezeframe.models.paged_attention_triton"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        found += [value for value in vars(module).values()
-                  if hasattr(value, "add_pre_run_hook") and hasattr(value, "pre_run_hooks")]
-    return list({id(k): k for k in found}.values())
 
 
 def main() -> None:
@@ -68,7 +55,7 @@ def main() -> None:
         LlamaModel.DYNAMIC_ARG_DIMS, seq_lens=0, block_tables=0))
     step = build_step([RequestChunk((7,), 5, (0, 1)), RequestChunk((4,), 9, (2, 3, 4))], cache)
     census = LaunchCensus(torch.ops.freezeframe.attention.default, attention_module._attention,
-                          _triton_kernels())
+                          attention_triton_kernels())
     with torch.no_grad():
         compiled(*step.args)
         with census:

@@ -163,3 +163,21 @@ def _launched(code: str) -> list[str]:
         if match.group("ext") or name in kernels:
             found.append(name)
     return found
+
+
+def attention_triton_kernels() -> list[Any]:
+    """Every Triton kernel of the attention op's modules, once each (the modules this checkout
+    has: the scripts run against other checkouts too)."""
+    import importlib
+
+    found: dict[int, Any] = {}
+    for name in ("freezeframe.models.attention_kernels",
+                 "freezeframe.models.paged_attention_triton"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for value in vars(module).values():
+            if hasattr(value, "add_pre_run_hook") and hasattr(value, "pre_run_hooks"):
+                found[id(value)] = value
+    return list(found.values())
