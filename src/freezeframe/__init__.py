@@ -7,12 +7,13 @@ public names are resolved lazily so ``import freezeframe`` stays cheap.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from freezeframe._version import __version__
 
-# The public surface (at most 15 names, plus the errors, ubatch and hf submodules): name ->
-# module that defines it.
+# The public surface: fifteen names, every error type a call can raise, and the errors, ubatch
+# and hf submodules. Name -> module that defines it.
 _EXPORTS = {
     "compile": "freezeframe.compilation",
     "CompilationConfig": "freezeframe.config",
@@ -31,23 +32,20 @@ _EXPORTS = {
     "graph_break": "freezeframe.graphs.breakable",
 }
 
-# Reachable here so code written against earlier releases keeps working, but not part of the
-# surface (not in __all__ or dir()): import them from the module named (``ff.errors``: every
-# error type; ``model.stats``/``runner.stats`` are the Stats a user reads;
-# ``freezeframe.compilation.current_compile_range`` for a custom pass).
-_ALSO = {
-    "CompileError": "freezeframe.errors",
+# The rest of freezeframe.errors: a user catches these, so they sit beside the three above.
+_ERRORS = ("CacheError", "CaptureError", "CompileError", "FallbackError",
+           "GraphMemoryBudgetError", "MicroBatchError", "ShapeOutOfRangeError", "VerifyError")
+
+# Names 0.1.0 also reached as ``ff.<name>``, now read from their home module. They still resolve,
+# with a DeprecationWarning naming that module, until 0.2.0 removes them.
+_MOVED = {
     "Stats": "freezeframe.stats",
-    "current_compile_range": "freezeframe.compilation",
-    "CaptureError": "freezeframe.errors",
     "Range": "freezeframe.sizes",
     "ForwardContext": "freezeframe.context",
     "get_forward_context": "freezeframe.context",
+    "current_compile_range": "freezeframe.compilation",
     "CompiledModel": "freezeframe.compilation",
     "Dispatcher": "freezeframe.runtime",
-    "ShapeOutOfRangeError": "freezeframe.errors",
-    "FallbackError": "freezeframe.errors",
-    "CacheError": "freezeframe.errors",
 }
 
 # public submodules -> the module each names, imported on first attribute access
@@ -56,14 +54,14 @@ _ALSO = {
 _SUBMODULES = {"errors": "freezeframe.errors", "ubatch": "freezeframe.ubatch",
                "hf": "freezeframe.integrations.hf"}
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+__all__ = sorted([*_EXPORTS, *_ERRORS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover
     from freezeframe import errors, ubatch
     from freezeframe.batch import BatchDescriptor
-    from freezeframe.compilation import CompiledModel, compile, current_compile_range
+    from freezeframe.compilation import compile
     from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
-    from freezeframe.context import ForwardContext, forward_context, get_forward_context
+    from freezeframe.context import forward_context
     from freezeframe.errors import (
         CacheError,
         CaptureError,
@@ -71,21 +69,27 @@ if TYPE_CHECKING:  # pragma: no cover
         ConfigError,
         FallbackError,
         FreezeframeError,
+        GraphMemoryBudgetError,
         InputMismatchError,
+        MicroBatchError,
         ShapeOutOfRangeError,
+        VerifyError,
     )
     from freezeframe.graphs.breakable import graph_break
     from freezeframe.integrations import hf
     from freezeframe.planning import plan_capture_sizes
-    from freezeframe.runtime import Dispatcher, GraphRunner, Requests, Static, Tokens
-    from freezeframe.sizes import Range
-    from freezeframe.stats import Stats
+    from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(_SUBMODULES[name])
-    module = _EXPORTS.get(name) or _ALSO.get(name)
+    if name in _MOVED:
+        warnings.warn(f"freezeframe.{name} is deprecated and goes in 0.2.0: import it from "
+                      f"{_MOVED[name]} (from {_MOVED[name]} import {name})",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    module = _EXPORTS.get(name) or ("freezeframe.errors" if name in _ERRORS else None)
     if module is None:
         raise AttributeError(f"module 'freezeframe' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

@@ -22,6 +22,7 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context, get_forward_context
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_micro_batches
+from freezeframe.stats import Stats
 
 pytestmark = pytest.mark.cuda
 
@@ -159,7 +160,7 @@ def test_split_cuda_graph_capture_and_replay() -> None:
     from freezeframe.graphs.cuda import CudaBackend
 
     model = OverlapModel(timed=False)
-    stats = ff.Stats()
+    stats = Stats()
     wrapper = MicroBatchWrapper(model, backend=CudaBackend(), stats=stats, timeout_s=120)
     plan = _plan(16)
     static_x = _inputs(16, seed=1)

@@ -13,6 +13,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CUDAGraphMode
+from freezeframe.context import get_forward_context
 
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 HIDDEN = 4
@@ -50,7 +51,7 @@ def _phase() -> str:
     traces the first call): ``warmup`` / ``capture`` (the runner's eager passes and graph
     captures), ``replay`` (a step that replays graphs around the op), ``eager`` (a step without
     graphs), each prefixed ``micro_batch_`` inside a micro-batch thread."""
-    ctx = ff.get_forward_context()
+    ctx = get_forward_context()
     if ctx is None:
         return "outside"
     prefix = "micro_batch_" if ff.ubatch.in_micro_batch() else ""
@@ -143,7 +144,7 @@ def _global_state() -> dict[str, Any]:
         "dispatch_modes": list(torch.utils._python_dispatch._get_current_dispatch_mode_stack()),
         "gc_enabled": gc.isenabled(),
         "gc_frozen": gc.get_freeze_count(),
-        "forward_context": ff.get_forward_context(),
+        "forward_context": get_forward_context(),
         "micro_batch": ff.ubatch.current_micro_batch(),
         "grad": torch.is_grad_enabled(),
         "inference": torch.is_inference_mode_enabled(),

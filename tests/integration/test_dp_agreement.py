@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import freezeframe as ff
+from freezeframe.context import get_forward_context
 from freezeframe.runtime import GraphRunner, Tokens, agree_across_ranks
 
 WORLD = 2
@@ -33,7 +34,7 @@ class _Recorder(nn.Module):
         self.seen: list[tuple[str, int, int]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = ff.get_forward_context()
+        ctx = get_forward_context()
         assert ctx is not None and ctx.batch_descriptor is not None
         self.seen.append((ctx.mode.name, ctx.batch_descriptor.num_tokens, x.shape[0]))
         return x + 1

@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+from freezeframe.context import get_forward_context
 from freezeframe.errors import ConfigError
 from freezeframe.runtime.lockstep import Lockstep, plan_difference
 from tests.helpers.ranks import run_ranks
@@ -49,7 +50,7 @@ class _Reducing(nn.Module):
         import freezeframe as ff
         from freezeframe.models.parallel import all_reduce_sum
 
-        ctx = ff.get_forward_context()
+        ctx = get_forward_context()
         assert ctx is not None and ctx.batch_descriptor is not None
         if ctx.capturing and ctx.mode is not ff.CUDAGraphMode.NONE:
             key = (ctx.mode.name, ctx.batch_descriptor.num_tokens)
@@ -259,9 +260,8 @@ def _store_dies_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def ff_context() -> Any:
-    import freezeframe as ff
 
-    return ff.get_forward_context()
+    return get_forward_context()
 
 
 @pytest.mark.slow

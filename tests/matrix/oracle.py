@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import freezeframe as ff
+from freezeframe.context import get_forward_context
 
 
 class Failure(AssertionError):
@@ -193,4 +193,4 @@ def compare_python_state(ours: dict[str, Any], eager: dict[str, Any]) -> None:
 def global_state() -> tuple[Any, ...]:
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
-            ff.get_forward_context() is None)
+            get_forward_context() is None)

@@ -14,6 +14,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CompilationConfig, CUDAGraphMode
+from freezeframe.context import get_forward_context
 from freezeframe.errors import ConfigError
 from freezeframe.runtime import GraphRunner, Static, Tokens
 from tests.helpers.faults import FAULTS, FaultyModel, InjectedFault, _inputs
@@ -163,7 +164,7 @@ def test_a_failed_lazy_capture_raises_once_and_leaves_the_runner_serving(
     with pytest.raises(InjectedFault, match="injected at capture"):
         runner(x)
     assert (gc.isenabled(), gc.get_freeze_count()) == gc_before
-    assert ff.get_forward_context() is None
+    assert get_forward_context() is None
     assert runner.stats.capture_failures == 1
     # the failed key never captures again; its steps run without a graph and are counted
     with caplog.at_level(logging.WARNING, logger="freezeframe.runtime.runner"), \

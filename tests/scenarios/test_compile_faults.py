@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import freezeframe as ff
+from freezeframe.compilation import CompiledModel
 from freezeframe.compilation.compilers import EagerCompiler
 from freezeframe.errors import CaptureError, CompileError
 from freezeframe.graphs import CaptureWindow, GraphWrapper
@@ -48,7 +49,7 @@ def _config(rig: Rig, graph_mode: str = "piecewise", **changes: object) -> ff.Co
                       **changes)
 
 
-def _step(rig: Rig, model: ff.CompiledModel, mode: ff.CUDAGraphMode, tokens: int,
+def _step(rig: Rig, model: CompiledModel, mode: ff.CUDAGraphMode, tokens: int,
           buffer: torch.Tensor, seed: int) -> torch.Tensor:
     """One step the way the README's low-level flow makes it: new data written into the
     static buffer, the padded view passed; returns a host copy of the real rows."""
@@ -62,7 +63,7 @@ def _step(rig: Rig, model: ff.CompiledModel, mode: ff.CUDAGraphMode, tokens: int
     return rig.host(out[:tokens])
 
 
-def _assert_works(rig: Rig, model: ff.CompiledModel, mode: ff.CUDAGraphMode) -> None:
+def _assert_works(rig: Rig, model: CompiledModel, mode: ff.CUDAGraphMode) -> None:
     buffer = rig.zeros(4, 4)
     for seed, tokens in enumerate([3, 4, 2, 1, 3]):
         torch.testing.assert_close(_step(rig, model, mode, tokens, buffer, seed),

@@ -16,6 +16,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import CompilationConfig, CUDAGraphMode
+from freezeframe.context import get_forward_context
 from freezeframe.errors import ConfigError, InputMismatchError, ShapeOutOfRangeError
 from freezeframe.runtime import GraphRunner, Requests, Static, Tokens
 from tests.helpers.silly import attention
@@ -253,7 +254,7 @@ class VersionlessReplay(nn.Module):
         self.captured: set[int] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = ff.get_forward_context()
+        ctx = get_forward_context()
         assert ctx is not None and ctx.batch_descriptor is not None
         n = ctx.batch_descriptor.num_tokens
         if ctx.mode is FULL and n in self.captured:

@@ -17,6 +17,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe import BatchDescriptor, CompilationConfig, CUDAGraphMode
+from freezeframe.context import get_forward_context
 from freezeframe.errors import CaptureError, ConfigError, FallbackError
 from freezeframe.runtime import GraphRunner, Requests, Tokens
 from tests.helpers.silly import attention, get_counter, reset_counter
@@ -233,7 +234,7 @@ class GcProbe(nn.Module):
         self.freeze_counts: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = ff.get_forward_context()
+        ctx = get_forward_context()
         if ctx is not None and ctx.capturing:
             self.freeze_counts.append(gc.get_freeze_count())
         return x + 1
@@ -297,7 +298,7 @@ class Recorder(nn.Module):
                               tuple[int | None, int | None], int]] = []
 
     def forward(self, x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        ctx = ff.get_forward_context()
+        ctx = get_forward_context()
         assert ctx is not None
         self.seen.append((ctx.mode, ctx.batch_descriptor, dict(ctx.extras),
                           (ctx.num_tokens_unpadded, ctx.num_reqs_unpadded), seq_lens.shape[0]))

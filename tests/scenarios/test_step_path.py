@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
+from freezeframe.context import get_forward_context
 from freezeframe.graphs.replay import Replay
 from freezeframe.models.ops import define_op
 from freezeframe.runtime import GraphRunner, Tokens
@@ -165,7 +166,7 @@ SCALE_OP = "steptest::scale_by_extras"
 
 def _scale(x: torch.Tensor, out: torch.Tensor) -> None:
     """``out = x * extras["scale"]``: a splitting op that reads the step's forward context."""
-    ctx = ff.get_forward_context()
+    ctx = get_forward_context()
     scale = ctx.extras.get("scale", 1.0) if ctx is not None else 1.0
     torch.mul(x, scale, out=out)
 

@@ -26,6 +26,7 @@ from freezeframe.graphs import CaptureWindow
 from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.runtime import GraphRunner, Tokens
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
+from freezeframe.stats import Stats
 from tests.scenarios.conftest import Rig
 from tests.scenarios.test_ubatch import HIDDEN, CommModel, inputs, make_plan, same, step
 
@@ -47,7 +48,7 @@ def model(rig: Rig) -> Iterator[CommModel]:
 # -- FULL graphs across micro-batches ------------------------------------------------------------
 def test_full_graph_captured_across_micro_batches_then_replayed(rig: Rig,
                                                                 model: CommModel) -> None:
-    stats = ff.Stats()
+    stats = Stats()
     wrapper = MicroBatchWrapper(model, backend=graph_backend(rig), stats=stats, timeout_s=30)
     plan = make_plan([3, 5], 8)
     static_x = inputs(rig, 8, seed=1)  # the static input buffer the graph is captured on
@@ -96,7 +97,7 @@ def test_tensors_slice_extras_made_before_the_capture_live_as_long_as_the_split_
 def test_split_graph_replay_copies_a_new_input_tensor_in(rig: Rig, model: CommModel) -> None:
     """The split graph goes through GraphWrapper, so a replay given a new tensor (not the
     captured buffer) copies it in and answers for it, instead of replaying stale data."""
-    stats = ff.Stats()
+    stats = Stats()
     wrapper = MicroBatchWrapper(model, backend=graph_backend(rig), stats=stats, timeout_s=30)
     plan = make_plan([4, 4], 8)
     step(wrapper, inputs(rig, 8, seed=1), plan, FULL)
@@ -109,7 +110,7 @@ def test_split_graph_replay_copies_a_new_input_tensor_in(rig: Rig, model: CommMo
 
 
 def test_split_step_cut_elsewhere_runs_without_the_graph(rig: Rig, model: CommModel) -> None:
-    stats = ff.Stats()
+    stats = Stats()
     wrapper = MicroBatchWrapper(model, backend=graph_backend(rig), stats=stats, timeout_s=30)
     static_x = inputs(rig, 8, seed=1)
     step(wrapper, static_x, make_plan([4, 4], 8), FULL)
@@ -133,7 +134,7 @@ def test_unsplit_step_at_a_split_captured_size_falls_back_eagerly(rig: Rig,
         unsplit_calls.append(x.shape[0])
         return model(x)
 
-    stats = ff.Stats()
+    stats = Stats()
     wrapper = MicroBatchWrapper(model, backend=graph_backend(rig), unsplit=unsplit, stats=stats,
                                 timeout_s=30)
     step(wrapper, inputs(rig, 8), make_plan([4, 4], 8), FULL)

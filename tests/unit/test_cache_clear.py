@@ -15,6 +15,7 @@ from torch import nn
 import freezeframe as ff
 from freezeframe.cache import inspect as ff_inspect
 from freezeframe.cli import main
+from freezeframe.compilation import CompiledModel
 
 
 class Scaled(nn.Module):
@@ -27,7 +28,7 @@ class Scaled(nn.Module):
         return self.lin(x) * self.scale
 
 
-def _compiled(root: Path, scale: float) -> ff.CompiledModel:
+def _compiled(root: Path, scale: float) -> CompiledModel:
     torch.manual_seed(0)
     cfg = ff.CompilationConfig(mode="piecewise", backend="eager", cache_dir=str(root))
     return ff.compile(Scaled(scale), cfg)

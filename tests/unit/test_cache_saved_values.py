@@ -19,7 +19,7 @@ from torch import nn
 
 import freezeframe as ff
 from freezeframe.cache.key import graph_hash
-from freezeframe.compilation import cached_trace, saved_trace, trace_backend
+from freezeframe.compilation import CompiledModel, cached_trace, saved_trace, trace_backend
 from freezeframe.compilation.split import split_graph, values_the_split_reads
 from freezeframe.errors import CacheError
 from tests.helpers.silly import OP_NAME, attention
@@ -78,7 +78,7 @@ def _traced_graph(root: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     return gm
 
 
-def _start(root: Path) -> tuple[ff.CompiledModel, torch.Tensor]:
+def _start(root: Path) -> tuple[CompiledModel, torch.Tensor]:
     model = ff.compile(Viewy(), ff.CompilationConfig(mode="piecewise", backend="eager",
                                                      splitting_ops=[OP_NAME],
                                                      cache_dir=str(root)))

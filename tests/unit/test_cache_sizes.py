@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
+from freezeframe.compilation import CompiledModel
 
 
 class Branchy(nn.Module):
@@ -31,7 +32,7 @@ def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FREEZEFRAME_DISABLE_CACHE", raising=False)
 
 
-def _start(root: Path, sizes: list[int]) -> ff.CompiledModel:
+def _start(root: Path, sizes: list[int]) -> CompiledModel:
     eager = Branchy()
     model = ff.compile(Branchy(), ff.CompilationConfig(mode="piecewise", backend="eager",
                                                        cache_dir=str(root)))

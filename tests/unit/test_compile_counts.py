@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import freezeframe as ff
+from freezeframe.sizes import Range
 from tests.helpers import silly
 from tests.helpers.toy_models import (
     AttnSandwich,
@@ -202,8 +203,8 @@ def test_compile_ranges_counts():
             assert torch.equal(model(x), AttnSandwich()(x))
     backend = model._variants[0].backend.piece_backends[0]
     assert sorted(backend.entries) == sorted(
-        [ff.Range(1, 8), ff.Range(9, 32), ff.Range(33, 8192), ff.Range(16, 16),
-         ff.Range(64, 64), ff.Range(128, 128)])
+        [Range(1, 8), Range(9, 32), Range(33, 8192), Range(16, 16),
+         Range(64, 64), Range(128, 128)])
 
 
 def test_stock_torch_compile_counts():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import freezeframe as ff
+from freezeframe.compilation import CompiledModel
 from tests.helpers import global_flags
 from tests.helpers.global_flags import FLAGS
 
@@ -33,7 +34,7 @@ def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FREEZEFRAME_DISABLE_CACHE", raising=False)
 
 
-def _compile(module: torch.nn.Module, root: Path) -> ff.CompiledModel:
+def _compile(module: torch.nn.Module, root: Path) -> CompiledModel:
     return ff.compile(module, ff.CompilationConfig(mode="dynamo_trace_once", backend="eager",
                                                    cache_dir=str(root)))
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import freezeframe as ff
+from freezeframe.compilation import CompiledModel
 from tests.helpers.silly import attention
 
 
@@ -54,7 +55,7 @@ def test_a_deep_copy_of_a_warm_model_is_compiled_anew_over_its_own_module(how: s
     for _ in range(3):
         model(x)
     twin = COPIES[how](model)
-    assert type(twin) is ff.CompiledModel and twin.module is not module
+    assert type(twin) is CompiledModel and twin.module is not module
     assert (twin.config, twin.model_key, twin.inference_mode) == (model.config, "net", True)
     assert twin.stats.graphs_traced == 0  # nothing compiled came along
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -25,8 +26,10 @@ lazy_before = sorted(n for n in ff.__all__ if n in vars(ff))
 ff.CompilationConfig(backend="eager", cudagraph_capture_sizes=[1, 2]).cache_key()
 with ff.forward_context(ff.BatchDescriptor(num_tokens=2), mode=ff.CUDAGraphMode.PIECEWISE):
     pass
-ff.Stats().inc("x")
-ff.ConfigError, ff.Range
+from freezeframe.stats import Stats
+from freezeframe.sizes import Range
+Stats().inc("x")
+ff.ConfigError, ff.CaptureError, Range
 after_use = sorted(m for m in sys.modules if m.startswith(%(heavy)r))
 import torch
 print(json.dumps({"after_import": after_import, "lazy_before": lazy_before,
@@ -49,7 +52,8 @@ def test_import_touches_no_cuda_dynamo_or_inductor() -> None:
 
 def test_all_and_dir() -> None:
     submodules = getattr(freezeframe, "_SUBMODULES", ())
-    assert freezeframe.__all__ == sorted([*freezeframe._EXPORTS, *submodules, "__version__"])
+    assert freezeframe.__all__ == sorted([*freezeframe._EXPORTS, *freezeframe._ERRORS, *submodules,
+                                          "__version__"])
     assert dir(freezeframe) == freezeframe.__all__
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         _ = freezeframe.nope  # type: ignore[attr-defined]
@@ -73,18 +77,30 @@ def test_compile_is_the_function_even_after_importing_the_subpackage() -> None:
     assert proc.stdout.split() == ["True", "True"]
 
 
-def test_the_public_surface_is_fifteen_names_and_older_names_still_resolve() -> None:
+def test_the_public_surface_is_fifteen_names_and_every_error() -> None:
     assert sorted(freezeframe._EXPORTS) == [
         "BatchDescriptor", "CUDAGraphMode", "CompilationConfig", "CompilationMode",
         "ConfigError", "FreezeframeError", "GraphRunner", "InputMismatchError", "Requests",
         "Static", "Tokens", "compile", "forward_context", "graph_break", "plan_capture_sizes"]
-    from freezeframe import compilation, errors, sizes, stats
+    from freezeframe import errors
 
+    error_types = sorted(name for name, value in vars(errors).items()
+                         if isinstance(value, type) and issubclass(value, errors.FreezeframeError))
+    assert sorted([*freezeframe._ERRORS, "ConfigError", "FreezeframeError",
+                   "InputMismatchError"]) == error_types
+    for name in error_types:
+        assert getattr(freezeframe, name) is getattr(errors, name)
+        assert name in dir(freezeframe)
     assert freezeframe.errors is errors
-    assert freezeframe.CaptureError is errors.CaptureError  # type: ignore[attr-defined]
-    assert freezeframe.Range is sizes.Range  # type: ignore[attr-defined]
-    assert "CaptureError" not in dir(freezeframe)
-    assert freezeframe.Stats is stats.Stats  # type: ignore[attr-defined]
-    assert freezeframe.current_compile_range is compilation.current_compile_range  # type: ignore[attr-defined]
-    assert freezeframe.CompileError is errors.CompileError  # type: ignore[attr-defined]
-    assert "Stats" not in dir(freezeframe) and "current_compile_range" not in dir(freezeframe)
+
+
+@pytest.mark.parametrize("name", sorted(freezeframe._MOVED))
+def test_a_moved_name_resolves_with_a_warning_naming_its_home(name: str) -> None:
+    home = freezeframe._MOVED[name]
+    with pytest.warns(DeprecationWarning, match=rf"import it from {home} \(from {home} import "
+                                                rf"{name}\)"):
+        value = getattr(freezeframe, name)
+    assert value is getattr(importlib.import_module(home), name)
+    assert name not in dir(freezeframe)
+    # never cached: every read warns, until 0.2.0 removes it
+    assert name not in vars(freezeframe)

@@ -16,6 +16,7 @@ from torch import fx, nn
 
 import freezeframe as ff
 from freezeframe.cache.key import graph_hash
+from freezeframe.compilation import CompiledModel
 from freezeframe.models.example import MIX_OP, ExampleMLP, mix
 from freezeframe.sizes import Range
 
@@ -35,7 +36,7 @@ class _Counting:
         return graph
 
 
-def _compiled(module: nn.Module, **changes: Any) -> tuple[ff.CompiledModel, _Counting]:
+def _compiled(module: nn.Module, **changes: Any) -> tuple[CompiledModel, _Counting]:
     base: dict[str, Any] = dict(mode="piecewise", backend="eager", splitting_ops=[MIX_OP],
                                 cudagraph_mode="none", use_cache=False)
     base.update(changes)

@@ -32,6 +32,7 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.context import forward_context
 from freezeframe.runtime.ubatch.overlap import MicroBatchWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, plan_micro_batches
+from freezeframe.stats import Stats
 
 __all__ = ["MicroBatchedToy", "ToyModel", "kernel_timeline", "median_ms", "spin_cycles_per_ms"]
 
@@ -123,7 +124,7 @@ class MicroBatchedToy:
               device: torch.device) -> MicroBatchedToy | None:
         """None when the planner does not split the step."""
         model = ToyModel(hidden, gen, device)
-        wrapper = MicroBatchWrapper(model, backend=_backend(device), stats=ff.Stats(),
+        wrapper = MicroBatchWrapper(model, backend=_backend(device), stats=Stats(),
                                     timeout_s=120)
         cfg = CompilationConfig(micro_batching=True, micro_batch_decode_threshold=2,
                                 micro_batch_prefill_threshold=2)

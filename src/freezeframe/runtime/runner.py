@@ -301,7 +301,7 @@ class GraphRunner:
         ``uniform_decode``: every request has exactly ``1 + num_speculative_tokens`` tokens.
         ``num_reqs``: the request count when no ``Requests`` input carries it.
         ``extras``: extra values for the forward context (read by ops as
-        ``ff.get_forward_context().extras[...]``); they are the caller's alone: the runner sets
+        ``get_forward_context().extras[...]``); they are the caller's alone: the runner sets
         the context's own ``num_tokens_unpadded`` and ``num_reqs_unpadded`` fields.
         ``num_scheduled_tokens``: the tokens of each request, in order, when micro-batching is
         on (where a step is cut between requests); without it a step that is not a uniform
