@@ -2,8 +2,8 @@
 
 Every process gets a tmp_path cache root (never the user's cache). Eager tests exercise the saved
 trace (a warm start without Dynamo); the ``inductor`` tests compile real Inductor pieces and
-check that a warm start runs no Inductor at all, that two concurrent processes compile each
-piece once between them, and that a corrupt artifact is recompiled, not loaded.
+check that two concurrent processes compile each piece once between them, that a warm start runs
+no Inductor (and no ISA probe) at all, and that a corrupt artifact is recompiled, not loaded.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -159,27 +160,72 @@ def test_source_change_invalidates_the_trace(tmp_path: Path) -> None:
 
 
 # -- Inductor: artifacts ---------------------------------------------------------------------
+_NO_PROBE = textwrap.dedent("""
+    from tests.helpers.toy_models import SillyModel
+    import torch._inductor.cpu_vec_isa as _isa
+    def _probe(self, code):
+        raise RuntimeError("the ISA probe ran")
+    _isa.VecISA.check_build = _probe
+""")
+
+
+@pytest.fixture(scope="module")
+def silly_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """Two processes started at once on an empty root compile SillyModel's 3 Inductor pieces
+    between them; the root they leave is the cold cache the warm-start tests copy."""
+    root = tmp_path_factory.mktemp("silly") / "c"
+    code = _child_code(root, "inductor")
+    procs = [_start(code), _start(code)]
+    return root, [_finish(p) for p in procs]
+
+
+def _copy_of(root: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "c"
+    shutil.copytree(root, copy)
+    return copy
+
+
 @pytest.mark.inductor
-def test_inductor_cold_then_warm_then_corrupt(tmp_path: Path) -> None:
-    code = _child_code(tmp_path / "c", "inductor")
-    cold = _run(code)
-    assert cold["outs"] == OUTS
-    s = cold["stats"]
-    assert (s["inductor_compiles"], s["cache_misses"], s.get("cache_hits", 0)) == (3, 3, 0)
-    assert s["artifacts_saved"] == 4  # 3 pieces x 1 range + the trace
-    warm = _run(code)
+def test_inductor_two_processes_compile_once(silly_inductor_cache: tuple[Path, list[Any]]) -> None:
+    root, results = silly_inductor_cache
+    assert all(r["outs"] == OUTS for r in results)
+    compiles = sorted(r["stats"].get("inductor_compiles", 0) for r in results)
+    hits = sorted(r["stats"].get("cache_hits", 0) for r in results)
+    assert compiles == [0, 3] and hits == [0, 3]
+    (cold,) = [r["stats"] for r in results if r["stats"].get("inductor_compiles")]
+    assert (cold["cache_misses"], cold.get("cache_hits", 0)) == (3, 0)
+    assert cold["artifacts_saved"] == 4  # 3 pieces x 1 range + the trace
+    assert cold["backend_compilations"] == 3
+    leftovers = [p for p in root.rglob("*.tmp")]
+    assert leftovers == []
+
+
+@pytest.mark.inductor
+def test_inductor_warm_start_loads_everything_then_a_damaged_piece_is_rebuilt(
+        silly_inductor_cache: tuple[Path, list[Any]], tmp_path: Path) -> None:
+    """A warm start loads every piece and the trace and runs no Inductor; it also takes the ISA
+    probe result the compiling process recorded (same CPU features, compiler and torch) instead
+    of building a probe library: in the warm process the probe raises if it is called. Then one
+    piece is damaged: it is detected, recompiled and rewritten, and the others still load."""
+    root = _copy_of(silly_inductor_cache[0], tmp_path)
+    (entry,) = ff_inspect.list_entries(root)
+    header, _ = ff_files.unpack_artifact((entry.path / "piece_0_range_1_8192.bin").read_bytes())
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert header["host"]["isa"]["cpu"] == list(
+            torch._inductor.cpu_vec_isa.x86_isa_checker())
+    else:
+        assert header["host"] == {"isa": None}  # Inductor probes only on x86
+    warm = _run(_child_code(root, "inductor", model_import=_NO_PROBE))
     assert warm["outs"] == OUTS
     w = warm["stats"]
     assert w.get("inductor_compiles", 0) == 0 and w.get("cache_misses", 0) == 0
     assert (w["cache_hits"], w["artifacts_loaded"], w["traces_loaded"]) == (3, 4, 1)
-    assert w["backend_compilations"] == s["backend_compilations"] == 3
+    assert w["backend_compilations"] == 3
 
-    # damage one piece: it is detected, recompiled and rewritten; the others still load
-    (entry,) = ff_inspect.list_entries(tmp_path / "c")
     victim = entry.path / "piece_2_range_1_8192.bin"
     blob = victim.read_bytes()
     victim.write_bytes(blob[: len(blob) // 2])
-    fixed = _run(code)
+    fixed = _run(_child_code(root, "inductor"))
     assert fixed["outs"] == OUTS
     f = fixed["stats"]
     assert (f["inductor_compiles"], f["cache_misses"], f["cache_hits"]) == (1, 1, 2)
@@ -232,19 +278,6 @@ def test_inductor_piece_compiled_on_a_warm_start_serves_every_size(tmp_path: Pat
     assert (w["traces_loaded"], w.get("inductor_compiles", 0), w["cache_hits"]) == (1, 0, 2)
 
 
-@pytest.mark.inductor
-def test_inductor_two_processes_compile_once(tmp_path: Path) -> None:
-    code = _child_code(tmp_path / "c", "inductor")
-    procs = [_start(code), _start(code)]
-    results = [_finish(p) for p in procs]
-    assert all(r["outs"] == OUTS for r in results)
-    compiles = sorted(r["stats"].get("inductor_compiles", 0) for r in results)
-    hits = sorted(r["stats"].get("cache_hits", 0) for r in results)
-    assert compiles == [0, 3] and hits == [0, 3]
-    leftovers = [p for p in (tmp_path / "c").rglob("*.tmp")]
-    assert leftovers == []
-
-
 # One process: a 4-layer ExampleMLP (5 capturable pieces, 3 distinct) compiled with Inductor in
 # the given artifact format; prints the counters, the outputs and eager's outputs.
 _LAYERS_CHILD = textwrap.dedent("""
@@ -290,30 +323,3 @@ def test_inductor_layers_compile_once_in_either_format(tmp_path: Path, fmt: str)
     index = json.loads((entry.path / "index.json").read_text())["artifacts"]
     assert sorted(index) == [f"piece_{i}_range_1_64.bin" for i in (0, 2, 8)]
     assert {rec["compiler"] for rec in index.values()} == {f"inductor:{fmt}"}
-
-
-@pytest.mark.inductor
-def test_inductor_warm_start_runs_no_isa_probe(tmp_path: Path) -> None:
-    """A warm start takes the ISA probe result the compiling process recorded (same CPU
-    features, compiler and torch) instead of building and loading a probe library: in the warm
-    process the probe raises if it is called, and every piece still loads."""
-    code = _child_code(tmp_path / "c", "inductor")
-    cold = _run(code)
-    assert cold["outs"] == OUTS
-    (entry,) = ff_inspect.list_entries(tmp_path / "c")
-    header, _ = ff_files.unpack_artifact((entry.path / "piece_0_range_1_8192.bin").read_bytes())
-    if platform.machine() not in ("x86_64", "AMD64"):
-        assert header["host"] == {"isa": None}  # Inductor probes only on x86
-        return
-    assert header["host"]["isa"]["cpu"] == list(torch._inductor.cpu_vec_isa.x86_isa_checker())
-    no_probe = textwrap.dedent("""
-        from tests.helpers.toy_models import SillyModel
-        import torch._inductor.cpu_vec_isa as _isa
-        def _probe(self, code):
-            raise RuntimeError("the ISA probe ran")
-        _isa.VecISA.check_build = _probe
-    """)
-    warm = _run(_child_code(tmp_path / "c", "inductor", model_import=no_probe))
-    assert warm["outs"] == OUTS
-    w = warm["stats"]
-    assert (w["cache_hits"], w.get("cache_misses", 0), w["traces_loaded"]) == (3, 0, 1)
