@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,16 +116,29 @@ def _damage(root: Path, how: str) -> int:
     return len(files)
 
 
+@pytest.fixture(scope="module")
+def cold_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One cold start, in a root whose path has spaces and non-ASCII: the cache every damage
+    test copies (each then damages its own copy)."""
+    root = tmp_path_factory.mktemp("cold") / "my cache dir — ünïcode"
+    return root, _run(root)
+
+
+def _copy_of(cold: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
+    copy = tmp_path / cold[0].name  # spaces and non-ASCII too
+    shutil.copytree(cold[0], copy)
+    return copy
+
+
 @pytest.mark.parametrize("how", ["truncate", "random", "empty", "half_deleted"])
-def test_damaged_cache_files_are_clean_misses_and_get_rewritten(tmp_path: Path,
-                                                                how: str) -> None:
-    cold = _run(tmp_path)
-    assert cold["diff"] == 0.0 and cold["stats"]["artifacts_saved"] == 1
-    assert _damage(tmp_path, how) >= 3  # the entry's index, trace and the model pointer
-    damaged = _run(tmp_path)
+def test_damaged_cache_files_are_clean_misses_and_get_rewritten(
+        cold_cache: tuple[Path, dict[str, Any]], tmp_path: Path, how: str) -> None:
+    root = _copy_of(cold_cache, tmp_path)
+    assert _damage(root, how) >= 3  # the entry's index, trace and the model pointer
+    damaged = _run(root)
     assert damaged["diff"] == 0.0, damaged["log"]
     assert damaged["stats"].get("traces_loaded", 0) == 0  # nothing damaged was trusted
-    healed = _run(tmp_path)  # the damaged start wrote the cache again
+    healed = _run(root)  # the damaged start wrote the cache again
     assert healed["diff"] == 0.0
     assert healed["stats"].get("traces_loaded") == 1
 
@@ -160,11 +174,9 @@ def test_a_writer_killed_mid_write_leaves_a_cache_the_next_start_uses(tmp_path: 
     assert again["diff"] == 0.0 and again["stats"].get("traces_loaded") == 1
 
 
-def test_a_cache_root_with_spaces_and_non_ascii(tmp_path: Path) -> None:
-    root = tmp_path / "my cache dir — ünïcode"
-    cold = _run(root)
+def test_a_cache_root_with_spaces_and_non_ascii(cold_cache: tuple[Path, dict[str, Any]],
+                                               tmp_path: Path) -> None:
+    cold = cold_cache[1]
     assert cold["diff"] == 0.0 and cold["stats"]["artifacts_saved"] == 1
-    warm = _run(root)
+    warm = _run(_copy_of(cold_cache, tmp_path))
     assert warm["diff"] == 0.0 and warm["stats"].get("traces_loaded") == 1
-
-
