@@ -1,7 +1,7 @@
 # The README's two commands, on a fresh clone with only Python >= 3.10 present:
 #
 #   make bench   # the main job: freezeframe bench --preset tiny
-#   make test    # the tests: pytest -q
+#   make test    # the tests: pytest -q -n auto --dist loadfile (one worker per core, each file on one)
 #   make fuzz    # the full differential matrix (tests/matrix with FF_MATRIX=full): slow
 #
 # The first use creates a virtualenv in .venv, puts torch in it (scripts/install_torch.sh: a CPU
@@ -18,7 +18,7 @@ PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= test,bench,hf
 TESTS ?=
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q -n auto --dist loadfile
 BENCH_ARGS ?= --preset tiny
 FUZZ_SEEDS ?= 400
 

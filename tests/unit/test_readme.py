@@ -15,7 +15,7 @@ illustrations and recorded output otherwise).
   ones (``config``, ``demo``) are run and must exit 0.
 * The two commands (``make bench``, ``make test``) are the README's first bash block: Makefile
   targets whose recipes, as ``make -n`` prints them, run ``freezeframe bench --preset tiny`` and
-  ``pytest -q`` in the project's virtualenv.
+  ``pytest -q -n auto --dist loadfile`` in the project's virtualenv.
 * Every relative link in README.md and ``docs/*.md`` (``[text](path)``, ``[text](path#anchor)``,
   ``[text](#anchor)``, outside code) names a file or folder that exists, and an anchor names a
   heading of the page it points into.
@@ -359,4 +359,4 @@ def test_two_commands_are_make_targets_running_the_main_job_and_the_tests() -> N
 
     test = _make_dry_run("test").splitlines()[0]
     assert test.startswith(f'PATH="{venv_bin}:$PATH" VIRTUAL_ENV="{REPO / ".venv"}" '
-                           f"{venv_bin / 'python'} -m pytest -q ;"), test
+                           f"{venv_bin / 'python'} -m pytest -q -n auto --dist loadfile ;"), test
