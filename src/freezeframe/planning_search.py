@@ -12,37 +12,33 @@ ascending; a plan is a chain of rungs ending at the top. What is exact and what 
 * **A memory budget that binds, up to** :data:`EXACT_SEARCH_MAX` **candidates: exact**, by the
   bounded Pareto search of :meth:`RungProblem.exact_within`, whose time grows fast beyond.
 * **A memory budget that binds, above** :data:`EXACT_SEARCH_MAX` **candidates: approximate**
-  (:func:`_approximate_within`). Memory is priced into the program (Lagrangian relaxation, the
-  price found as LARAC does: a handful of passes), and the best plan within both limits met on
-  the way is improved by local search (move a rung between its neighbours; add, remove, or move
-  one to another gap) and by the exact search over the sizes near its rungs. The plan is within
-  both limits and covers every observed size; its work is not proven minimal (a lower bound is
-  logged at DEBUG). ``scripts/bench_planner.py`` compares it with the exact search.
+  (:mod:`freezeframe.planning_approximate`). Memory is priced into the program (Lagrangian
+  relaxation, the price found as LARAC does: a handful of passes), and the best plan within both
+  limits met on the way is improved by local search (move a rung between its neighbours; add,
+  remove, or move one to another gap) and by the exact search over the sizes near its rungs.
+  The plan is within both limits and covers every observed size; its work is not proven minimal
+  (a lower bound is logged at DEBUG). ``scripts/bench_planner.py`` compares it with the exact
+  search.
+
+This module holds the problem (:class:`RungProblem`) and the exact searches up to
+:data:`EXACT_SEARCH_MAX` candidates; the program above it is :mod:`freezeframe.planning_envelope`.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import logging
 import math
 from collections.abc import Sequence
 
-__all__ = ["EXACT_SEARCH_MAX", "RungProblem"]
+from freezeframe.planning_approximate import approximate_within
+from freezeframe.planning_envelope import envelope_best
 
-logger = logging.getLogger(__name__)
+__all__ = ["EXACT_SEARCH_MAX", "RungProblem"]
 
 EXACT_SEARCH_MAX = 128
 """Up to this many candidate sizes the searches are the exact quadratic ones (whose results the
 unit tests pin down); above it the envelope program and, for a binding budget, the approximate
 search. The exact budget search takes about 0.2 s on 128 candidates and grows quickly beyond."""
-
-# Relative slack under which two works count as equal (float rounding, not a modelling choice).
-_TIE = 1e-12
-# Local search stops after this many rounds even while it still finds improving moves, and the
-# approximate search after this many exact searches around its plan.
-_MAX_ROUNDS = 64
-_MAX_POLISHES = 2
 
 
 class RungProblem:
@@ -71,7 +67,7 @@ class RungProblem:
         """Fewest-work plan with at most ``limit`` rungs (ties: fewest rungs)."""
         n, inf = self.n, math.inf
         if n > EXACT_SEARCH_MAX:
-            return _envelope_best(self, limit)
+            return envelope_best(self, limit)
         if limit >= n:
             return self._best_unlimited()
         # layer[r]: least work of k rungs with the highest at r; parents[k][r]: the rung below it.
@@ -112,6 +108,16 @@ class RungProblem:
             r = below[r]
         return chosen[::-1]
 
+    def folded(self, near: Sequence[int]) -> RungProblem:
+        """The problem over the candidates ``near`` only (ascending, ending at the top), the
+        steps of the others folded into the nearest of them above."""
+        counts, below = [], -1
+        for r in near:
+            counts.append(self.prefix[r + 1] - self.prefix[below + 1])
+            below = r
+        return RungProblem(near, counts, [self.cost[r] for r in near],
+                           [self.mib[r] for r in near])
+
     def memory(self, chosen: Sequence[int]) -> float:
         return sum(self.mib[i] for i in chosen)  # ascending, as CapturePlan sums it
 
@@ -125,7 +131,9 @@ class RungProblem:
         if self.n <= EXACT_SEARCH_MAX:
             return self.exact_within(limit, budget)
         fast = self.best_with_at_most(limit)
-        return fast if self.memory(fast) <= budget else _approximate_within(self, limit, budget)
+        if self.memory(fast) <= budget:
+            return fast
+        return approximate_within(self, limit, budget, EXACT_SEARCH_MAX)
 
     def exact_within(self, limit: int, budget: float) -> list[int]:
         """Fewest-work plan with at most ``limit`` rungs and memory <= ``budget`` (ties: fewest
@@ -288,300 +296,3 @@ def _pareto(found: list[tuple[float, int, float, int, int]],
                 break
             lowest[r] = work
     return kept
-
-
-# -- above EXACT_SEARCH_MAX: the program on a lower envelope of lines ---------------------------
-
-
-def _envelope(cost: Sequence[float], prefix: Sequence[int], add: Sequence[float],
-              lower: Sequence[float] | None) -> tuple[list[float], list[int]]:
-    """One pass of the rung program in ``O(n log n)``: for each candidate ``r``, the least
-    ``work + sum of add`` of a chain whose highest rung is ``r``, and the rung below it.
-
-    With ``P[j]`` the steps of candidates ``0..j``, that value is ``add[r] + cost[r] * P[r] +
-    min over j of (v[j] - P[j] * cost[r])``: each rung below, ``j``, is a line in ``x =
-    cost[r]`` whose slope ``-P[j]`` falls as ``j`` rises, so the minimum is read off the lower
-    envelope of the lines so far with one bisection. With ``lower`` None, ``v`` is this pass's
-    own values (chains of any length; ``j = -1``, no rung below, is the line 0); given, ``v`` is
-    ``lower`` (each chain one rung longer than those ``lower`` holds). ``inf`` where no chain
-    ends at ``r``.
-    """
-    n, inf = len(cost), math.inf
-    own = lower is None
-    # the envelope: line i is heads[i] + slopes[i] * x, the lowest from starts[i] on
-    heads: list[float] = [0.0] if own else []
-    slopes: list[float] = [0.0] if own else []
-    rungs: list[int] = [-1] if own else []
-    starts: list[float] = [-inf] if own else []
-
-    def add_line(head: float, slope: float, rung: int) -> None:
-        while heads:
-            if slope == slopes[-1]:  # a candidate with no steps: keep the lower of the two
-                if head >= heads[-1]:
-                    return
-            else:
-                start = (head - heads[-1]) / (slopes[-1] - slope)  # lower from here on
-                if start > starts[-1]:  # (the first line is lowest from -inf on)
-                    heads.append(head)
-                    slopes.append(slope)
-                    rungs.append(rung)
-                    starts.append(start)
-                    return
-            del heads[-1], slopes[-1], rungs[-1], starts[-1]
-        heads.append(head)
-        slopes.append(slope)
-        rungs.append(rung)
-        starts.append(-inf)
-
-    values, below = [inf] * n, [-1] * n
-    for r in range(n):
-        if lower is not None and r and lower[r - 1] < inf:
-            add_line(lower[r - 1], -prefix[r], r - 1)
-        if not heads:
-            continue
-        x = cost[r]
-        i = bisect.bisect_right(starts, x) - 1
-        values[r] = add[r] + x * prefix[r + 1] + (heads[i] + slopes[i] * x)
-        below[r] = rungs[i]
-        if own:
-            add_line(values[r], -prefix[r + 1], r)
-    return values, below
-
-
-def _walk(below: Sequence[int], top: int) -> list[int]:
-    chain, r = [], top
-    while r >= 0:
-        chain.append(r)
-        r = below[r]
-    return chain[::-1]
-
-
-def _drop_free_rungs(p: RungProblem, chain: list[int]) -> list[int]:
-    """``chain`` without the rungs whose removal costs no work (up to rounding): the envelope
-    program breaks ties between equal chains by position, not by their number of rungs."""
-    slack = _TIE * abs(p.work(chain))
-    out, i = list(chain), 0
-    while i < len(out) - 1:
-        lo = out[i - 1] if i else -1
-        r, hi = out[i], out[i + 1]
-        if p.block(lo, hi) - p.block(lo, r) - p.block(r, hi) <= slack:
-            del out[i]
-            i = max(i - 1, 0)  # the rung below may have become free
-        else:
-            i += 1
-    return out
-
-
-def _envelope_best(p: RungProblem, limit: int) -> list[int]:
-    """:meth:`RungProblem.best_with_at_most` above :data:`EXACT_SEARCH_MAX` candidates: the
-    best chain of any length, and, when that has more than ``limit`` rungs, the best of ``k``
-    rungs for ``k = 1..limit``, layer by layer (stopping early once a layer reaches the best of
-    any length)."""
-    n, zero = p.n, [0.0] * p.n
-    values, below = _envelope(p.cost, p.prefix, zero, None)
-    chain = _drop_free_rungs(p, _walk(below, n - 1))
-    if len(chain) <= limit:
-        return chain
-    unlimited = values[-1]
-    layer = [p.cost[r] * p.prefix[r + 1] for r in range(n)]  # one rung: it serves 0..r
-    parents = [[-1] * n]
-    best_k, best_work = 1, layer[-1]
-    for k in range(2, limit + 1):
-        layer, back = _envelope(p.cost, p.prefix, zero, layer)
-        parents.append(back)
-        if layer[-1] < best_work - _TIE * abs(best_work):
-            best_k, best_work = k, layer[-1]
-        if best_work <= unlimited + _TIE * abs(unlimited):
-            break
-    chain, r = [], n - 1
-    for k in range(best_k - 1, -1, -1):
-        chain.append(r)
-        r = parents[k][r]
-    return _drop_free_rungs(p, chain[::-1])
-
-
-# -- above EXACT_SEARCH_MAX with a binding budget: the approximate search -----------------------
-
-
-def _approximate_within(p: RungProblem, limit: int, budget: float) -> list[int]:
-    """A plan within ``limit`` rungs and ``budget`` MiB, not proven optimal: from each of two
-    starts, the best plan the priced program meets (:func:`_priced_search`) and the exact plan
-    over a coarse choice of sizes (:func:`_coarse`), :func:`_local_search` and :func:`_polish`
-    in turn while they help; the better result, or the top rung alone."""
-    found = [[p.n - 1]]
-    for start in (_priced_search(p, limit, budget), _coarse(p, limit, budget)):
-        chain = _local_search(p, start, limit, budget)
-        for _ in range(_MAX_POLISHES):
-            polished = _polish(p, chain, limit, budget)
-            if polished is None:
-                break
-            chain = _local_search(p, polished, limit, budget)
-        found.append(chain)
-    return min(found, key=p.rank)
-
-
-def _better(p: RungProblem, chain: list[int], than: list[int]) -> bool:
-    """Whether ``chain`` has less work than ``than`` beyond rounding, or the same work and
-    fewer rungs or less memory."""
-    (work, rungs, memory), (old_work, old_rungs, old_memory) = p.rank(chain), p.rank(than)
-    slack = _TIE * abs(old_work)
-    return work < old_work - slack or (work <= old_work + slack
-                                       and (rungs, memory) < (old_rungs, old_memory))
-
-
-def _coarse(p: RungProblem, limit: int, budget: float) -> list[int]:
-    """The exact search over half of :data:`EXACT_SEARCH_MAX` candidates spread evenly over the
-    steps (each the first to reach its share of them), the others' steps folded into the
-    nearest such candidate above: the plan's overall shape, for local search to refine."""
-    total, picks = p.prefix[-1], max(EXACT_SEARCH_MAX // 2 - 1, 1)
-    near = sorted({*(bisect.bisect_left(p.prefix, total * i / picks, 1) - 1
-                     for i in range(1, picks + 1)), p.n - 1})
-    return _restricted(p, near, limit, budget)
-
-
-def _restricted(p: RungProblem, near: list[int], limit: int, budget: float) -> list[int]:
-    """The exact search over the candidates ``near`` (ascending, ending at the top), the steps
-    of the others folded into the nearest of them above."""
-    counts, below = [], -1
-    for r in near:
-        counts.append(p.prefix[r + 1] - p.prefix[below + 1])
-        below = r
-    sub = RungProblem(near, counts, [p.cost[r] for r in near], [p.mib[r] for r in near])
-    return [near[i] for i in sub.exact_within(min(limit, len(near)), budget)]
-
-
-def _polish(p: RungProblem, chain: list[int], limit: int, budget: float) -> list[int] | None:
-    """The exact search (:meth:`RungProblem.exact_within`) over the candidates within ``w`` of
-    each rung of ``chain``, ``w`` as large as keeps them to :data:`EXACT_SEARCH_MAX`, with the
-    steps of the others folded into the nearest such candidate above them. It finds changes
-    that move several rungs at once; returns None when it finds nothing better than ``chain``
-    (or the chain has too many rungs for a window of 1)."""
-    w = (EXACT_SEARCH_MAX // len(chain) - 1) // 2
-    if w < 1:
-        return None
-    near = sorted({x for r in chain for x in range(max(0, r - w), min(p.n, r + w + 1))})
-    found = _restricted(p, near, limit, budget)
-    return found if _better(p, found, chain) and p.memory(found) <= budget else None
-
-
-def _priced_search(p: RungProblem, limit: int, budget: float) -> list[int]:
-    """The best chain within both limits that the program meets when memory is priced at
-    ``lam`` work per MiB, ``lam`` chosen as LARAC does: the slope between the cheapest chain
-    known to break a limit and the cheapest known to keep both, until no chain lies below that
-    line. Each pass also bounds the optimum from below (``value - lam * budget``); the best
-    bound is logged with the plan."""
-    n, top, mib = p.n, p.n - 1, p.mib
-
-    def solve(lam: float) -> tuple[float, list[int]]:
-        values, below = _envelope(p.cost, p.prefix, [lam * m for m in mib], None)
-        return values[-1], _drop_free_rungs(p, _walk(below, top))
-
-    bound, chain = solve(0.0)
-    breaks = (p.work(chain), p.memory(chain), chain)
-    keeps = (p.work([top]), p.memory([top]), [top])
-    for _ in range(24):
-        if breaks[1] <= keeps[1] or breaks[0] >= keeps[0]:
-            break
-        lam = (keeps[0] - breaks[0]) / (breaks[1] - keeps[1])
-        value, chain = solve(lam)
-        bound = max(bound, value - lam * budget)
-        line = keeps[0] + lam * keeps[1]
-        if value >= line - _TIE * abs(line):
-            break
-        found = (p.work(chain), p.memory(chain), chain)
-        if found[1] <= budget and len(chain) <= limit:
-            keeps = found
-        else:
-            breaks = found
-    logger.debug("capture-size plan over %d sizes: the priced search's best plan has work %.6g; "
-                 "no plan within the budget has less than %.6g", n, keeps[0], bound)
-    return keeps[2]
-
-
-def _local_search(p: RungProblem, chain: list[int], limit: int, budget: float) -> list[int]:
-    """Improve a chain within both limits by single moves until none helps (at most
-    ``_MAX_ROUNDS`` rounds). Each round moves every rung to its best place between its
-    neighbours, then makes the best of: add a rung, remove one, or move one into another gap
-    (remove it and add one elsewhere). A move is taken when it lowers the work beyond rounding,
-    or, for a removal or a move between neighbours, keeps the work and saves rungs or memory."""
-    cost, prefix, mib, block = p.cost, p.prefix, p.mib, p.block
-    out = list(chain)
-    target = budget * (1 - _TIE)  # a little under the budget: running sums drift
-    for _ in range(_MAX_ROUNDS):
-        changed = False
-        memory = p.memory(out)
-        slack = _TIE * abs(p.work(out))
-        for i in range(len(out) - 1):  # every rung but the top, between its neighbours
-            lo, r0, hi = (out[i - 1] if i else -1), out[i], out[i + 1]
-            p_lo, p_hi, c_hi = prefix[lo + 1], prefix[hi + 1], cost[hi]
-            room = target - memory + mib[r0]
-            best, best_x = block(lo, r0) + block(r0, hi), r0
-            for x in range(lo + 1, hi):
-                if mib[x] <= room:
-                    work = cost[x] * (prefix[x + 1] - p_lo) + c_hi * (p_hi - prefix[x + 1])
-                    if work < best - slack or (work <= best and mib[x] < mib[best_x]):
-                        best, best_x = work, x
-            if best_x != r0:
-                memory += mib[best_x] - mib[r0]
-                out[i] = best_x
-                changed = True
-        move = _best_move(p, out, limit, target - memory)
-        if move is not None:
-            out, changed = move, True
-        if not changed:
-            break
-    return out if p.memory(out) <= budget and len(out) <= limit else chain
-
-
-def _best_move(p: RungProblem, out: list[int], limit: int, room: float) -> list[int] | None:
-    """The chain after the best single add, removal, or move of a rung into another gap, when
-    that lowers the work beyond rounding (a removal also when it costs no work); else None.
-    ``room`` is the memory left under the budget."""
-    cost, prefix, mib, block = p.cost, p.prefix, p.mib, p.block
-    slack = _TIE * abs(p.work(out))
-    gaps = []  # per gap below out[g]: the rungs one could add there, cheapest memory first,
-    lo = -1    # with the best work saving among those at or under each memory
-    for hi in out:
-        p_lo, c_hi = prefix[lo + 1], cost[hi]
-        adds = [(mib[x], (cost[x] - c_hi) * (prefix[x + 1] - p_lo), x)
-                for x in range(lo + 1, hi) if cost[x] < c_hi]
-        if not p.mib_rises:
-            adds.sort()
-        memories, best, run = [], [], (0.0, -1)
-        for memory, saving, x in adds:
-            if saving < run[0]:
-                run = (saving, x)
-            memories.append(memory)
-            best.append(run)
-        gaps.append((memories, best))
-        lo = hi
-
-    def best_add(room: float, skip: tuple[int, ...] = ()) -> tuple[float, int]:
-        found = (0.0, -1)
-        for g, (memories, best) in enumerate(gaps):
-            k = bisect.bisect_right(memories, room)
-            if k and g not in skip and best[k - 1][0] < found[0]:
-                found = best[k - 1]
-        return found
-
-    moves: list[tuple[float, int, int]] = []  # (work change, rung removed or -1, rung added)
-    if len(out) < limit:
-        change, x = best_add(room)
-        if x >= 0:
-            moves.append((change, -1, x))
-    for i in range(len(out) - 1):
-        lo, r0, hi = (out[i - 1] if i else -1), out[i], out[i + 1]
-        removal = block(lo, hi) - block(lo, r0) - block(r0, hi)
-        if removal <= 0:
-            return out[:i] + out[i + 1:]  # a free rung: fewer sizes, same work
-        moves.append((removal, i, -1))
-        change, x = best_add(room + mib[r0], skip=(i, i + 1))
-        if x >= 0:
-            moves.append((removal + change, i, x))
-    if not moves:
-        return None
-    change, i, x = min(moves)
-    if change >= -slack:
-        return None
-    chain = out if i < 0 else out[:i] + out[i + 1:]
-    return sorted([*chain, x]) if x >= 0 else chain

@@ -205,10 +205,10 @@ def test_key_is_stable_and_changes_with_each_factor(tmp_path: Path,
     assert _open(tmp_path, module=odd).key != base
     # torch / Inductor factors
     real = ff_key.torch_factors()
-    # patched where CompileCache.open looks it up
-    monkeypatch.setattr(ff_entry, "torch_factors", lambda: {**real, "torch": "9.9.9"})
+    # patched where base_factors (CompileCache.open's) looks it up
+    monkeypatch.setattr(ff_key, "torch_factors", lambda: {**real, "torch": "9.9.9"})
     assert _open(tmp_path).key != base
-    monkeypatch.setattr(ff_entry, "torch_factors",
+    monkeypatch.setattr(ff_key, "torch_factors",
                         lambda: {**real, "inductor_system": "another-gpu"})
     assert _open(tmp_path).key != base
 

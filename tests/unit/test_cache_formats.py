@@ -17,6 +17,7 @@ from torch import fx
 import freezeframe as ff
 from freezeframe.cache import entry as ff_entry
 from freezeframe.cache import files as ff_files
+from freezeframe.cache import key as ff_key
 from freezeframe.cache.artifacts import PieceCache, choose_artifact_format
 from freezeframe.compilation.compilers import InductorCompiler
 from freezeframe.sizes import Range
@@ -139,8 +140,8 @@ def test_an_artifact_of_another_torch_or_config_is_not_loaded(
     same = _open(tmp_path, Stats())
     assert same.key == written.key  # the same torch and config find the entry
     other_config = _open(tmp_path, Stats(), max_num_tokens=4096)
-    real = ff_entry.torch_factors()
-    monkeypatch.setattr(ff_entry, "torch_factors", lambda: {**real, "torch": "2.11.0"})
+    real = ff_key.torch_factors()
+    monkeypatch.setattr(ff_key, "torch_factors", lambda: {**real, "torch": "2.11.0"})
     other_torch = _open(tmp_path, Stats())
     for cache in (other_config, other_torch):
         stats = cache.stats

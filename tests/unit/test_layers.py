@@ -12,7 +12,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "freezeframe"
 STAGES: list[set[str]] = [
     {"_version", "errors", "sizes"},
     {"modes"},
-    {"config", "config_fields", "batch", "stats", "planning", "planning_search"},
+    {"config", "config_fields", "batch", "stats", "planning", "planning_search",
+     "planning_envelope", "planning_approximate"},
     {"context"},
     {"graphs"},
     {"cache"},

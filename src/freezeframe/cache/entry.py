@@ -7,9 +7,10 @@ them, and keeps the entry's informational records (``key_factors.json``, ``index
 ``usage.json``). It does not hold the files' format, the root, the lock or the private
 directories (:mod:`freezeframe.cache.files`), what goes into the key
 (:mod:`freezeframe.cache.key`), how a compiled piece is loaded or saved
-(:mod:`freezeframe.cache.artifacts`), or what a saved trace holds and when one is reused
-(:mod:`freezeframe.compilation.saved_trace`, :mod:`freezeframe.compilation.cached_trace`): here
-a saved trace is a payload and rows of checks.
+(:mod:`freezeframe.cache.artifacts`), how saved traces are kept in ``trace.bin`` and found
+through the pointer (:mod:`freezeframe.cache.saved_traces`), or what a saved trace holds and
+when one is reused (:mod:`freezeframe.compilation.saved_trace`,
+:mod:`freezeframe.compilation.cached_trace`).
 
 A warm start should not pay for work a previous process already did. Two things are worth
 keeping across processes:
@@ -24,11 +25,9 @@ keeping across processes:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
-import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -37,11 +36,9 @@ from typing import TYPE_CHECKING, Any
 from freezeframe.cache.files import (
     _FACTORS_NAME,
     _INDEX_NAME,
-    _KEY_RE,
     _TRACE_NAME,
     _USAGE_NAME,
     CACHE_FORMAT,
-    CorruptArtifactError,
     _empty_inductor_dir,
     _flock,
     _private_inductor_dir,
@@ -49,6 +46,7 @@ from freezeframe.cache.files import (
     _remove_stale_temps,
     atomic_write,
     cache_enabled,
+    discard_unloadable,
     ensure_cache_root,
     ensure_private_dir,
     inductor_cache_path,
@@ -61,12 +59,15 @@ from freezeframe.cache.inspect import (
     _read_json_object,
     _read_usage,
 )
-from freezeframe.cache.key import (
-    _sha,
-    hash_sources,
-    input_signature,
-    module_signature,
-    torch_factors,
+from freezeframe.cache.key import _sha, base_factors, hash_sources
+from freezeframe.cache.saved_traces import (
+    PointerEntry,
+    SavedTrace,
+    add_variant,
+    fitting_variant,
+    pointer_path,
+    read_pointer,
+    write_pointer,
 )
 from freezeframe.errors import CacheError
 from freezeframe.sizes import Range
@@ -80,25 +81,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CompileCache", "SavedTrace", "artifact_name", "range_bounds"]
 
 logger = logging.getLogger(__name__)
-
-# How many source variants one model's pointer lists, and how many saved traces (one per set of
-# checked values) one entry keeps; the oldest go first.
-_MAX_POINTER_ENTRIES = 8
-_MAX_TRACE_VARIANTS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedTrace:
-    """One saved trace as :meth:`CompileCache.load_trace` offers it: the payload the compile
-    path wrote, the checks a reuse must pass (as the rows it saved, which the cache does not
-    read: :meth:`~freezeframe.compilation.guard_checks.ValueCheck.as_tuple`), and the digests of
-    the traced code without a source file (to compare with the code the model runs now)."""
-
-    key: str
-    payload: bytes
-    checks: tuple[tuple[Any, ...], ...]
-    meta: dict[str, Any]
-    code: dict[str, list[str]]
 
 
 def range_bounds(compile_range: Range | tuple[int, int] | int) -> tuple[int, int]:
@@ -114,81 +96,6 @@ def range_bounds(compile_range: Range | tuple[int, int] | int) -> tuple[int, int
 def artifact_name(piece_index: int, compile_range: Range | tuple[int, int] | int) -> str:
     start, end = range_bounds(compile_range)
     return f"piece_{piece_index}_range_{start}_{end}.bin"
-
-
-def _base_factors(config: CompilationConfig, module: torch.nn.Module | None,
-                  args: Sequence[Any], kwargs: Mapping[str, Any] | None,
-                  dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None,
-                  model_key: str | None, extra_factors: Mapping[str, Any] | None,
-                  inductor_passes: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Every factor of a model's key known before it is traced (:meth:`CompileCache.open`)."""
-    from freezeframe._version import __version__
-
-    factors: dict[str, Any] = {
-        "cache_format": CACHE_FORMAT,
-        "freezeframe": __version__,
-        "config": config.cache_key(),
-        **torch_factors(),
-        "model_key": model_key,
-    }
-    passes = dict(inductor_passes or {})
-    if passes:
-        factors["inductor_passes"] = passes
-    if module is not None:
-        forward = type(module).forward
-        factors["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
-        factors["forward_line"] = getattr(getattr(forward, "__code__", None),
-                                          "co_firstlineno", None)
-        factors["module_signature"] = module_signature(module)
-        factors["inputs"] = input_signature(module, args, kwargs or {}, dynamic_arg_dims)
-    if extra_factors:
-        factors["extra"] = dict(extra_factors)
-    return factors
-
-
-def _discard(path: Path, reason: str) -> None:
-    """Remove an artifact that verified but failed to load (logged)."""
-    logger.warning("cache artifact %s could not be loaded (%s); removing it and "
-                   "recompiling", path, reason)
-    with contextlib.suppress(OSError):
-        path.unlink()
-
-
-def _read_variants(path: Path) -> list[dict[str, Any]]:
-    """The saved traces ``trace.bin`` holds (newest first); [] when it is missing, and [] when
-    it is corrupt or unreadable (logged and removed)."""
-    found = _read_verified(path)
-    if found is None:
-        return []
-    try:
-        variants = pickle.loads(found[1])["variants"]
-        if not isinstance(variants, list) or not all(
-                isinstance(v, dict) and isinstance(v.get("payload"), bytes)
-                and isinstance(v.get("checks"), list) for v in variants):
-            raise TypeError("not a list of saved traces")
-    except Exception as exc:
-        _discard(path, f"unreadable saved traces: {type(exc).__name__}: {exc}")
-        return []
-    return variants
-
-
-def _pointer_entries(path: Path) -> list[dict[str, Any]]:
-    """The entries ``models/<base key>.json`` lists (newest first); [] when it is missing,
-    and [] with a warning when it is unreadable."""
-    try:
-        entries = json.loads(path.read_text())["entries"]
-        out = []
-        for e in entries:
-            key, sources, code = e["key"], dict(e["sources"]), dict(e["code"])
-            if isinstance(key, str) and _KEY_RE.match(key):
-                out.append({"key": key, "sources": sources,
-                            "code": {str(n): sorted(map(str, d)) for n, d in code.items()}})
-        return out
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("saved-trace pointer %s is unreadable (%s); tracing", path, exc)
-        return []
 
 
 class CompileCache:
@@ -253,7 +160,7 @@ class CompileCache:
         """
         if not cache_enabled(config):
             return None
-        factors = _base_factors(config, module, args, kwargs, dynamic_arg_dims, model_key,
+        factors = base_factors(config, module, args, kwargs, dynamic_arg_dims, model_key,
                                 extra_factors, inductor_passes)
         cache = cls(resolve_cache_root(config), factors, stats)
         cache._config_dict = config.to_dict()
@@ -442,7 +349,7 @@ class CompileCache:
     # -- files -----------------------------------------------------------------------------
     def discard(self, path: Path, reason: str) -> None:
         """Remove an artifact that verified but failed to load (logged)."""
-        _discard(path, reason)
+        discard_unloadable(path, reason)
 
     def load_artifact(self, piece_index: int, compile_range: Any,
                       graph_key: str | None = None) -> tuple[Path, bytes] | None:
@@ -500,34 +407,15 @@ class CompileCache:
         index["artifacts"][name] = dict(record)
         atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
 
-    # -- the saved trace -------------------------------------------------------------------
-    # Dynamo builds a trace's guards only after the backend has compiled (and looked up) every
-    # piece, so the entry key, fixed by then, cannot hold the values the trace specialised on.
-    # Those values select a *variant* inside the entry instead: trace.bin keeps one saved trace
-    # per distinct set of checked values (newest first), so two instances of one class with
-    # different values each warm-start from their own trace instead of replacing each other's.
-    # The pieces need no such split: each artifact is checked against its piece's graph_hash,
-    # whose generated code holds the constants baked into it.
+    # -- the saved trace (kept per set of checked values: cache/saved_traces.py) -------------
     def save_trace(self, payload: bytes, meta: Mapping[str, Any] | None = None,
                    checks: Sequence[Sequence[Any]] = ()) -> Path:
         """Save the Dynamo trace of this model (with the checks a reuse must pass, as rows of
         plain values) beside the variants already saved for this entry, and point
         ``models/<base key>.json`` at it."""
-        entry = self._entry()
-        path = entry / _TRACE_NAME
-        rows = [tuple(c) for c in checks]
-        digest = _sha(rows)[:16]
-        kept = [v for v in _read_variants(path) if v.get("digest") != digest]
-        variants = [{"digest": digest, "checks": rows, "payload": payload,
-                     "meta": dict(meta or {})}, *kept][:_MAX_TRACE_VARIANTS]
-        body = pickle.dumps({"variants": variants}, protocol=pickle.HIGHEST_PROTOCOL)
-        atomic_write(path, pack_artifact(body, {"variants": len(variants)}))
-        models = ensure_private_dir(self.root / "models")
-        pointer_path = models / f"{self.base_key}.json"
-        mine = {"key": self.key, "sources": self.sources, "code": self.code}
-        others = [e for e in _pointer_entries(pointer_path) if e["key"] != self.key]
-        pointer = {"entries": [mine, *others][:_MAX_POINTER_ENTRIES]}
-        atomic_write(pointer_path, json.dumps(pointer, indent=2, sort_keys=True).encode())
+        path = self._entry() / _TRACE_NAME
+        add_variant(path, payload, meta, checks)
+        write_pointer(self.root, self.base_key, PointerEntry(self.key, self.sources, self.code))
         self._inc("artifacts_saved")
         return path
 
@@ -540,42 +428,33 @@ class CompileCache:
         On success the recorded sources and code become this cache's (the key is fixed). When
         saved traces exist but none is taken, logs why, counts ``saved_trace_rejected`` and
         returns None: the caller traces with Dynamo as usual. ``accept`` raises
-        :class:`CorruptArtifactError` for a trace that cannot be read; its file is removed.
+        :class:`~freezeframe.cache.files.CorruptArtifactError` for a trace that cannot be read;
+        its file is removed.
         """
         reasons: list[str] = []
-        for pointed in _pointer_entries(self.root / "models" / f"{self.base_key}.json"):
-            key, recorded, code = pointed["key"], pointed["sources"], pointed["code"]
+        for pointed in read_pointer(pointer_path(self.root, self.base_key)):
+            recorded = pointed.sources
             current = hash_sources(recorded)
             if current != recorded:
                 changed = sorted(p for p in recorded if current.get(p) != recorded[p])
-                reasons.append(f"entry {key}: traced sources changed ({', '.join(changed[:5])})")
+                reasons.append(f"entry {pointed.key}: traced sources changed "
+                               f"({', '.join(changed[:5])})")
                 continue
-            if self._sources is not None and (recorded != self._sources or code != self.code):
+            if self._sources is not None and (recorded != self._sources
+                                              or pointed.code != self.code):
                 continue  # the key is fixed already and this entry is not it
-            path = self.root / key / _TRACE_NAME
-            for variant in _read_variants(path):
-                try:
-                    saved = SavedTrace(
-                        key=key, payload=variant["payload"],
-                        checks=tuple(tuple(row) for row in variant["checks"]),
-                        meta=dict(variant.get("meta") or {}), code=code)
-                    why = accept(saved) if accept is not None else None
-                except (TypeError, ValueError) as exc:  # rows of another layout
-                    self.discard(path, f"unreadable saved trace: {exc}")
-                    break
-                except CorruptArtifactError as exc:
-                    self.discard(path, str(exc))
-                    break
-                if why is not None:
-                    reasons.append(f"entry {key}: {why}")
-                    continue
-                if self._sources is None:
-                    self._traced_files = set(recorded)
-                    self._sources = dict(recorded)
-                    self._traced_code = {n: set(d) for n, d in code.items()}
-                    self._code = dict(code)
-                self._inc("artifacts_loaded")
-                return saved
+            saved, rejected = fitting_variant(pointed, self.root / pointed.key / _TRACE_NAME,
+                                              accept)
+            reasons += rejected
+            if saved is None:
+                continue
+            if self._sources is None:
+                self._traced_files = set(recorded)
+                self._sources = dict(recorded)
+                self._traced_code = {n: set(d) for n, d in pointed.code.items()}
+                self._code = dict(pointed.code)
+            self._inc("artifacts_loaded")
+            return saved
         if reasons:
             logger.info("a saved trace exists for model %s but does not fit, so Dynamo traces "
                         "again: %s", self.base_key, "; ".join(reasons[:4]))

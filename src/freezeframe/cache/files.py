@@ -64,6 +64,7 @@ __all__ = [
     "atomic_write",
     "cache_enabled",
     "check_private_dir",
+    "discard_unloadable",
     "ensure_cache_root",
     "ensure_private_dir",
     "inductor_cache_path",
@@ -353,6 +354,14 @@ def _read_verified(path: Path) -> tuple[dict[str, Any], bytes] | None:
         with contextlib.suppress(OSError):
             path.unlink()
         return None
+
+
+def discard_unloadable(path: Path, reason: str) -> None:
+    """Remove a file that verified but failed to load (logged), so the rewrite starts clean."""
+    logger.warning("cache artifact %s could not be loaded (%s); removing it and "
+                   "recompiling", path, reason)
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 _STALE_TEMP_S = 600.0

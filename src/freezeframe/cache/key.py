@@ -43,10 +43,15 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from freezeframe.cache.files import CACHE_FORMAT
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from freezeframe.config import CompilationConfig
+
 __all__ = [
+    "base_factors",
     "distributed_factors",
     "graph_hash",
     "hash_sources",
@@ -203,6 +208,37 @@ def input_signature(
         else:
             out.append([name, "object", type(value).__qualname__])
     return out
+
+
+def base_factors(config: CompilationConfig, module: torch.nn.Module | None,
+                 args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                 dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None,
+                 model_key: str | None, extra_factors: Mapping[str, Any] | None,
+                 inductor_passes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Every factor of a model's base key, known before it is traced
+    (:meth:`~freezeframe.cache.entry.CompileCache.open`)."""
+    from freezeframe._version import __version__
+
+    factors: dict[str, Any] = {
+        "cache_format": CACHE_FORMAT,
+        "freezeframe": __version__,
+        "config": config.cache_key(),
+        **torch_factors(),
+        "model_key": model_key,
+    }
+    passes = dict(inductor_passes or {})
+    if passes:
+        factors["inductor_passes"] = passes
+    if module is not None:
+        forward = type(module).forward
+        factors["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
+        factors["forward_line"] = getattr(getattr(forward, "__code__", None),
+                                          "co_firstlineno", None)
+        factors["module_signature"] = module_signature(module)
+        factors["inputs"] = input_signature(module, args, kwargs or {}, dynamic_arg_dims)
+    if extra_factors:
+        factors["extra"] = dict(extra_factors)
+    return factors
 
 
 def hash_sources(paths: Iterable[str]) -> dict[str, str]:

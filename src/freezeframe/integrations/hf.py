@@ -22,7 +22,8 @@ How the model is served
   attention needs to know which tokens belong together, and it is ours. A prefill of prompts of
   5 and 3 tokens is an 8-token step, a decode step of 3 sequences a 3-token step. So the token
   count is the one dynamic dim: one trace serves every batch, and graphs are captured per
-  padded token count (for decode: per padded batch size).
+  padded token count (for decode: per padded batch size). The module compiled is the HF model
+  behind that flat forward (:mod:`~freezeframe.integrations.hf_flat`).
 * **The split point: HF's attention interface, calling our op**
   (:mod:`~freezeframe.integrations.hf_attention`). Importing this module registers the
   attention implementation ``"freezeframe"``; :func:`compile` switches the model to it
@@ -52,7 +53,6 @@ makes each expert module a graph break).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -70,12 +70,7 @@ from freezeframe.config import (
     breakable_capture,
 )
 from freezeframe.errors import CompileError, ConfigError
-from freezeframe.integrations.hf_attention import (
-    ATTN_IMPLEMENTATION,
-    HF_ATTENTION_OP,
-    STEP_KWARG,
-    StepMetadata,
-)
+from freezeframe.integrations.hf_attention import ATTN_IMPLEMENTATION, HF_ATTENTION_OP
 from freezeframe.integrations.hf_batching import Batcher, Finished, NewToken, RequestInfo
 from freezeframe.integrations.hf_checks import (
     check_attention,
@@ -86,6 +81,7 @@ from freezeframe.integrations.hf_checks import (
     positive_int,
 )
 from freezeframe.integrations.hf_experts import break_at_experts
+from freezeframe.integrations.hf_flat import CacheShape, FlatCausalLM, cache_shape
 from freezeframe.integrations.hf_generate import GenerateCall
 from freezeframe.integrations.hf_generate import generate as _generate
 from freezeframe.integrations.hf_rope import check_rope, serve_dynamic_rope
@@ -107,43 +103,6 @@ __all__ = [
     "SamplingParams",
     "compile",
 ]
-
-
-# -- the traced module -----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _CacheShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-
-class _FlatCausalLM(nn.Module):
-    """The HF model behind a flat-token forward: ``[num_tokens]`` ids, positions and cache rows
-    in, ``[num_tokens, vocab]`` logits out. Holds the static KV cache as buffers."""
-
-    def __init__(self, model: nn.Module, shape: _CacheShape, max_batch_size: int,
-                 max_cache_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.model = model
-        self.k_cache: torch.Tensor
-        self.v_cache: torch.Tensor
-        # one extra row: the sink that padded tokens write into
-        dims = (shape.layers, max_batch_size + 1, max_cache_len, shape.kv_heads, shape.head_dim)
-        self.register_buffer("k_cache", torch.zeros(dims, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v_cache", torch.zeros(dims, dtype=dtype, device=device),
-                             persistent=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                seq_ids: torch.Tensor) -> torch.Tensor:
-        # A 4-d mask is taken as given by HF's mask utilities, so HF builds none; the attention
-        # op ignores it (it masks by position and cache row).
-        placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
-        step = StepMetadata(self.k_cache, self.v_cache, positions, seq_ids)
-        output = self.model(input_ids=input_ids[None], position_ids=positions[None],
-                            attention_mask=placeholder, use_cache=False,
-                            **{STEP_KWARG: step})
-        return output.logits[0]  # type: ignore[no-any-return]
 
 
 # -- the public object ---------------------------------------------------------------------
@@ -187,7 +146,7 @@ class CompiledCausalLM:
     padded tokens and fallbacks). Graphs are captured on the first step, or by :meth:`capture`.
     """
 
-    def __init__(self, model: nn.Module, flat: _FlatCausalLM, compiled: CompiledModel,
+    def __init__(self, model: nn.Module, flat: FlatCausalLM, compiled: CompiledModel,
                  runner: GraphRunner, config: CompilationConfig, max_batch_size: int,
                  max_cache_len: int, num_layers: int, progress: bool) -> None:
         self.model = model
@@ -413,20 +372,6 @@ def _transformers_version() -> str:
 
 
 # -- the entry point -------------------------------------------------------------------------
-def _cache_shape(model: nn.Module) -> _CacheShape:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_hidden_layers"):
-        raise ConfigError(
-            f"ff.hf.compile: model is a {type(model).__name__} without a transformers config "
-            "(model.config.num_hidden_layers); pass a transformers causal LM such as "
-            "LlamaForCausalLM")
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    return _CacheShape(layers=int(config.num_hidden_layers), kv_heads=kv_heads,
-                       head_dim=int(head_dim))
-
-
 def compile(
     model: nn.Module,
     config: CompilationConfig | None = None,
@@ -469,7 +414,7 @@ def compile(
     runner's bar on a terminal) when they happen: at :meth:`CompiledCausalLM.capture` or the
     first step.
     """
-    shape = _cache_shape(model)
+    shape = cache_shape(model)
     check_causal_lm(model)
     max_batch_size = positive_int("max_batch_size", max_batch_size)
     max_cache_len = positive_int("max_cache_len", max_cache_len)
@@ -513,12 +458,12 @@ def _settle(model: nn.Module, device: torch.device) -> None:
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
 
 
-def _serve(model: nn.Module, config: CompilationConfig, shape: _CacheShape, max_batch_size: int,
+def _serve(model: nn.Module, config: CompilationConfig, shape: CacheShape, max_batch_size: int,
            max_cache_len: int, progress: bool) -> CompiledCausalLM:
     """Switch ``model`` to the ``"freezeframe"`` attention, wrap it with its static KV cache,
     compile that and put a runner around it."""
     parameter = next(model.parameters())
-    flat = _FlatCausalLM(model, shape, max_batch_size, max_cache_len, parameter.dtype,
+    flat = FlatCausalLM(model, shape, max_batch_size, max_cache_len, parameter.dtype,
                          parameter.device).eval()
     model.eval()
     _settle(model, parameter.device)
