@@ -5,7 +5,8 @@ Capturing a key is one transaction (:meth:`Capturer.capture_key`)::
     fill the buffers with a dummy step of the key's size (every row holds the fill value)
     warm up: the configured passes without a graph; at least one before the first capture,
         before each concrete compile size, and, where the backend only records (cuda),
-        before every key's first capture (lazy set-up never happens inside a capture)
+        before every key's first capture (lazy set-up never happens inside a capture;
+        :mod:`freezeframe.runtime.warmups`)
     capture: the same pass in the key's mode, the model's capture window open for this runner
     note which inputs the capture wrote (a CUDA replay writes without moving version counters)
     and the output leaves' dim 0 at this size (the output cut learns what follows the size)
@@ -20,7 +21,8 @@ it made and leaves the runner serving without graphs until a capture succeeds.
   agreed with the other ranks first and each key between two barriers
   (:mod:`freezeframe.runtime.lockstep`);
 * lazy: a key's ``lazy_warmups + 1``-th step captures it (:meth:`Capturer.deferred_step`);
-* background: a thread captures the pending keys, one per hold of the runner's lock.
+* background: a thread captures the pending keys, one per hold of the runner's lock
+  (:mod:`freezeframe.runtime.background`).
 
 Before ``capture()``, a step of a key nothing ran yet runs without a graph where the backend
 only records (:meth:`Capturer.warms_up_first`): the next step of the key captures it.
@@ -32,7 +34,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -44,8 +45,10 @@ from freezeframe.config import CompilationConfig, CUDAGraphMode
 from freezeframe.errors import CaptureError, FreezeframeError, GraphMemoryBudgetError
 from freezeframe.graphs.breakable import BreakableGraph
 from freezeframe.graphs.capturable import Capturable
+from freezeframe.runtime.background import BackgroundCapture
 from freezeframe.runtime.buffers import SavedBuffers
 from freezeframe.runtime.capture_policy import CapturePolicy, DeferredCaptures
+from freezeframe.runtime.collector import gc_frozen, gc_paused
 from freezeframe.runtime.dispatcher import Dispatcher
 from freezeframe.runtime.forward import ModelForward, device_current
 from freezeframe.runtime.graph_memory import GraphMemoryPrediction, measurement_plan
@@ -55,6 +58,7 @@ from freezeframe.runtime.memory_meter import GraphMemoryMeter, over_budget_messa
 from freezeframe.runtime.outputs import OutputCut
 from freezeframe.runtime.progress import capture_progress
 from freezeframe.runtime.report import CaptureReport, GraphCapture
+from freezeframe.runtime.warmups import Warmups
 from freezeframe.stats import Stats
 
 __all__ = ["CaptureOptions", "Capturer"]
@@ -97,11 +101,9 @@ class Capturer:
         # capture() found compiling disabled for the process: nothing captured, steps eager
         self.compile_disabled = False
         self.deferred: DeferredCaptures | None = None
-        self._background: threading.Thread | None = None
-        self._background_error: BaseException | None = None
-        # sizes and graph keys that ran eagerly before their first capture (see _num_warmups)
-        self._primed_sizes: set[int] = set()
-        self._primed_keys: set[GraphKey] = set()
+        self._background: BackgroundCapture | None = None
+        # sizes and graph keys that ran eagerly before their first capture
+        self._warmups = Warmups(held, config, device.type == "cuda")
         self._memory = GraphMemoryMeter(held, device, self._ubatch_bytes)
         if held is not None:  # steps before capture() capture, whoever closed the window
             held.capture_window.open_for(forward.static)
@@ -222,7 +224,7 @@ class Capturer:
         used_before = self._memory.in_use()
         if frozen_gc:
             self._stats.inc("capture_runs")
-        primed = (set(self._primed_sizes), set(self._primed_keys))
+        primed = self._warmups.snapshot()
         stream = torch.cuda.current_stream(self._device) if self._on_cuda else None
         if frozen_gc:
             self._cut.forget()
@@ -230,7 +232,7 @@ class Capturer:
             with contextlib.ExitStack() as stack:
                 if window is not None:
                     _open_window(stack, window, self._forward.static, frozen_gc)
-                stack.enter_context(_gc_frozen() if frozen_gc else _gc_paused())
+                stack.enter_context(gc_frozen() if frozen_gc else gc_paused())
                 yield used_before
         except BaseException:
             self._forget_failed_capture(primed, stream)
@@ -253,7 +255,7 @@ class Capturer:
             if mode is _FULL else None
         used_before = self._memory.in_use()
         t0 = time.perf_counter()
-        for _ in range(self._num_warmups(mode, desc)):
+        for _ in range(self._warmups.before_capture(mode, desc)):
             forward(_NONE, desc, tokens, reqs, tokens, reqs, {}, plan, capturing=True)
             self._stats.inc("warmups")
         if self._on_cuda:
@@ -275,24 +277,12 @@ class Capturer:
                             segments=segments, breaks=breaks)
 
     # -- steps before capture(), lazy and background ---------------------------------------
-    def records_only(self) -> bool:
-        """Whether the graph backend only records kernels when it captures (``cuda``), so code
-        that first runs inside a capture would do its lazy set-up there (a Triton kernel's
-        compile and autotuning, cuBLAS handles and workspaces, Inductor's first launch): work
-        a capture cannot hold. ``emulated`` captures by running, as eager code does."""
-        backend = self._held.graph_backend if self._held is not None else None
-        if backend is not None:
-            return not backend.capture_computes
-        return self._on_cuda
-
     def warms_up_first(self, key: GraphKey) -> bool:
         """A step of ``key`` before capture(): whether it runs without a graph, as the key's
         warm-up (counted in ``warmups``), because no pass ran its code yet and the backend
         only records; the next step of the key captures it."""
-        if self.report is not None or key in self._primed_keys or not self.records_only():
+        if self.report is not None or not self._warmups.first_step(key):
             return False
-        self._primed_keys.add(key)
-        self._primed_sizes.add(key[1].num_tokens)
         self._stats.inc("warmups")
         return True
 
@@ -328,7 +318,10 @@ class Capturer:
         self.deferred = DeferredCaptures(order, self._options.lazy_warmups)
         self.report = CaptureReport(device=device_name)
         if self._options.policy is CapturePolicy.BACKGROUND:
-            self._start_background()
+            self._background = BackgroundCapture(
+                self.deferred, self._lock,
+                lambda key: self._capture_deferred(key, error_mode="thread_local"))
+            self._background.ensure_running()
         logger.info("GraphRunner: %d graphs left to capture (%s)", len(order),
                     self._options.policy.value)
         return self.report
@@ -346,45 +339,13 @@ class Capturer:
             report, graphs=(*report.graphs, record), seconds=report.seconds + record.seconds,
             memory_bytes=report.memory_bytes + record.memory_bytes)
 
-    def _start_background(self) -> None:
-        thread = threading.Thread(target=self._capture_behind,
-                                  name="freezeframe-background-capture", daemon=True)
-        self._background = thread
-        thread.start()
-
-    def _capture_behind(self) -> None:
-        """The background thread: capture every pending key in order, one per lock hold."""
-        deferred = self.deferred
-        assert deferred is not None
-        self._lock.background = threading.get_ident()
-        while True:
-            self._lock.hold()
-            try:
-                key = deferred.next()
-                if key is None:
-                    return
-                self._capture_deferred(key, error_mode="thread_local")
-            except BaseException as exc:
-                self._background_error = exc
-                logger.warning("GraphRunner: background capture stopped: %s: %s "
-                               "(wait_for_capture() raises it)", type(exc).__name__, exc)
-                return
-            finally:
-                self._lock.exit()
-            time.sleep(0)  # let a waiting step have the lock before the next capture
-
     def wait(self, timeout: float | None) -> CaptureReport:
         """wait_for_capture(): see :meth:`~freezeframe.runtime.GraphRunner.wait_for_capture`."""
         if self.report is None:
             raise FreezeframeError("wait_for_capture() before capture(); call "
                                    "runner.capture() first")
         if self._background is not None:
-            self._background.join(timeout)
-            if self._background.is_alive():
-                raise TimeoutError(f"background capture still running after {timeout} s "
-                                   f"({self.pending} graphs left)")
-        if self._background_error is not None:
-            raise self._background_error
+            self._background.wait(timeout)
         return self.report
 
     @property
@@ -399,9 +360,8 @@ class Capturer:
             return
         if self.deferred is not None:
             self.deferred.restart()
-            if self._options.policy is CapturePolicy.BACKGROUND and (
-                    self._background is None or not self._background.is_alive()):
-                self._start_background()
+            if self._background is not None:
+                self._background.ensure_running()
             return
         self.graph_writes.clear()
         self.report = None
@@ -417,14 +377,14 @@ class Capturer:
                 "set_stance('force_eager'), without TORCH_COMPILE_DISABLE=1); steps may still "
                 "run eagerly meanwhile")
 
-    def _forget_failed_capture(self, primed: tuple[set[int], set[GraphKey]],
+    def _forget_failed_capture(self, primed: tuple[frozenset[int], frozenset[GraphKey]],
                                stream: Any) -> None:
         """Undo a capture attempt that raised, so that a retry starts as the first attempt
         did: the graphs it stored (some may hold a half-recorded capture) are freed, the sizes
         it primed count as unprimed (a failed first call may have left the model untraced),
         and the caller's CUDA stream is current again."""
         self._stats.inc("capture_failures")
-        self._primed_sizes, self._primed_keys = primed
+        self._warmups.restore(primed)
         self.graph_writes.clear()
         if self._held is not None:
             for wrapper in self._held.graph_wrappers():
@@ -435,30 +395,6 @@ class Capturer:
             torch.cuda.set_stream(stream)
         logger.warning("GraphRunner.capture failed; its graphs were freed, and capture() may "
                        "be called again")
-
-    def _num_warmups(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> int:
-        """The configured warm-ups, but at least one eager pass before the very first capture
-        and before the first capture of each concrete compile size: tracing and compiling must
-        happen outside any capture (a capture records kernels; Dynamo cannot trace under the
-        emulated recorder, and compiling inside a CUDA capture is not allowed). Where the
-        backend only records (``cuda``), at least one before the first capture of every graph
-        key as well: each key may reach code no earlier pass ran (another compile range, an
-        attention kernel's specialisation for this many requests, a micro-batch slice at a
-        new offset)."""
-        n = self._config.cudagraph_num_of_warmups
-        num_tokens = desc.num_tokens
-        first_sight = num_tokens not in self._primed_sizes
-        self._primed_sizes.add(num_tokens)
-        new_key = (mode, desc) not in self._primed_keys
-        self._primed_keys.add((mode, desc))
-        if new_key and self.records_only():
-            return max(n, 1)
-        if first_sight and (len(self._primed_sizes) == 1
-                            or num_tokens in (self._config.compile_sizes or ())):
-            return max(n, 1)
-        if self._held is not None and not self._held.traced:  # its first call has not succeeded
-            return max(n, 1)
-        return n
 
     def _undo_dummy_steps(self, saved: SavedBuffers) -> None:
         """After warm-ups and captures: refill the input buffers (the dummy steps wrote their
@@ -520,36 +456,3 @@ def _drop_low_level_graphs(held: Capturable | None, stats: Stats) -> None:
                        "(%d wrappers); the runner captures its own on its buffers, so they "
                        "were freed", len(dropped))
         stats.inc("foreign_graphs_dropped", len(dropped))
-
-
-@contextlib.contextmanager
-def _gc_frozen() -> Iterator[None]:
-    """Collect once, then freeze every surviving object out of the collector's reach for the
-    duration, so the many short-lived objects of capture never trigger a full collection.
-
-    ``gc.unfreeze()`` cannot tell our frozen objects from the caller's, so when the caller has
-    frozen some already (a server calling ``gc.freeze()`` after start-up) the collector is
-    paused instead, and left as it was found."""
-    gc.collect()
-    if gc.get_freeze_count() == 0:
-        gc.freeze()
-        try:
-            yield
-        finally:
-            gc.unfreeze()
-        return
-    with _gc_paused():
-        yield
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The collector paused for one capture during serving (no collection first: a lazy or
-    background capture must not stall the steps with a full collection)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
