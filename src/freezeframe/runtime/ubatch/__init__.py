@@ -2,7 +2,8 @@
 communication overlaps another's compute.
 
 ``slicing`` plans where a step is cut (and slices its attention metadata); ``schedule`` is the
-turn-taking the threads run by (the baton, the two streams, the yield points); ``overlap`` runs
-the slices on threads and captures a FULL graph across them. The yield points a model calls are
-public as :mod:`freezeframe.ubatch`.
+turn-taking the threads run by (the baton, the two streams, the yield points); ``threads`` runs
+one step's slices on threads and joins them; ``overlap`` decides how a step runs and captures a
+FULL graph across its threads. The yield points a model calls are public as
+:mod:`freezeframe.ubatch`.
 """

@@ -7,16 +7,12 @@ compute, then 0's communication on a second stream, then 1's compute while 0's c
 runs, and so on. Running each micro-batch's forward on its own thread and passing a *baton*
 between them at the model's yield points gives exactly that interleaving without rewriting the
 model as a state machine. The baton, the streams each micro-batch launches on and the yield
-points a model calls are :mod:`freezeframe.runtime.ubatch.schedule`; this module slices the
-arguments, starts the threads, hands out the first turn and joins the outputs. On CPU there are
-no streams: the baton alone orders the work, and the recorded
-:attr:`MicroBatchWrapper.last_trace` makes the order observable.
-
-Failure. If one micro-batch raises, the schedule is aborted: every thread waiting for the baton
-wakes up and unwinds, and the caller gets the original exception. Every wait has a deadline, so a
-thread that never yields again (a deadlock in user code) becomes a :class:`MicroBatchError`
-naming the micro-batch, never a hang. Once the threads are done, torch's process-wide compile
-stance is what it was before the step (see :func:`_compile_stance_kept`).
+points a model calls are :mod:`freezeframe.runtime.ubatch.schedule`; the threads of one step,
+started, joined and unwound on failure, are :mod:`freezeframe.runtime.ubatch.threads`. This
+module decides how a step runs (unsplit, split, or its split graph replayed or captured), slices
+the arguments and gives each micro-batch its forward context. On CPU there are no streams: the
+baton alone orders the work, and the recorded :attr:`MicroBatchWrapper.last_trace` makes the
+order observable.
 
 Graphs. In a FULL step with a graph backend, the first split step of a descriptor is captured
 whole by a FULL :class:`~freezeframe.graphs.GraphWrapper` (the same policy, input checks and
@@ -37,19 +33,13 @@ context manager``, entered when a micro-batch switches to communication and exit
 switches back (or finishes). Communication libraries that can cap their SM count (DeepEP-style
 all-to-all, or a compute library with ``set_num_sms``) use it to leave SMs to the other
 micro-batch's compute. The default does nothing.
-
-The yield points and :class:`MicroBatchContext` are re-exported here, where
-:mod:`freezeframe.ubatch` imports them from.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, cast
 
@@ -69,45 +59,17 @@ from freezeframe.errors import MicroBatchError
 from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
-from freezeframe.runtime.outputs import join_outputs
-from freezeframe.runtime.ubatch.schedule import (
-    _CURRENT,
-    _POLL_S,
-    MicroBatchContext,
-    _Aborted,
-    _Schedule,
-)
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, MicroBatchSlice
+from freezeframe.runtime.ubatch.threads import (
+    MicroBatchRun,
+    MicroBatchWork,
+    compile_stance_kept,
+)
 from freezeframe.stats import Stats
 
 __all__ = ["MicroBatchWrapper"]
 
 logger = logging.getLogger(__name__)
-
-
-# -- process-wide state the threads may disturb ------------------------------------------------
-
-
-@contextlib.contextmanager
-def _compile_stance_kept() -> Iterator[None]:
-    """Put torch's compile stance back as it was once the micro-batch threads are done.
-
-    The stance is one process-wide value, and a compiled model whose Dynamo bytecode cannot be
-    reused enters and leaves ``torch.compiler.set_stance("fail_on_recompile")`` around each of
-    its calls. Each micro-batch thread yields *inside* such a call, so the threads leave it in
-    a different order than they entered it, and the last one to leave restores the stance the
-    first one set: ``fail_on_recompile`` would stay on for the whole process, and an unrelated
-    ``torch.compile`` / ``ff.compile`` would then fail its first call. The stance this step
-    started with is restored (only if it changed), after every thread has joined or unwound.
-    """
-    from torch._dynamo import eval_frame
-
-    before = getattr(eval_frame, "_stance", None)
-    try:
-        yield
-    finally:
-        if before is not None and getattr(eval_frame, "_stance", None) is not before:
-            eval_frame._set_stance(before)
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -129,14 +91,6 @@ def _slice_arg(value: Any, sl: MicroBatchSlice, num_tokens_padded: int,
     if kind == "tokens" or (kind is None and value.shape[0] == num_tokens_padded):
         return value[sl.token_start:sl.token_stop]
     return value
-
-
-def _concat(outputs: Sequence[Any]) -> Any:
-    """Concatenate per-micro-batch outputs along dim 0, leaf by leaf, in every container the
-    runner's output cut knows (tuples, dicts, dataclasses, pytree nodes)."""
-    if isinstance(outputs[0], torch.Tensor):
-        return torch.cat(list(outputs), dim=0)
-    return join_outputs(outputs, lambda leaves: torch.cat(leaves, dim=0))
 
 
 class MicroBatchWrapper:
@@ -198,8 +152,8 @@ class MicroBatchWrapper:
         # descriptor -> what its split graph's micro-batches ran with (argument slices, the
         # tensors slice_extras made before the capture): the graph reads their memory, so they
         # live as long as it does
-        self._captured_work: dict[BatchDescriptor, tuple[_Work, ...]] = {}
-        self._pending: _Run | None = None  # threads started for the capture in progress
+        self._captured_work: dict[BatchDescriptor, tuple[MicroBatchWork, ...]] = {}
+        self._pending: MicroBatchRun | None = None  # threads started for the capture in progress
 
     @classmethod
     def for_runner(cls, model: Callable[..., Any], config: CompilationConfig, *,
@@ -268,7 +222,7 @@ class MicroBatchWrapper:
                kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
         """The step as micro-batches, each running ``call`` on its slices (or its graph)."""
         desc = fctx.batch_descriptor
-        with _compile_stance_kept():
+        with compile_stance_kept():
             if fctx.mode is CUDAGraphMode.FULL and self._graphs is not None and desc is not None:
                 return self._graphed(desc, fctx, plan, args, kwargs, call)
             return self._launch(fctx, plan, args, kwargs, call).finish()
@@ -346,6 +300,9 @@ class MicroBatchWrapper:
         return run.finish()
 
     # -- threads ------------------------------------------------------------------------------
+    def _keep_trace(self, trace: list[tuple[int, str]]) -> None:
+        self.last_trace = trace
+
     def _comm(self) -> Any:
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device=self._device)
@@ -376,10 +333,10 @@ class MicroBatchWrapper:
 
     def _launch(self, fctx: ForwardContext | None, plan: MicroBatchPlan,
                 args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]
-                ) -> _Run:
+                ) -> MicroBatchRun:
         """Start one thread per micro-batch and wait until all are initialised (CUDA handles and
         events created, so none of that happens inside a capture); nobody runs the model until
-        :meth:`_Run.finish` hands micro-batch 0 the baton."""
+        :meth:`MicroBatchRun.finish` hands micro-batch 0 the baton."""
         use_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda
                        for t in pytree.tree_leaves((args, kwargs)))
         n = plan.num_micro_batches
@@ -390,150 +347,10 @@ class MicroBatchWrapper:
                              for i, a in enumerate(args))
             sub_kwargs = {k: _slice_arg(v, sl, plan.num_tokens_padded, self.input_kinds.get(k))
                           for k, v in kwargs.items()}
-            work.append(_Work(self._thread_context(fctx, plan, index), sub_args, sub_kwargs))
-        run = _Run(self, plan, work, self._comm() if use_cuda else None, call)
+            work.append(MicroBatchWork(self._thread_context(fctx, plan, index), sub_args,
+                                       sub_kwargs))
+        run = MicroBatchRun(plan, work, self._comm() if use_cuda else None, call,
+                            timeout_s=self.timeout_s, sm_partition=self.sm_partition,
+                            keep_trace=self._keep_trace)
         run.start()
         return run
-
-
-@dataclasses.dataclass(frozen=True)
-class _Work:
-    """What one micro-batch thread runs: its forward context and its slices of the arguments."""
-
-    context: ForwardContext
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-class _Run:
-    """One micro-batched step in flight: its threads, schedule and per-thread results."""
-
-    def __init__(self, wrapper: MicroBatchWrapper, plan: MicroBatchPlan, work: list[_Work],
-                 comm: Any, call: Callable[..., Any]) -> None:
-        n = plan.num_micro_batches
-        self.wrapper = wrapper
-        self.call = call  # what each micro-batch runs (the model, or its forward when hooked)
-        self.plan = plan
-        self.work = work
-        self.comm = comm  # the comm stream, on CUDA
-        self.device = torch.cuda.current_device() if comm is not None else None
-        self.inference = torch.is_inference_mode_enabled()
-        self.grad = torch.is_grad_enabled()
-        self.sched = _Schedule(n, wrapper.timeout_s)
-        self.barrier = threading.Barrier(n + 1, timeout=wrapper.timeout_s)
-        self.results: list[Any] = [None] * n
-        self.threads: list[threading.Thread] = []
-        # entered by each thread around its work (set by a capture the threads run inside)
-        self.join_capture: Callable[[], contextlib.AbstractContextManager[Any]] = \
-            contextlib.nullcontext
-
-    def start(self) -> None:
-        """Start the threads and wait at the barrier until each has initialised."""
-        self.threads = [
-            threading.Thread(target=contextvars.copy_context().run, args=(self._body, i),
-                             name=f"freezeframe-ubatch-{i}", daemon=True)
-            for i in range(self.plan.num_micro_batches)
-        ]
-        try:
-            for t in self.threads:
-                t.start()
-            self.barrier.wait()
-        except threading.BrokenBarrierError:
-            self.sched.abort()  # a thread failed (or stalled) before starting; finish() says
-        except BaseException:
-            self.abort()  # interrupted (a signal, KeyboardInterrupt): no thread may outlive us
-            raise
-
-    def _init_cuda(self, ctx: MicroBatchContext) -> None:
-        """Create this thread's events and cuBLAS handles now: creating them during a capture
-        is not allowed."""
-        torch.cuda.set_device(self.device)
-        ctx._compute_done, ctx._comm_done = torch.cuda.Event(), torch.cuda.Event()
-        with torch.cuda.stream(self.comm):
-            ctx._compute_done.record()
-            ctx._comm_done.record()
-            torch.cuda.current_blas_handle()
-        torch.cuda.current_blas_handle()
-
-    def _body(self, index: int) -> None:
-        sched, work = self.sched, self.work[index]
-        ctx = MicroBatchContext(index=index, num_micro_batches=self.plan.num_micro_batches,
-                                slice=self.plan.padded_slices[index], _schedule=sched,
-                                comm_stream=self.comm, sm_partition=self.wrapper.sm_partition)
-        try:
-            if self.comm is not None:
-                self._init_cuda(ctx)
-            self.barrier.wait()
-            sched.wait_turn(index, "start")
-            if self.comm is not None:
-                torch.cuda.set_stream(sched.compute_stream)
-            sched.note(index, "start")
-            grad_mode = (torch.inference_mode() if self.inference
-                         else torch.set_grad_enabled(self.grad))
-            token = _CURRENT.set(ctx)
-            try:
-                with grad_mode, entered(work.context), self.join_capture():
-                    self.results[index] = self.call(*work.args, **work.kwargs)
-                ctx._rejoin_compute()
-            finally:
-                ctx._leave_sm_partition()
-                _CURRENT.reset(token)
-            sched.note(index, "end")
-            sched.finish(index)
-        except (_Aborted, threading.BrokenBarrierError):
-            sched.finish(index)
-        except BaseException as exc:  # handed to the main thread, re-raised there
-            sched.fail(index, exc)
-            self.barrier.abort()
-
-    def finish(self) -> Any:
-        """Hand micro-batch 0 the baton on the caller's current stream, join every thread,
-        re-raise the first failure, and concatenate the outputs (in the caller's thread, so in
-        a capture the concatenation is part of the graph)."""
-        sched, n, timeout_s = self.sched, self.plan.num_micro_batches, self.wrapper.timeout_s
-        sched.compute_stream = torch.cuda.current_stream() if self.comm is not None else None
-        deadline = time.monotonic() + timeout_s * (n + 1)
-        try:
-            if not sched.aborted:
-                sched.start()
-            for i, t in enumerate(self.threads):
-                t.join(max(0.0, deadline - time.monotonic()))
-                if t.is_alive():
-                    sched.abort()
-                    t.join(2 * _POLL_S + 1.0)
-                if t.is_alive():
-                    raise MicroBatchError(
-                        f"micro-batch {i} of {n} did not finish within "
-                        f"{timeout_s * (n + 1):.1f}s ({self.plan.num_tokens_padded} tokens); it "
-                        "is stuck outside a yield point, so it cannot be unwound. Raise "
-                        "timeout_s if the step is just slow")
-        except MicroBatchError:
-            raise  # a stuck thread: already aborted, and it cannot be unwound
-        except BaseException:
-            # This thread was interrupted (a signal, KeyboardInterrupt) while the micro-batches
-            # ran: they must stop at their next yield point before the exception leaves,
-            # or they would go on writing into the buffers the caller's next step uses.
-            self.abort()
-            raise
-        finally:
-            self.wrapper.last_trace = list(sched.trace)
-        if sched.errors:
-            index, exc = sched.errors[0]
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised in micro-batch {index} of {n}; the others were unwound)")
-            raise exc
-        if sched.aborted:
-            raise MicroBatchError(
-                f"micro-batched step of {self.plan.num_tokens_padded} tokens was aborted before "
-                f"it started: not all {n} micro-batch threads reached the start barrier within "
-                f"{timeout_s:.1f}s")
-        return _concat(self.results)
-
-    def abort(self) -> None:
-        """Unwind the threads: the capture around them failed, or the caller was interrupted.
-        Each stops at its next yield point (or at the start barrier)."""
-        self.sched.abort()
-        self.barrier.abort()
-        for t in self.threads:
-            if t.ident is not None:  # started
-                t.join(self.wrapper.timeout_s)

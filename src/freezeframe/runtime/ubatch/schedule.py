@@ -6,7 +6,7 @@ well-defined order (which also keeps a CUDA graph capture legal). :class:`_Sched
 baton, :class:`MicroBatchContext` what one micro-batch thread knows about itself, and the
 module-level yield points (public as :mod:`freezeframe.ubatch`) find that context through a
 context variable, so outside a micro-batched step every one of them is a no-op. Who starts the
-threads and hands out the first turn is :mod:`freezeframe.runtime.ubatch.overlap`.
+threads and hands out the first turn is :mod:`freezeframe.runtime.ubatch.threads`.
 
 Streams. On CUDA every micro-batch computes on the caller's current stream (the *compute*
 stream) and communicates on the wrapper's *comm* stream. ``yield_to_comm()`` records "my compute
