@@ -459,6 +459,16 @@ def test_cases_are_reproducible_from_their_seed() -> None:
     assert generate(7, "fast") != generate(8, "fast")
 
 
+def test_every_drawn_configuration_is_valid() -> None:
+    """Full seed 67 drew compile size 1 from its ladder [1, 2, 4, 8], then speculative decoding,
+    which rounds the ladder to [2, 4, 8]: a ConfigError before its first call. Every seed of
+    both tiers makes a config the library takes."""
+    from tests.matrix.harness import make_config
+
+    for tier, count in (("fast", FAST_SEEDS), ("full", FULL_SEEDS)):
+        for seed in range(count):
+            make_config(generate(seed, tier), None)
+
 
 def test_the_fast_slice_covers_every_path_graph_mode_model_and_change() -> None:
     cases = [generate(seed, "fast") for seed in range(FAST_SEEDS)]
