@@ -142,7 +142,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "            if False:\n",
            "a replay does not copy back into a new input tensor the graph wrote"),
     Mutant("replay_no_copy_in", "graphs/replay.py",
-           "        then.copy_(now)\n        shared.copies.n += 1\n",
+           "        _write(then, now)\n        shared.copies.n += 1\n",
            "        shared.copies.n += 1\n",
            "a replay given a new tensor reads the captured buffer's old data"),
     Mutant("replay_of_another_owner", "graphs/wrapper.py",

@@ -299,10 +299,15 @@ class CompilationConfig:
             for s in sizes:
                 padded = padded_size(s, capture)
                 if padded is not None and padded != s:
+                    fix = f"add {s} to cudagraph_capture_sizes or compile {padded} instead"
+                    if self.num_speculative_tokens:
+                        fix = (f"the capture sizes are rounded up to multiples of "
+                               f"1 + num_speculative_tokens = {1 + self.num_speculative_tokens}"
+                               f" (a decode step's tokens): compile {padded} instead")
                     raise ConfigError(
                         f"compile_sizes: size {s} would be padded to {padded} by the capture "
                         f"sizes {capture}, so its compiled code would never run under a graph; "
-                        f"add {s} to cudagraph_capture_sizes or compile {padded} instead")
+                        f"{fix}")
         object.__setattr__(self, "compile_sizes", tuple(sizes))
 
     def _resolve_compile_ranges(self) -> None:

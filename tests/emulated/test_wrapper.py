@@ -93,8 +93,10 @@ def test_a_graph_of_a_collected_owner_is_never_served_to_one_with_its_id() -> No
     first, second = Owner(), Owner()
     with torch.no_grad(), forward_context(desc, mode="full", owner=first):
         wrapper(torch.ones(4))
-    dead = wrapper._entries.pop((id(first), desc))  # as if ``second`` had ``first``'s id
-    wrapper._entries[(id(second), desc)] = dead
+    # as if ``second`` had ``first``'s id (the key's last item: whether the graph's memory is
+    # inference tensors)
+    dead = wrapper._entries.pop((id(first), desc, False))
+    wrapper._entries[(id(second), desc, False)] = dead
     del first
     gc.collect()
     wrapper._gone.clear()  # ... and another thread had taken the purge

@@ -27,6 +27,7 @@ import random
 import sys
 from typing import Any
 
+from freezeframe.sizes import padded_size, round_sizes_for_spec_decode
 from tests.matrix.models import SPECS, ModelSpec
 
 Event = Any  # Call | Change | Serve | Generate
@@ -390,10 +391,22 @@ def _runner_options(rng: random.Random, case: Case) -> Case:
         if alt.random() < 0.2 and case.graph_mode != "none":
             changes["max_loras"] = alt.choice([1, 2])
         if alt.random() < 0.15 and case.graph_mode != "none":
-            changes["spec_tokens"] = alt.choice([1, 2])
+            spec_tokens = changes["spec_tokens"] = alt.choice([1, 2])
+            if case.compile_sizes:  # (full seed 67: compile size 1, capture sizes [2, 4, 8])
+                changes["compile_sizes"] = _spec_compile_sizes(case, spec_tokens)
         if alt.random() < 0.12:
             changes["threads"] = True
     return dataclasses.replace(case, **changes)
+
+
+def _spec_compile_sizes(case: Case, spec_tokens: int) -> tuple[int, ...]:
+    """A case's compile sizes under speculative decoding: the config rounds its capture sizes
+    up to multiples of the decode query length (1 + ``spec_tokens``), so each compile size,
+    drawn from the ladder, is the capture size it pads to as rounded (a size padded to another
+    is a ConfigError: its code would never run under a graph)."""
+    ladder = round_sizes_for_spec_decode(case.ladder, 1 + spec_tokens, max(case.ladder))
+    return tuple(sorted({size for s in case.compile_sizes
+                         if (size := padded_size(s, ladder)) is not None}))
 
 
 # the changes only some models notice (or only some configurations allow): a case that may

@@ -383,6 +383,33 @@ FOUND: dict[str, Case] = {
     "inductor_grad_after_a_no_grad_call": Case(
         seed=112, tier="full", model="no_split", path="plain", compiler="inductor",
         inference_mode=False, events=(Call(3), Call(12, grad="grad"))),
+    # full seeds 24, 109, 289 (docs/results/matrix-fuzz-2026-11-28.md), inference_mode=False:
+    # graphs captured inside torch.inference_mode() held inference tensors, and the splitting
+    # op run eagerly between pieces at a later no_grad or grad call wrote into one: a raw
+    # "Inplace update to inference tensor outside InferenceMode" where eager answered; a
+    # capture in inference mode now allocates ordinary tensors (graphs/wrapper.py)
+    "inference_capture_then_no_grad_context": Case(
+        seed=24, tier="full", model="tensor_attr", path="context", graph_mode="piecewise",
+        ladder=(4, 8), inference_mode=False, events=(
+            Call(8, grad="inference", fresh=True, opt=True), Call(8, grad="no_grad", opt=True))),
+    "inference_capture_then_grad_runner": Case(
+        seed=109, tier="full", model="nested_out", path="runner", graph_mode="piecewise",
+        ladder=(1, 2, 4, 8), inference_mode=False, dtype="float16", verify=2, events=(
+            Call(2, grad="inference", positional=True, uniform=True, reqs=2),
+            Call(2, grad="grad", positional=True, uniform=True, reqs=2))),
+    "inference_capture_then_grad_micro_batch": Case(
+        seed=289, tier="full", model="rmsnorm", path="microbatch",
+        graph_mode="full_and_piecewise", ladder=(2,), ranges=(2, 4), inference_mode=False,
+        events=(Call(2, grad="inference", uniform=True, split=(1, 1), reqs=2),
+                Call(2, grad="grad", opt=True, positional=True, split=(1, 1)))),
+    # full seed 32: autocast switched on after a breakable capture under stock_torch_compile
+    # with Inductor answered float32 where eager answers bfloat16 (a wrong answer): the pieces
+    # Dynamo's autocast trace made hashed alike to the first trace's, and their Inductor code
+    # (float32) was reused; the piece hash now holds autocast and the default dtype
+    "inductor_autocast_after_a_breakable_capture": Case(
+        seed=32, tier="full", model="py_state", path="plain", mode="stock_torch_compile",
+        compiler="inductor", graph_mode="piecewise", ladder=(8,), breakable=True, events=(
+            Call(3, grad="inference", fresh=True), Change("autocast_on", 7), Call(3))),
 }
 
 
@@ -430,6 +457,17 @@ def test_cases_are_reproducible_from_their_seed() -> None:
     assert generate(7, "fast") == generate(7, "fast")
     assert generate(7, "full") == generate(7, "full")
     assert generate(7, "fast") != generate(8, "fast")
+
+
+def test_every_drawn_configuration_is_valid() -> None:
+    """Full seed 67 drew compile size 1 from its ladder [1, 2, 4, 8], then speculative decoding,
+    which rounds the ladder to [2, 4, 8]: a ConfigError before its first call. Every seed of
+    both tiers makes a config the library takes."""
+    from tests.matrix.harness import make_config
+
+    for tier, count in (("fast", FAST_SEEDS), ("full", FULL_SEEDS)):
+        for seed in range(count):
+            make_config(generate(seed, tier), None)
 
 
 def test_the_fast_slice_covers_every_path_graph_mode_model_and_change() -> None:

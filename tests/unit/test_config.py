@@ -346,6 +346,19 @@ def test_compile_sizes_that_padding_changes_are_errors(compile_sizes: list[int])
     assert f"add {s} to cudagraph_capture_sizes" in str(exc.value)
 
 
+def test_a_compile_size_rounded_away_by_speculative_decoding_names_the_rounding() -> None:
+    """Full seed 67: size 1 is in the capture sizes the user gave, but num_speculative_tokens=1
+    rounds them to [2, 4, 8]; the fix "add 1 to cudagraph_capture_sizes" could not work."""
+    with pytest.raises(ConfigError) as exc:
+        CompilationConfig(cudagraph_mode="full", cudagraph_capture_sizes=[1, 2, 4, 8],
+                          compile_sizes=[1], num_speculative_tokens=1)
+    assert str(exc.value) == (
+        "compile_sizes: size 1 would be padded to 2 by the capture sizes [2, 4, 8], so its "
+        "compiled code would never run under a graph; the capture sizes are rounded up to "
+        "multiples of 1 + num_speculative_tokens = 2 (a decode step's tokens): compile 2 "
+        "instead")
+
+
 @pytest.mark.parametrize(
     ("compile_sizes", "want"),
     [

@@ -202,3 +202,17 @@ def test_distinct_pieces_in_the_stats(mode: str) -> None:
     model, _ = _compiled(copy.deepcopy(eager), mode=mode)
     model(eager.example_input(2 if mode == "piecewise" else 3))
     assert model.stats.distinct_pieces == (3 if mode == "piecewise" else 1)
+
+
+def test_graph_hash_tells_the_ambient_settings_a_compiler_bakes_in_apart() -> None:
+    """Full seed 32: a Dynamo graph traced under torch.autocast has the nodes of one traced
+    without, and Inductor's code for the one without (float32) was reused for it."""
+    x = [torch.zeros(4, 3)]
+    gm = _fx(lambda t: t @ t.T)
+    plain = graph_hash(gm, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = graph_hash(gm, x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        fp16 = graph_hash(gm, x)
+    assert len({plain, bf16, fp16}) == 3
+    assert graph_hash(gm, x) == plain

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from freezeframe.config import CompilationConfig
 
 __all__ = [
+    "ambient_settings",
     "base_factors",
     "distributed_factors",
     "graph_hash",
@@ -407,9 +408,13 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     arguments; constant tensors (``get_attr``) by dtype, shape, strides and a digest of their
     values; nested graphs (a higher-order op's body) by their own structure; and every example
     input's dtype, device, sizes, strides and ``requires_grad``, symbolic sizes with their
-    symbols renamed in order of first appearance; and whether grad mode is on (Inductor compiles
+    symbols renamed in order of first appearance; whether grad mode is on (Inductor compiles
     a piece under ``no_grad`` as an inference graph with no autograd: reused for a trace made
-    with grad on, its outputs would not require grad). Node and placeholder names are left out,
+    with grad on, its outputs would not require grad); and the other ambient settings a
+    compiler bakes into its code (:func:`ambient_settings`: autocast, the default dtype,
+    deterministic algorithms): a graph Dynamo traced under ``torch.autocast`` has the same
+    nodes as one traced without, and Inductor's code for the one without returns float32
+    where autocast wants bfloat16. Node and placeholder names are left out,
     so the pieces of identical layers (which differ only in the names of their parameters,
     passed in as inputs) hash alike; two pieces that differ in a constant do not. An object it
     cannot describe by value is hashed by its identity in this process: such a piece is reused
@@ -427,4 +432,20 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             inputs.append(["tensor", *norm.tensor_meta(x)])
         else:
             inputs.append(norm.value(x))
-    return _sha([inputs, _structure(gm, norm), extra, torch.is_grad_enabled()])[:32]
+    return _sha([inputs, _structure(gm, norm), extra, torch.is_grad_enabled(),
+                 ambient_settings()])[:32]
+
+
+def ambient_settings() -> list[Any]:
+    """The process-wide settings, outside a graph's nodes, that a compiler reads when it
+    compiles the graph: autocast per device type (on or off, and its dtype), the default
+    dtype (of a tensor a node makes without naming one) and deterministic algorithms."""
+    import torch
+
+    settings: list[Any] = []
+    for device in ("cpu", "cuda"):
+        on = torch.is_autocast_enabled(device)
+        settings.append([device, str(torch.get_autocast_dtype(device)) if on else None])
+    settings.append(str(torch.get_default_dtype()))
+    settings.append(torch.are_deterministic_algorithms_enabled())
+    return settings

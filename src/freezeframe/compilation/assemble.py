@@ -106,11 +106,16 @@ class CompileStack:
     window: CaptureWindow
     graph_backend: GraphBackend | None
     manager: CompilerManager | None = None
+    # whether calls keep the caller's autograd mode (inference_mode=False, Dynamo's backend):
+    # then a capture in inference mode allocates ordinary tensors (GraphWrapper)
+    ordinary_memory: bool = True
 
     @classmethod
-    def of(cls, config: CompilationConfig, stats: Stats) -> CompileStack:
+    def of(cls, config: CompilationConfig, stats: Stats, *,
+           ordinary_memory: bool = True) -> CompileStack:
         """The stack for ``config`` without a compiler yet (see :meth:`with_compiler`)."""
-        return cls(config, stats, CaptureWindow(), resolve_backend(config))
+        return cls(config, stats, CaptureWindow(), resolve_backend(config),
+                   ordinary_memory=ordinary_memory)
 
     def with_compiler(self, model_key: str) -> CompileStack:
         """Give the stack its compiler manager: the config's compiler, with the graph
@@ -134,7 +139,7 @@ class CompileStack:
         assert self.manager is not None, "with_compiler() first"
         return CompileBackend(self.config, self.stats, self.manager,
                               graph_backend=self.graph_backend, window=self.window,
-                              model_key=model_key)
+                              model_key=model_key, ordinary_memory=self.ordinary_memory)
 
     def full_wrapper(self, run: Callable[..., Any]) -> GraphWrapper | None:
         """``run`` wrapped for FULL graphs, or None when this stack captures none."""
@@ -143,7 +148,7 @@ class CompileStack:
         assert self.graph_backend is not None
         return GraphWrapper(run, CUDAGraphMode.FULL, self.graph_backend,
                             options=GraphOptions(), stats=self.stats, window=self.window,
-                            debug=self.config.debug)
+                            debug=self.config.debug, ordinary_memory=self.ordinary_memory)
 
     def breakable_wrapper(self, run: Callable[..., Any], *, watch_ops: bool) -> GraphWrapper:
         """``run`` (a forward without a trace) wrapped for breakable PIECEWISE graphs: captured
@@ -154,7 +159,8 @@ class CompileStack:
         backend = BreakableBackend(self.graph_backend, tuple(self.config.splitting_ops or ()),
                                    watch_ops=watch_ops)
         return GraphWrapper(run, CUDAGraphMode.PIECEWISE, backend, options=GraphOptions(),
-                            stats=self.stats, window=self.window, debug=self.config.debug)
+                            stats=self.stats, window=self.window, debug=self.config.debug,
+                            ordinary_memory=self.ordinary_memory)
 
     def variant(self, module: nn.Module, model_key: str, dims: dict[str, tuple[int, ...]],
                 user_key: str | None, signer: Signer | None, signature: CallSignature | None,

@@ -193,13 +193,15 @@ class CompileBackend:
     """Called by Dynamo exactly once per compiled model (a second call is an error)."""
 
     def __init__(self, config: CompilationConfig, stats: Stats, manager: CompilerManager, *,
-                 graph_backend: Any = None, window: Any = None, model_key: str = "") -> None:
+                 graph_backend: Any = None, window: Any = None, model_key: str = "",
+                 ordinary_memory: bool = False) -> None:
         self.config = config
         self.stats = stats
         self.manager = manager
         self.graph_backend = graph_backend
         self.window = window
         self.model_key = model_key
+        self.ordinary_memory = ordinary_memory  # (GraphWrapper's: the caller's grad mode kept)
         self.pieces: list[Piece] = []
         self.piece_backends: list[PiecewiseBackend] = []
         self.wrappers: list[Any] = []
@@ -330,7 +332,8 @@ class CompileBackend:
                 options = GraphOptions(log=first, gc_disable=not first, weak_ref_output=last)
                 runnable = GraphWrapper(backend, CUDAGraphMode.PIECEWISE, self.graph_backend,
                                         options=options, stats=self.stats, window=self.window,
-                                        debug=self.config.debug)
+                                        debug=self.config.debug,
+                                        ordinary_memory=self.ordinary_memory)
                 self.wrappers.append(runnable)
             # A plain attribute, not a child module: the stitching code calls self.submod_<i>.
             delattr(split.stitching, piece.name)

@@ -81,7 +81,7 @@ class CompiledModel(nn.Module):
         self.model_key = model_key or f"{type(module).__module__}.{type(module).__qualname__}"
         self.inference_mode = inference_mode
         self._user_key = model_key
-        self._stack = CompileStack.of(config, self.stats)
+        self._stack = CompileStack.of(config, self.stats, ordinary_memory=not inference_mode)
         self.capture_window = self._stack.window
         # None when graphs are off (cudagraph_mode NONE, or "auto" without CUDA).
         self._graph_backend: GraphBackend | None = self._stack.graph_backend

@@ -417,11 +417,14 @@ def _root_terms(state: ModuleState, names: dict[str, Any]) -> list[str]:
                   "autocast_at_trace": any(
                       v != "off" for k, v in state._global_state.items()
                       if k.startswith("autocast")),
+                  "global_state": _global_state, "state_at_trace": state._global_state,
                   "default_dtype": torch.get_default_dtype,
                   "dtype_at_trace": state._global_state["the default dtype"]})
     return ["root['training'] is not root_flag",
             # process-wide settings the trace's code was made for (see _global_state)
             "any_autocast() is not autocast_at_trace",
+            # autocast on at the trace: its dtype and device type too (read only then)
+            "autocast_at_trace and global_state() != state_at_trace",
             "default_dtype() is not dtype_at_trace",
             "hook_handles.next_id != handle_mark",
             f"len(root) != {len(vars(module))}",

@@ -340,7 +340,7 @@ class _BreakingBackend:
         self._model_key = model_key
         self._stack.with_compiler(model_key)
         self._no_graphs = CompileStack(stack.config, stack.stats, stack.window, None,
-                                       stack.manager)
+                                       stack.manager, stack.ordinary_memory)
         self.graphs: list[CompileBackend] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -114,6 +114,17 @@ def _storages(output: Any) -> frozenset[int]:
     return frozenset(found)
 
 
+def _write(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target.copy_(value)``, in inference mode where ``target`` is an inference tensor (a
+    captured argument made in inference mode, or the caller's): only inference mode may write
+    one, and the copy is the replay's own bookkeeping, whatever mode the call is in."""
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            target.copy_(value)
+    else:
+        target.copy_(value)
+
+
 class ReplayShared:
     """What every :class:`Replay` of one wrapper shares: its mode's name (for messages), the
     ``debug`` switch, the two tallies it counts into (``replays``, ``replay_input_copies``),
@@ -207,9 +218,9 @@ class Replay:
         output = self._output_memory
         for now, then, written, kept in copied:
             if written and now.untyped_storage().data_ptr() not in output:
-                now.copy_(then)
+                _write(now, then)
             if then.untyped_storage().data_ptr() not in output:
-                then.copy_(kept)
+                _write(then, kept)
 
     def on_captured(self) -> Any:
         """Replay on the very tensors of the capture, for a caller that checked its arguments
@@ -234,7 +245,7 @@ class Replay:
         if shared.debug:
             raise self._moved(name, now, then)
         kept = then.clone()
-        then.copy_(now)
+        _write(then, now)
         shared.copies.n += 1
         if not shared.copy_logged:
             shared.copy_logged = True

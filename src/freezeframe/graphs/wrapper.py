@@ -17,6 +17,14 @@ holds the mechanism. Policy, as in the seeds:
   is collected (a runner dropped, after a garbage collection), its graphs are dropped at the
   wrapper's next call, capture or inspection, so runners made and dropped on one model do not
   pile up graph memory;
+* with ``ordinary_memory`` (a model whose calls keep the caller's autograd mode:
+  ``inference_mode=False``, ``torch.compile(backend="freezeframe")``), a capture made in
+  inference mode leaves it (grad stays off), so the graph's own memory (a piece's outputs,
+  what it allocates) is ordinary tensors: a later call outside inference mode may write into
+  them (the eager splitting op between pieces does) and is handed an answer it can change in
+  place, as eager's. A capture reading an inference tensor (which it may write, and only
+  inference mode may) stays in inference mode, and its graph serves calls in inference mode
+  only: a call outside captures its own;
 * a replay goes through the graph's :class:`~freezeframe.graphs.replay.Replay`, which states
   the rules for its arguments once (the captured tensors are read as they are, a new tensor of
   the captured shape is copied in, anything else is refused): the wrapper's own replays and a
@@ -154,6 +162,15 @@ class _Entry:
         return owner is None if self.owner is None else self.owner() is owner
 
 
+@contextlib.contextmanager
+def _ordinary_tensors() -> Iterator[None]:
+    """Leave inference mode (grad stays off) for a capture: what it allocates, the graph's
+    memory that later calls reuse, is then ordinary tensors, which a call in any mode may
+    write into (an eager splitting op between pieces) and hand to its caller."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def _version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter (bumped by every in-place write), or None for an inference
     tensor, which has none."""
@@ -190,6 +207,7 @@ class GraphWrapper:
         window: CaptureWindow,
         debug: bool = False,
         num_warmups: int = 0,
+        ordinary_memory: bool = False,
     ) -> None:
         mode = CUDAGraphMode.parse(runtime_mode)
         if mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
@@ -210,8 +228,11 @@ class GraphWrapper:
         self.stats = stats
         self.window = window
         self.num_warmups = num_warmups
-        # (the owner's id or None, key) -> what is kept for it (see the module docstring)
-        self._entries: dict[tuple[int | None, BatchDescriptor], _Entry] = {}
+        # captures made in inference mode allocate ordinary tensors (see the module docstring)
+        self.ordinary_memory = bool(ordinary_memory)
+        # (the owner's id or None, key, whether the graph's memory is inference tensors) ->
+        # what is kept for it (see the module docstring)
+        self._entries: dict[tuple[int | None, BatchDescriptor, bool], _Entry] = {}
         self._watched: set[int] = set()  # owners whose collection is watched
         self._gone: list[int] = []  # owners collected since the last purge
         self._shared = ReplayShared(mode.name, bool(debug), stats)
@@ -240,7 +261,8 @@ class GraphWrapper:
     def captured_descriptors(self) -> list[BatchDescriptor]:
         """The keys that have a captured graph (of any owner), in capture order."""
         self._purge()
-        keys = [key for (_, key), entry in list(self._entries.items()) if entry.replay is not None]
+        keys = [key for (_, key, _), entry in list(self._entries.items())
+                if entry.replay is not None]
         return list(dict.fromkeys(keys))
 
     def replay_for(self, descriptor: BatchDescriptor,
@@ -255,10 +277,13 @@ class GraphWrapper:
         key = self._key(descriptor)
         self._purge()  # first: a new owner may have a collected one's id
         if owner is ANY_OWNER:
-            return next((entry.replay for (_, k), entry in list(self._entries.items())
+            return next((entry.replay for (_, k, _), entry in list(self._entries.items())
                          if k == key and entry.replay is not None), None)
-        entry = self._entries.get((_ident(owner), key))
-        return None if entry is None or not entry.owned_by(owner) else entry.replay
+        for born_inference in (False, True):
+            entry = self._entries.get((_ident(owner), key, born_inference))
+            if entry is not None and entry.owned_by(owner) and entry.replay is not None:
+                return entry.replay
+        return None
 
     def graph_for(self, descriptor: BatchDescriptor,
                   owner: object | None = ANY_OWNER) -> CapturedGraph | None:
@@ -340,12 +365,16 @@ class GraphWrapper:
         owner = ctx.owner
         if self._gone:  # first: a new owner may have a collected one's id
             self._purge()
-        found = (None if owner is None else id(owner), key)
-        entry = self._entries.get(found)
-        if entry is not None and owner is not None and entry.owner is not None \
-                and entry.owner() is not owner:
-            self._entries.pop(found, None)  # a collected owner's, not purged yet
-            entry = None
+        found = (None if owner is None else id(owner), key, False)
+        entry = self._found(found, owner)
+        if (entry is None or entry.replay is None) and self.ordinary_memory \
+                and torch.is_inference_mode_enabled():
+            # in inference mode, a graph whose memory is inference tensors serves too (and a
+            # capture reading an inference tensor makes one: see _capture)
+            held = self._found((found[0], key, True), owner)
+            if (held is not None and held.replay is not None) \
+                    or any(a.tensor.is_inference() for a in tensor_args(args, kwargs)):
+                found, entry = (found[0], key, True), held
         if entry is not None and entry.replay is not None:
             replay = entry.replay
             if layout_of(args, kwargs) != replay.layout:
@@ -371,10 +400,21 @@ class GraphWrapper:
             out = self.runnable(*args, **kwargs)
             entry.warmups_done += 1  # a warm-up that raised does not count
             return out
-        return self._capture(key, entry, args, kwargs)
+        return self._capture(key, entry, args, kwargs, ordinary=not found[2])
+
+    def _found(self, found: tuple[int | None, BatchDescriptor, bool],
+               owner: object | None) -> _Entry | None:
+        """The entry kept under ``found`` for ``owner`` (one of a collected owner whose id
+        ``owner`` got before the purge is forgotten)."""
+        entry = self._entries.get(found)
+        if entry is not None and owner is not None and entry.owner is not None \
+                and entry.owner() is not owner:
+            self._entries.pop(found, None)  # a collected owner's, not purged yet
+            return None
+        return entry
 
     def _capture(self, key: BatchDescriptor, entry: _Entry, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
+                 kwargs: dict[str, Any], *, ordinary: bool) -> Any:
         if self.options.log:
             logger.debug("capturing a %s graph for %s (%s backend)", self.runtime_mode.name,
                          key, self.backend.name)
@@ -392,8 +432,10 @@ class GraphWrapper:
             if ctx is not None and ctx.capture_error_mode != "global" else {}
         module = self._stores_of
         before = AttributeStores.snapshot(module) if module is not None else None
-        graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
-                                             gc_disable=self.options.gc_disable, **extra)
+        with _ordinary_tensors() if ordinary and self.ordinary_memory \
+                and torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            graph, output = self.backend.capture(lambda: self.runnable(*args, **kwargs),
+                                                 gc_disable=self.options.gc_disable, **extra)
         stores = AttributeStores.since(before) if before is not None else None
         # which inputs the graph writes into (unknown for inference tensors: assumed written)
         written = tuple(v is None or _version(a.tensor) != v
