@@ -117,8 +117,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the dispatcher's memo forgets uniform_decode (a decode step gets a mixed one's "
            "graph, or the reverse)"),
     Mutant("padding_table_shifted", "sizes.py",
-           "        for n in range(prev + 1, size + 1):\n",
-           "        for n in range(prev, size):\n",
+           "    i = bisect.bisect_left(capture_sizes, num_tokens)\n",
+           "    i = bisect.bisect_right(capture_sizes, num_tokens)\n",
            "the padding table maps each capture size to the next one (and the largest to 0)"),
     # -- the output cut (runtime/outputs.py) ------------------------------------------------------
     Mutant("cut_keeps_padding", "runtime/outputs.py",
