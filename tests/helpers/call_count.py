@@ -8,7 +8,7 @@ every call of a Python function of freezeframe's own:
 * a function whose code lives in the freezeframe package, or code freezeframe generated (its
   file name starts with ``<every-call check`` or ``<freezeframe``); torch's code, fx's
   generated code (the stitching graph, the pieces) and the caller's are not counted;
-* not the emulated graph backend's replay of recorded ops (``graphs/emulated.py``) nor the
+* not the emulated graph backend's replay of recorded ops (``graphs/emulated*.py``) nor the
   model's own code (``models/``: the model and its op), nor anything they call: on CUDA the
   replay is one driver call, and the model is the user's.
 
