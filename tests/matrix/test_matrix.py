@@ -383,6 +383,24 @@ FOUND: dict[str, Case] = {
     "inductor_grad_after_a_no_grad_call": Case(
         seed=112, tier="full", model="no_split", path="plain", compiler="inductor",
         inference_mode=False, events=(Call(3), Call(12, grad="grad"))),
+    # full seeds 168, 194, 221 (make fuzz on 80c71c0): torch.compile(backend="freezeframe",
+    # dynamic=True) passes every Python float forward reads (an argument t, an attribute
+    # norm.eps, a function's default) to its graph as a tensor from the first call on: a graph
+    # step through the forward context was refused (CaptureError) at its first call; each
+    # graph is now specialised on those values (compiled again for another value)
+    "scalar_argument_torch_compile_dynamic": Case(
+        seed=168, tier="fast", model="timestep", path="torch_compile_dynamic",
+        graph_mode="piecewise", ladder=(2,), events=(
+            Call(1, via="context", fresh=True, opt=True, scalar=2),
+            Call(4, via="context", scalar=1), Call(4, via="context", scalar=3))),
+    "scalar_attribute_torch_compile_dynamic": Case(
+        seed=194, tier="fast", model="mixes_rows", path="torch_compile_dynamic",
+        graph_mode="full", ladder=(2, 4, 8), ranges=(2, 4), events=(
+            Call(1, grad="grad", positional=True), Change("load_state_dict"),
+            Call(1, grad="inference", via="context", fresh=True, opt=True))),
+    "scalar_default_torch_compile_dynamic": Case(
+        seed=221, tier="fast", model="rmsnorm", path="torch_compile_dynamic",
+        graph_mode="full", events=(Call(5, via="context", opt=True),)),
 }
 
 

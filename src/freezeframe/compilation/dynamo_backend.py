@@ -34,6 +34,7 @@ from torch import fx
 
 from freezeframe.compilation.assemble import CompileStack
 from freezeframe.compilation.backend import CompileBackend
+from freezeframe.compilation.scalar_inputs import specialising_scalars
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.config_fields import KEY_ALIASES
 from freezeframe.errors import ConfigError
@@ -114,8 +115,19 @@ class FreezeframeBackend:
         self.manager = self._stack.manager
         self.graphs: list[CompileBackend] = []
         self.full_wrappers: list[GraphWrapper] = []
+        graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
+        # with graphs, the Python numbers Dynamo would pass a graph become its constants (a
+        # capture would freeze them): another value is a recompile
+        self._compile = (self._compile_graph if self.graph_backend is None
+                         or graph_mode is CUDAGraphMode.NONE else
+                         specialising_scalars(self._compile_graph, BACKEND_NAME, self.stats,
+                                              graph_mode))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._compile(gm, example_inputs)
+
+    def _compile_graph(self, gm: fx.GraphModule,
+                       example_inputs: Sequence[Any]) -> Callable[..., Any]:
         backend = self._stack.piece_compiler(f"{BACKEND_NAME} graph {len(self.graphs)}")
         fn = backend(gm, example_inputs)
         self.graphs.append(backend)
