@@ -401,6 +401,13 @@ FOUND: dict[str, Case] = {
     "scalar_default_torch_compile_dynamic": Case(
         seed=221, tier="fast", model="rmsnorm", path="torch_compile_dynamic",
         graph_mode="full", events=(Call(5, via="context", opt=True),)),
+    # full seed 165: verify=N compared a @dataclass output as one value (==), and the first
+    # step raised torch's "Boolean value of Tensor ... is ambiguous"; verify, the graphs and
+    # the runner now walk every output container one way (freezeframe.containers)
+    "dataclass_output_verified": Case(
+        seed=165, tier="fast", model="dataclass_out", path="runner", mode="stock_torch_compile",
+        graph_mode="piecewise", ladder=(1, 8), breakable=True, dtype="float64", verify=2,
+        events=(Call(6, grad="grad", fresh=True, positional=True),)),
 }
 
 
