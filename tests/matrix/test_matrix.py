@@ -404,6 +404,17 @@ FOUND: dict[str, Case] = {
     # full seed 165: verify=N compared a @dataclass output as one value (==), and the first
     # step raised torch's "Boolean value of Tensor ... is ambiguous"; verify, the graphs and
     # the runner now walk every output container one way (freezeframe.containers)
+    # full seed 192: a micro-batched uniform-decode step under FULL_DECODE_ONLY replayed its
+    # split FULL graph without forward's self.last = out (the capture's stores are put back,
+    # and a replay runs no Python); an eager split step left the last micro-batch's rows
+    # there. Split steps now bind the whole step's output (runtime/ubatch/stores.py)
+    "stored_output_micro_batched_full_decode_only": Case(
+        seed=192, tier="fast", model="keeps_last", path="microbatch", mode="dynamo_trace_once",
+        graph_mode="full_decode_only", ladder=(2,), events=(
+            Call(2, grad="inference", uniform=True, split=(1, 1), reqs=2),)),
+    "stored_output_micro_batched_piecewise": Case(
+        seed=192, tier="fast", model="keeps_last", path="microbatch", graph_mode="piecewise",
+        ladder=(2,), events=(Call(2, grad="inference", uniform=True, split=(1, 1), reqs=2),)),
     "dataclass_output_verified": Case(
         seed=165, tier="fast", model="dataclass_out", path="runner", mode="stock_torch_compile",
         graph_mode="piecewise", ladder=(1, 8), breakable=True, dtype="float64", verify=2,
