@@ -18,7 +18,9 @@ in a FULL one for the FULL modes) that captures and replays per padded batch des
 recompilation (Dynamo's own rules, so the batch dim is dynamic only after a second size or with
 ``dynamic=True`` / ``torch._dynamo.mark_dynamic``), graph breaks (each graph is compiled on its
 own) and autograd. freezeframe's on-disk cache is not used here; Dynamo's and Inductor's own
-caches are.
+caches are. With graphs, the Python numbers Dynamo passes a graph as inputs are made guarded
+constants of it first (:mod:`~freezeframe.compilation.scalar_inputs`): a capture would freeze
+them, so another value is a recompile.
 
 To inspect what was built, pass a :class:`FreezeframeBackend` instance instead of the string:
 its ``graphs`` list holds one :class:`~freezeframe.compilation.backend.CompileBackend` per
