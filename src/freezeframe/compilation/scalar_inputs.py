@@ -6,7 +6,8 @@ an int as a ``SymInt`` once its value changed (automatic dynamic) or from the fi
 ``dynamic=True``; a float, likewise, as a 0-d float64 tensor the graph reads back with
 ``.item()`` (with Dynamo's ``specialize_float`` off, its default in torch 2.13). A graph
 captured from such code keeps the value of the capturing call: every replay would answer with
-it (an int), or the capture fails on ``.item()``, which a GPU graph cannot run (a float).
+it (an int; a float's ``.item()`` runs once, at the capture, which the emulated backend refuses
+as it refuses every read back to the host).
 
 So, where a model's calls may be captured, each such input is *specialised* before the graph
 is compiled: its value becomes a constant of the graph, guarded by Dynamo
