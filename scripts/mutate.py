@@ -132,9 +132,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("dataclass_output_uncut", "runtime/outputs.py",
            "        node = _node(out)\n        if node is None:\n            if kinds != \"none\" "
            "and _holds_tensor(out):\n",
-           "        node = None if dataclasses.is_dataclass(out) else _node(out)\n"
+           "        node = None if hasattr(out, '__dataclass_fields__') else _node(out)\n"
            "        if node is None:\n            if kinds != \"none\" and _holds_tensor(out) "
-           "and not dataclasses.is_dataclass(out):\n",
+           "and not hasattr(out, '__dataclass_fields__'):\n",
            "a dataclass output is not cut to the real rows (returned with its padding rows)"),
     # -- replay (graphs/replay.py, graphs/wrapper.py) ---------------------------------------------
     Mutant("replay_no_copy_back", "graphs/replay.py",

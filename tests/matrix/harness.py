@@ -293,13 +293,8 @@ class Harness:
             causes.add("many_structures")
         if case.path == "microbatch" and self.spec.requests:
             causes.add("micro_batch_requests")
-        if len(self.scalars) > 1:
-            if case.breakable:
-                causes.add("scalar_breakable")
-            if stock_paths and via == "context":
-                causes.add("stock_context_scalar")
-            if case.mode == "stock_torch_compile" and graphs:
-                causes.add("stock_mode_scalar")
+        if len(self.scalars) > 1 and case.breakable:
+            causes.add("scalar_breakable")
         return causes
 
     def _note(self, call: Call, via: str) -> None:

@@ -90,12 +90,6 @@ ACCEPTED: tuple[Refusal, ...] = (
     Refusal("an input of another dtype", InputMismatchError, r"dtype", frozenset({"cast"}),
             f"{TABLE}, row 'a tensor's dtype, device or rank ...' (and docs/runner.md: each "
             "input is checked against its spec)"),
-    Refusal("a Python number (attribute or argument) that changed, stock_torch_compile with "
-            "graphs", CaptureError, r"is a Python number whose value changed between calls",
-            frozenset({"class_attr", "instance_attr", "stock_mode_scalar"}),
-            f"{GUARANTEES}, 'Modes none and stock_torch_compile': under stock_torch_compile a "
-            "float that changed (an argument, an attribute) ... a graph step is refused "
-            "naming it"),
     Refusal("micro-batching a runner with a Requests input", ConfigError,
             r"micro_batching=True with the Requests input", frozenset({"micro_batch_requests"}),
             f"{GUARANTEES}, 'Micro-batching': a runner with a Requests input and "
@@ -116,10 +110,6 @@ ACCEPTED: tuple[Refusal, ...] = (
     Refusal("a Python scalar that changes, on breakable graphs", (CompileError, CaptureError),
             r"argument '?(t|steps)'?", frozenset({"scalar_breakable"}),
             f"{GUARANTEES} and docs/breakable.md: the row issue 42 item 3 adds"),
-    Refusal("a Python float that changes, torch.compile(backend='freezeframe') in a forward "
-            "context", CaptureError, r"argument '?(t|steps|scale)'?",
-            frozenset({"stock_context_scalar"}),
-            "docs/torch_compile.md: the refusal issue 42 item 12 words (naming the argument)"),
 )
 
 

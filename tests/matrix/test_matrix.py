@@ -410,6 +410,32 @@ FOUND: dict[str, Case] = {
         seed=32, tier="full", model="py_state", path="plain", mode="stock_torch_compile",
         compiler="inductor", graph_mode="piecewise", ladder=(8,), breakable=True, events=(
             Call(3, grad="inference", fresh=True), Change("autocast_on", 7), Call(3))),
+    # full seeds 168, 194, 221 (make fuzz on 80c71c0): torch.compile(backend="freezeframe",
+    # dynamic=True) passes every Python float forward reads (an argument t, an attribute
+    # norm.eps, a function's default) to its graph as a tensor from the first call on: a graph
+    # step through the forward context was refused (CaptureError) at its first call; each
+    # graph is now specialised on those values (compiled again for another value). One case
+    # for the three: tests/unit/test_dynamo_backend.py checks every source of a number
+    "scalar_argument_torch_compile_dynamic": Case(
+        seed=168, tier="fast", model="timestep", path="torch_compile_dynamic",
+        graph_mode="piecewise", ladder=(2,), events=(
+            Call(1, via="context", fresh=True, opt=True, scalar=2),
+            Call(1, via="context", scalar=1))),
+    # full seed 165: verify=N compared a @dataclass output as one value (==), and the first
+    # step raised torch's "Boolean value of Tensor ... is ambiguous"; verify, the graphs and
+    # the runner now walk every output container one way (freezeframe.containers)
+    "dataclass_output_verified": Case(
+        seed=165, tier="fast", model="dataclass_out", path="runner", mode="stock_torch_compile",
+        graph_mode="piecewise", ladder=(1, 8), breakable=True, dtype="float64", verify=2,
+        events=(Call(6, grad="grad", fresh=True, positional=True),)),
+    # full seed 192: a micro-batched uniform-decode step under FULL_DECODE_ONLY replayed its
+    # split FULL graph without forward's self.last = out (the capture's stores are put back,
+    # and a replay runs no Python); an eager split step left the last micro-batch's rows
+    # there. Split steps now bind the whole step's output (runtime/ubatch/stores.py)
+    "stored_output_micro_batched_full_decode_only": Case(
+        seed=192, tier="fast", model="keeps_last", path="microbatch", mode="dynamo_trace_once",
+        graph_mode="full_decode_only", ladder=(2,), events=(
+            Call(2, grad="inference", uniform=True, split=(1, 1), reqs=2),)),
 }
 
 

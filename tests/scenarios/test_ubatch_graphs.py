@@ -399,3 +399,34 @@ def test_a_micro_batched_step_joins_a_dataclass_output(rig: Rig) -> None:
             want = eager(x)
         assert type(got) is RowsOut and tuple(got.rows.shape) == (tokens, HIDDEN)
         assert same(rig, got.rows, want.rows) and same(rig, got.twice, want.twice)
+
+
+class KeepsOutput(CompiledCommModel):
+    """Stores its output on itself (``self.last = out``)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
+        self.last = torch.zeros(1, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = fake_comm(x @ self.w1)
+        out = torch.relu(h @ self.w2)
+        self.last = out
+        return out
+
+
+def test_a_micro_batched_step_stores_its_whole_output_as_eager_does(rig: Rig) -> None:
+    """Full seed 192: each micro-batch of a split step ran forward's ``self.last = out``, so the
+    attribute held the last micro-batch's rows; a replay of the split FULL graph ran no Python
+    at all, so it held what it held before (the capture's stores are put back). Both now
+    bind the whole step's output, as one eager call of the batch does."""
+    module = KeepsOutput(rig.device)
+    _, runner = e2e_runner(rig, module)
+    for tokens, cut in ((8, None), (8, [3, 5])):  # the split graph replayed; cut elsewhere: eager
+        x = inputs(rig, tokens, seed=71)
+        extra = {} if cut is None else {"num_scheduled_tokens": cut, "num_reqs": len(cut)}
+        module.last = torch.zeros(1, device=rig.device)
+        out = runner(x, **extra)
+        assert module.last is out or same(rig, module.last, out)
+        assert tuple(module.last.shape) == (tokens, HIDDEN)
+

@@ -5,6 +5,7 @@ graph backend present (the ``rig`` fixture)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -164,3 +165,50 @@ def test_verify_runs_the_models_hooks_in_the_reference(rig: Rig, mode: str) -> N
         torch.testing.assert_close(got, want)
     assert runner.stats.get("verified_steps") == 2
     assert runner.stats.get("verify_mismatches") == 0
+
+
+@dataclasses.dataclass
+class _Pair:
+    """A plain dataclass output (torch's pytree does not know it)."""
+
+    hidden: torch.Tensor
+    shifted: torch.Tensor
+
+
+class PairOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Pair:
+        h = attention(self.lin(x), x, x)
+        return _Pair(h, torch.ops.verifytest.shift(h))
+
+
+@pytest.mark.parametrize(("mode", "graphs"), [("piecewise", "full"),
+                                              ("stock_torch_compile", "piecewise")])
+def test_verify_compares_a_dataclass_output_field_by_field(rig: Rig, mode: str,
+                                                           graphs: str) -> None:
+    """Full seed 165 (breakable stock_torch_compile graphs): verify compared a @dataclass
+    output as one value, with ==, and the step raised torch's "Boolean value of Tensor with
+    more than one value is ambiguous". Its fields are compared now, a differing one named."""
+    module = PairOut().to(rig.device)
+    cfg = rig.config(graphs, mode=mode, cudagraph_capture_sizes=[1, 4], max_num_tokens=4)
+    runner = GraphRunner(ff.compile(module, cfg), cfg, inputs={"x": Tokens(4)},
+                         device=rig.device, progress=False, verify=1)
+    runner.capture()
+    x = rig.randn(3, 4)
+    got = runner(x)
+    with torch.no_grad():
+        want = module(x)
+    assert type(got) is _Pair
+    torch.testing.assert_close(rig.host(got.shifted), rig.host(want.shifted))
+    OFFSET[0] = 5.0  # the graphs replay the 1.0 they captured; eager adds 5.0
+    try:
+        with pytest.raises(VerifyError, match=r"output\.shifted differs from eager's by up to "
+                                              r"4"):
+            runner(rig.randn(1, 4))
+    finally:
+        OFFSET[0] = 1.0
+    assert runner.stats.get("verified_steps") == 2

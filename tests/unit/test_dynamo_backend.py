@@ -206,35 +206,105 @@ def test_the_entry_point_lists_the_backend_without_importing_freezeframe() -> No
         "entry point: reinstall it (pip install -e .)")
 
 
+SHIFT = 0.5  # a global forward reads
+
+
+def _halved(h: torch.Tensor, by: float = 0.5) -> torch.Tensor:
+    return h * by
+
+
+def _offset() -> tuple[Any, list[float]]:
+    cell = [0.25]
+
+    def offset(h: torch.Tensor) -> torch.Tensor:
+        return h + cell[0]
+
+    return offset, cell
+
+
+_OFFSET, _CELL = _offset()
+
+
 class _Scaled(torch.nn.Module):
-    """ExampleMLP's output scaled by a Python float argument."""
+    """A linear layer's output changed by Python numbers from every place forward reads one:
+    a float and an int argument, a float and an int attribute, a global, a function's default
+    and a closure cell."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.mlp = _model()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.eps, self.n = 1.0, 2
 
-    def forward(self, x: torch.Tensor, t: float) -> torch.Tensor:
-        return self.mlp(x) * t
+    def forward(self, x: torch.Tensor, t: float, k: int = 1) -> torch.Tensor:
+        h = self.lin(x) * t + k + self.eps * self.n + SHIFT
+        return _OFFSET(_halved(h))
 
 
-@pytest.mark.parametrize("graphs", ["piecewise", "full"])
-def test_a_python_float_that_changes_under_graphs_is_refused_by_name(graphs: str) -> None:
-    """Issue 42 item 12: once the float changes, torch.compile passes it as a tensor read back
-    with .item(); a capture of that was a CaptureError about aten._local_scalar_dense, an op
-    the model never calls. It names the argument and the fix now, before anything runs."""
+@pytest.fixture
+def _numbers() -> Any:
+    global SHIFT
+    yield
+    SHIFT = 0.5
+    _halved.__defaults__ = (0.5,)
+    _CELL[0] = 0.25
+
+
+def _checker(graphs: str, dynamic: bool | None) -> tuple[_Scaled, FreezeframeBackend, Any]:
     module = _Scaled()
-    compiled = torch.compile(module, backend="freezeframe", options={
-        **OPTIONS, "cudagraph_mode": graphs, "graph_backend": "emulated",
-        "cudagraph_capture_sizes": [4]})
+    backend = FreezeframeBackend(backend="eager", cudagraph_mode=graphs,
+                                 graph_backend="emulated", cudagraph_capture_sizes=[4])
+    compiled = torch.compile(module, backend=backend, dynamic=dynamic)
     mode = ff.CUDAGraphMode.PIECEWISE if graphs == "piecewise" else ff.CUDAGraphMode.FULL
     x = _rows(4, 3)
-    with torch.no_grad():
-        for t in (0.5, 0.5, 0.5):  # the first value is specialised: captured, replayed
+
+    def check(t: float, k: int) -> None:
+        for _ in range(3):  # a capture, two replays
             with ff.forward_context(ff.BatchDescriptor(num_tokens=4), mode=mode):
-                assert torch.equal(compiled(x, t), module(x, t))
-        assert torch.equal(compiled(x, 0.25), module(x, 0.25))  # without graphs: served
-        with pytest.raises(ff.errors.CaptureError, match=r"argument 't' is a Python number "
-                                                         r"whose value changed .* Pass it as "
-                                                         r"a tensor \(torch\.tensor"), \
-                ff.forward_context(ff.BatchDescriptor(num_tokens=4), mode=mode):
-            compiled(x, 0.75)
+                assert torch.equal(compiled(x, t, k), module(x, t, k)), (t, k)
+
+    return module, backend, check
+
+
+def test_a_python_number_from_anywhere_is_served_under_graphs(_numbers: Any) -> None:
+    """Issue 42 items 3 and 12 (matrix seeds 168, 194, 221): with dynamic=True, torch.compile
+    passes every Python float forward reads (an argument, an attribute, a global, a default,
+    a closure cell) to its graph as a tensor read back with .item() from the first call on,
+    and an int argument as a SymInt: a capture refused the float (a CaptureError at the first
+    call) and replayed the int of its capture. Each graph is specialised on those values now
+    (a constant and a guard), so torch.compile compiles again for another value of any one of
+    them and every call answers."""
+    global SHIFT
+    module, backend, check = _checker("piecewise", True)
+    changes = [lambda: None, lambda: setattr(module, "eps", 1.5),
+               lambda: setattr(module, "n", 3), lambda: setattr(_halved, "__defaults__", (2.0,)),
+               lambda: _CELL.__setitem__(0, 0.75)]
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=16):
+        check(0.5, 1)
+        check(0.25, 1)
+        check(0.25, 4)
+        for change in changes:
+            change()
+            check(0.25, 4)
+        SHIFT = 2.0
+        check(0.25, 4)
+    # a graph per set of values (eight), captured at its first call and replayed at the next
+    # two; the check after the no-op change replays the graph before it three times
+    assert len(backend.graphs) == 8
+    assert backend.stats.get("replays") == 8 * 2 + 3
+    # six inputs of each graph (t, k, self.eps, SHIFT, the default, the cell; self.n, an
+    # nn.Module's int, stays a constant Dynamo guards itself)
+    assert backend.stats.get("scalar_inputs_specialised") == 8 * 6
+
+
+def test_a_changed_int_argument_is_not_replayed_with_its_captured_value() -> None:
+    """Automatic dynamic (torch.compile's default): once an int argument changed, the next
+    graph took it as a SymInt, and its FULL graph replayed the value of the capture for every
+    later value (a wrong answer, silent); a changed float was refused."""
+    _, backend, check = _checker("full", None)
+    with torch.no_grad():
+        for t, k in ((0.5, 1), (0.25, 4), (0.75, 5)):
+            check(t, k)
+    assert len(backend.graphs) == 3
+    assert backend.stats.get("replays") == 3 * 2
+    # (t and k, inputs of the second graph and the third)
+    assert backend.stats.get("scalar_inputs_specialised") == 2 * 2

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "freezeframe"
 
 # Each stage may use every stage on an earlier line.
 STAGES: list[set[str]] = [
-    {"_version", "errors", "sizes"},
+    {"_version", "errors", "sizes", "containers"},
     {"modes"},
     {"config", "config_fields", "batch", "stats", "planning", "planning_search",
      "planning_envelope", "planning_approximate"},

@@ -13,7 +13,6 @@ is logged as a warning and counted in ``stats.splitting_ops_unused``, once per o
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -33,13 +32,12 @@ from freezeframe.compilation.split import (
     splitting_ops_of,
 )
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
-from freezeframe.context import get_forward_context
-from freezeframe.errors import CaptureError, CompileError, ShapeOutOfRangeError
+from freezeframe.errors import CompileError, ShapeOutOfRangeError
 from freezeframe.graphs import GraphOptions, GraphWrapper
 from freezeframe.sizes import Range
 from freezeframe.stats import Stats
 
-__all__ = ["CompileBackend", "refuse_scalar_capture"]
+__all__ = ["CompileBackend"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,50 +143,6 @@ class _CopyInputs:
         return self._fn(*args_)
 
 
-def refuse_scalar_capture(gm: fx.GraphModule, fn: Callable[..., Any], model_key: str,
-                          graph_mode: CUDAGraphMode) -> Callable[..., Any]:
-    """``fn`` (the compiled ``gm``), refusing to run under a forward context that captures or
-    replays graphs (one of ``graph_mode``'s) when Dynamo passes a Python number to ``gm`` as a
-    tensor: it does so once such a number changed between calls, and reads it back with
-    ``.item()`` (``aten._local_scalar_dense``), which a graph cannot capture. The refusal names
-    the argument and the fix; without such arguments ``fn`` itself."""
-    names = []
-    for node in gm.graph.nodes:
-        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
-        if arg is not None and getattr(arg, "pass_arg_as_tensor", False):
-            source = arg.source.name
-            names.append(_shown_source(str(source() if callable(source) else source)))
-    if not names:
-        return fn
-
-    def refusing(*args: Any) -> Any:
-        ctx = get_forward_context()
-        if ctx is not None and ctx.batch_descriptor is not None \
-                and ctx.mode is not CUDAGraphMode.NONE and graph_mode.has_mode(ctx.mode):
-            raise CaptureError(
-                f"{model_key}: {names[0]} is a Python number whose value changed between "
-                "calls, so torch.compile now passes it to the graph as a tensor and reads it "
-                "back with .item() (aten._local_scalar_dense), which a captured "
-                f"{ctx.mode.name} graph cannot do. Pass it as a tensor (torch.tensor(value) on "
-                "the model's device), which the graph reads on every replay, or keep it the "
-                "same in every call")
-        return fn(*args)
-
-    return refusing
-
-
-def _shown_source(source: str) -> str:
-    """``L['t']`` and ``L['kwargs']['t']`` as ``argument 't'``, ``L['args'][1]`` (a call
-    through ``*args``) as ``positional argument 1``, ``L['self'].x`` as ``self.x``."""
-    positional = re.fullmatch(r"L\[['\"]args['\"]\]\[(\d+)\]", source)
-    if positional is not None:
-        return f"positional argument {positional.group(1)} (counted from 0)"
-    text = re.sub(r"L\[['\"]kwargs['\"]\]", "", source)
-    text = re.sub(r"^\[['\"](\w+)['\"]\]$", r"\1", text)
-    text = re.sub(r"L\[['\"](\w+)['\"]\]", r"\1", text)
-    return f"argument {text!r}" if text.isidentifier() else text
-
-
 class CompileBackend:
     """Called by Dynamo exactly once per compiled model (a second call is an error)."""
 
@@ -256,9 +210,6 @@ class CompileBackend:
                      and self.config.cudagraph_mode is not CUDAGraphMode.NONE)
         if self.config.cudagraph_copy_inputs and graphs_on:
             fn = _CopyInputs(fn, fake_inputs, self.config.max_num_tokens)
-        if graphs_on:
-            fn = refuse_scalar_capture(gm, fn, self.model_key,
-                                       cast(CUDAGraphMode, self.config.cudagraph_mode))
         self.compile_seconds = time.perf_counter() - start
         logger.info("%s: compiled %d piece(s) (%d capturable, %d distinct) with %s in %.3f s "
                     "total", self.model_key, len(self.pieces),

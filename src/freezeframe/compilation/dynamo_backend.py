@@ -18,7 +18,9 @@ in a FULL one for the FULL modes) that captures and replays per padded batch des
 recompilation (Dynamo's own rules, so the batch dim is dynamic only after a second size or with
 ``dynamic=True`` / ``torch._dynamo.mark_dynamic``), graph breaks (each graph is compiled on its
 own) and autograd. freezeframe's on-disk cache is not used here; Dynamo's and Inductor's own
-caches are.
+caches are. With graphs, the Python numbers Dynamo passes a graph as inputs are made guarded
+constants of it first (:mod:`~freezeframe.compilation.scalar_inputs`): a capture would freeze
+them, so another value is a recompile.
 
 To inspect what was built, pass a :class:`FreezeframeBackend` instance instead of the string:
 its ``graphs`` list holds one :class:`~freezeframe.compilation.backend.CompileBackend` per
@@ -34,6 +36,7 @@ from torch import fx
 
 from freezeframe.compilation.assemble import CompileStack
 from freezeframe.compilation.backend import CompileBackend
+from freezeframe.compilation.scalar_inputs import specialising_scalars
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from freezeframe.config_fields import KEY_ALIASES
 from freezeframe.errors import ConfigError
@@ -114,8 +117,19 @@ class FreezeframeBackend:
         self.manager = self._stack.manager
         self.graphs: list[CompileBackend] = []
         self.full_wrappers: list[GraphWrapper] = []
+        graph_mode = cast(CUDAGraphMode, self.config.cudagraph_mode)
+        # with graphs, the Python numbers Dynamo would pass a graph become its constants (a
+        # capture would freeze them): another value is a recompile
+        self._compile = (self._compile_graph if self.graph_backend is None
+                         or graph_mode is CUDAGraphMode.NONE else
+                         specialising_scalars(self._compile_graph, BACKEND_NAME, self.stats,
+                                              graph_mode))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._compile(gm, example_inputs)
+
+    def _compile_graph(self, gm: fx.GraphModule,
+                       example_inputs: Sequence[Any]) -> Callable[..., Any]:
         backend = self._stack.piece_compiler(f"{BACKEND_NAME} graph {len(self.graphs)}")
         fn = backend(gm, example_inputs)
         self.graphs.append(backend)

@@ -39,13 +39,14 @@ from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle as _hook_handles
 
 from freezeframe.compilation.assemble import CompileStack
-from freezeframe.compilation.backend import CompileBackend, refuse_scalar_capture
+from freezeframe.compilation.backend import CompileBackend
 from freezeframe.compilation.compilers import stock_backend
 from freezeframe.compilation.module_call import PositionalForm
 from freezeframe.compilation.module_state import ModuleState
 from freezeframe.compilation.module_state import _user_attrs as user_attrs
 from freezeframe.compilation.outside_reads import OutsideReads
 from freezeframe.compilation.routing import MAX_TRACES
+from freezeframe.compilation.scalar_inputs import specialising_scalars
 from freezeframe.compilation.split import check_splitting_ops, matches_splitting_op
 from freezeframe.compilation.values import describe, token
 from freezeframe.config import CompilationConfig, CompilationMode, CUDAGraphMode, breakable_capture
@@ -88,8 +89,8 @@ class Untraced:
                        else stock_backend(config, stats, prepare=(
                            stack.graph_backend.prepare if stack.graph_backend else None)))
             if stack.graph_backend is not None:
-                backend = _refusing_scalars(backend, model_key,
-                                            cast(CUDAGraphMode, config.cudagraph_mode))
+                backend = specialising_scalars(backend, model_key, stats,
+                                               cast(CUDAGraphMode, config.cudagraph_mode))
             run = _StockCall(module, backend, model_key, stats)
         self.run = run
         graph_modes = {CUDAGraphMode.PIECEWISE} if breakable else set()
@@ -200,17 +201,6 @@ def _values_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...
 
 def _tensor_kind(value: torch.Tensor) -> tuple[Any, ...]:
     return ("tensor", value.dtype, value.device, value.dim())
-
-
-def _refusing_scalars(backend: Callable[..., Any], model_key: str,
-                      graph_mode: CUDAGraphMode) -> Callable[..., Any]:
-    """``backend``, each graph it compiles refusing a graph call that Dynamo passes a changed
-    Python number as a tensor (:func:`refuse_scalar_capture`)."""
-
-    def refusing(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        return refuse_scalar_capture(gm, backend(gm, example_inputs), model_key, graph_mode)
-
-    return refusing
 
 
 def _call_module(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from freezeframe.containers import map_tensors
 from freezeframe.errors import CaptureError, FreezeframeError
 
 __all__ = ["CudaBackend", "CudaGraph", "is_capture_violation", "weak_ref_tensor",
@@ -51,7 +51,7 @@ def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def weak_ref_tensors(output: Any) -> Any:
     """:func:`weak_ref_tensor` applied to every tensor in a (nested) output."""
-    return pytree.tree_map_only(torch.Tensor, weak_ref_tensor, output)
+    return map_tensors(output, weak_ref_tensor)
 
 
 def is_capture_violation(exc: BaseException) -> bool:

@@ -46,9 +46,9 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
+from freezeframe.containers import tensor_leaves
 from freezeframe.errors import InputMismatchError
 from freezeframe.graphs.backend import CapturedGraph
 from freezeframe.graphs.stores import AttributeStores
@@ -105,12 +105,11 @@ def _storages(output: Any) -> frozenset[int]:
     """The addresses of the storages of ``output``'s tensors (one without a plain storage, a
     sparse tensor, is left out)."""
     found = set()
-    for leaf in pytree.tree_leaves(output):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                found.add(leaf.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):
-                continue
+    for leaf in tensor_leaves(output):
+        try:
+            found.add(leaf.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            continue
     return frozenset(found)
 
 

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from freezeframe.batch import BatchDescriptor
 from freezeframe.config import CUDAGraphMode
+from freezeframe.containers import tensor_leaves
 from freezeframe.context import get_forward_context
 from freezeframe.errors import CaptureError, ConfigError
 from freezeframe.graphs.backend import CapturedGraph, GraphBackend
@@ -440,8 +440,7 @@ class GraphWrapper:
         # which inputs the graph writes into (unknown for inference tensors: assumed written)
         written = tuple(v is None or _version(a.tensor) != v
                         for a, v in zip(inputs, versions, strict=True))
-        if grad and any(isinstance(t, torch.Tensor) and t.requires_grad
-                        for t in pytree.tree_leaves(output)):
+        if grad and any(t.requires_grad for t in tensor_leaves(output)):
             self._refuse_autograd(key, "its output requires grad")
         if not self.backend.capture_computes:
             # The capture only recorded the work: run it once, so this call returns real

@@ -18,63 +18,26 @@ by rows at all, which a step that needs padding refuses by name.
 Every answer is a new tensor object (a view): an in-place change of one answer's metadata
 (``y.t_()``) must not reach the static output the next step answers with.
 
-An output is walked as a tree (:func:`map_tensors` and the cut alike): a tensor is a leaf;
-dicts (``ModelOutput`` too), tuples, namedtuples and lists, dataclasses (a plain ``@dataclass``
-of tensors, which torch's pytree does not know), and any other class registered with
-``torch.utils._pytree`` are containers, rebuilt around their cut children. Any other object
+An output is walked as a tree (:mod:`freezeframe.containers`, the cut too): a tensor is a
+leaf; dicts (``ModelOutput`` too), tuples, namedtuples and lists, dataclasses (a plain
+``@dataclass`` of tensors, which torch's pytree does not know), and any other class registered
+with ``torch.utils._pytree`` are containers, rebuilt around their cut children. Any other object
 that holds a tensor cannot be cut: a step answering with one is refused by name (or marked
 ``"none"``, returned whole).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from freezeframe.containers import map_tensors, tensor_leaves
+from freezeframe.containers import node as _node
 from freezeframe.errors import ConfigError
 
 __all__ = ["OUTPUT_KINDS", "OutputCut", "check_outputs", "map_tensors"]
-
-# a container's children, each (its key: a mapping key, a field name or a position, its value),
-# and the function that rebuilds the container from new values of them
-Node = tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]
-
-
-def _node(obj: Any) -> Node | None:
-    """``obj`` as a container (see the module docstring), or None for a leaf or a plain
-    value (a tensor, a number, a string, None, any object holding no tensor)."""
-    if isinstance(obj, torch.Tensor):
-        return None
-    if isinstance(obj, Mapping):
-        keys = list(obj)
-        return ([(k, obj[k]) for k in keys],
-                lambda values: type(obj)(dict(zip(keys, values, strict=True))))  # type: ignore[call-arg]
-    if isinstance(obj, (tuple, list)):
-        rebuild: Callable[[list[Any]], Any] = (
-            (lambda values: type(obj)(*values)) if hasattr(obj, "_fields")
-            else (lambda values: type(obj)(values)))
-        return list(enumerate(obj)), rebuild
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = [f.name for f in dataclasses.fields(obj)]
-
-        def rebuilt(values: list[Any]) -> Any:
-            new = copy.copy(obj)
-            for name, value in zip(names, values, strict=True):
-                object.__setattr__(new, name, value)  # (a frozen dataclass too)
-            return new
-
-        return [(n, getattr(obj, n)) for n in names], rebuilt
-    entry = pytree.SUPPORTED_NODES.get(type(obj))
-    if entry is not None:
-        children, context = entry.flatten_fn(obj)
-        return (list(enumerate(children)),
-                lambda values: entry.unflatten_fn(values, context))
-    return None
 
 
 def _holds_tensor(obj: Any) -> bool:
@@ -85,30 +48,6 @@ def _holds_tensor(obj: Any) -> bool:
                if isinstance(s, str)]
     return any(isinstance(v, torch.Tensor) for v in values)
 
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor, every container rebuilt (namedtuples,
-    dataclasses and registered pytree nodes too). A tensor object found twice (``(h, [y,
-    h])``) is mapped once: both places hold the one result, as they held the one tensor."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    return _mapped(obj, fn, {})
-
-
-def _mapped(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
-            done: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        known = done.get(id(obj))
-        if known is not None:
-            return known[1]
-        result = fn(obj)
-        done[id(obj)] = (obj, result)  # (the tensor kept: its id stays its own meanwhile)
-        return result
-    node = _node(obj)
-    if node is None:
-        return obj
-    children, rebuild = node
-    return rebuild([_mapped(v, fn, done) for _, v in children])
 
 def join_outputs(outputs: Sequence[Any], join: Callable[[list[torch.Tensor]], torch.Tensor]
                  ) -> Any:
@@ -182,7 +121,7 @@ class OutputCut:
 
     def record(self, out: Any, tokens: int, reqs: int) -> None:
         """One dummy step's output at ``tokens`` (and ``reqs``) padded rows."""
-        for i, leaf in enumerate(_tensor_leaves(out)):
+        for i, leaf in enumerate(tensor_leaves(out)):
             self._seen.setdefault(i, set()).add(
                 (tokens, reqs, int(leaf.shape[0]) if leaf.dim() else None))
 
@@ -267,17 +206,6 @@ def cut_rows(t: torch.Tensor, kind: str, padded_tokens: int, num_tokens: int,
             return t.detach()
         return t[:reqs] if t.shape[0] == padded_reqs else t.detach()
     raise ConfigError(f"outputs: unknown kind {kind!r}; use 'tokens', 'requests' or 'none'")
-
-
-def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of an output, in the order :meth:`OutputCut.cut` visits them."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        return
-    node = _node(obj)
-    if node is not None:
-        for _, v in node[0]:
-            yield from _tensor_leaves(v)
 
 
 def _fixed_leaves(seen: Seen) -> dict[int, frozenset[str]]:

@@ -29,7 +29,7 @@ fused kernels round differently), 5e-2 for 16-bit ones, exact for integers and b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch import nn
 from freezeframe.batch import BatchDescriptor, GraphKey
 from freezeframe.compilation.module_call import call_eagerly
 from freezeframe.config import CUDAGraphMode
+from freezeframe.containers import leaves, map_tensors
 from freezeframe.context import forward_context
 from freezeframe.errors import ConfigError, VerifyError
 from freezeframe.stats import Stats
@@ -53,22 +54,15 @@ def default_tolerance(dtype: torch.dtype) -> float:
     return 5e-2 if torch.finfo(dtype).bits <= 16 else 1e-4
 
 
-def _leaves(obj: Any, where: str = "output") -> Iterator[tuple[str, Any]]:
-    """Every leaf of a (nested) output, with where it sits (``output[0]['logits']``)."""
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _leaves(v, f"{where}[{k!r}]")
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from _leaves(v, f"{where}[{i}]")
-    else:
-        yield where, obj
-
-
 def _difference(got: Any, want: Any, tolerance: float | None) -> str | None:
     """Why ``got`` is not ``want`` within tolerance, in words, or None."""
     if not isinstance(want, torch.Tensor):
-        return None if got == want else f"is {got!r} where eager gives {want!r}"
+        try:
+            same = bool(got == want)
+        except (RuntimeError, TypeError, ValueError):
+            # (an object of another class holding tensors: nothing to compare it by)
+            return None
+        return None if same else f"is {got!r} where eager gives {want!r}"
     if not isinstance(got, torch.Tensor):
         return f"is {type(got).__name__} where eager gives a tensor"
     if got.shape != want.shape or got.dtype != want.dtype:
@@ -161,7 +155,8 @@ class Verifier:
         """After the graph step of ``key`` answered ``answer``: run ``eager`` from the state
         ``before`` held, compare answers and buffers, leave the module as the graph step left
         it, and raise :class:`VerifyError` on a difference."""
-        held = _clone(answer)  # (the eager run must not be able to move what is compared)
+        # (copied: the eager run must not be able to move what is compared)
+        held = map_tensors(answer, lambda t: t.detach().clone())
         after = _Snapshot.of(module)
         before.restore()
         try:
@@ -185,7 +180,7 @@ class Verifier:
 
     def _compare(self, got: Any, want: Any, after: _Snapshot,
                  module: nn.Module) -> str | None:
-        got_leaves, want_leaves = list(_leaves(got)), list(_leaves(want))
+        got_leaves, want_leaves = list(leaves(got)), list(leaves(want))
         if [w for w, _ in got_leaves] != [w for w, _ in want_leaves]:
             return "the output's structure differs from eager's"
         for (where, g), (_, w) in zip(got_leaves, want_leaves, strict=True):
@@ -203,13 +198,3 @@ class Verifier:
         """The context the eager run sees: no graph mode, the real batch size."""
         return forward_context(BatchDescriptor(num_tokens=num_tokens),
                                mode=CUDAGraphMode.NONE, **extras)
-
-
-def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, Mapping):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return [_clone(v) for v in obj]
-    return obj

@@ -60,6 +60,7 @@ from freezeframe.graphs.backend import GraphBackend, resolve_backend
 from freezeframe.graphs.capturable import Capturable
 from freezeframe.graphs.wrapper import CaptureWindow, GraphOptions, GraphWrapper
 from freezeframe.runtime.ubatch.slicing import MicroBatchPlan, MicroBatchSlice
+from freezeframe.runtime.ubatch.stores import SplitStores
 from freezeframe.runtime.ubatch.threads import (
     MicroBatchRun,
     MicroBatchWork,
@@ -154,6 +155,8 @@ class MicroBatchWrapper:
         # live as long as it does
         self._captured_work: dict[BatchDescriptor, tuple[MicroBatchWork, ...]] = {}
         self._pending: MicroBatchRun | None = None  # threads started for the capture in progress
+        # descriptor -> the output leaves its split graph's forward stored on the module
+        self._stores: dict[BatchDescriptor, SplitStores] = {}
 
     @classmethod
     def for_runner(cls, model: Callable[..., Any], config: CompilationConfig, *,
@@ -192,6 +195,7 @@ class MicroBatchWrapper:
             self._graphs.clear()
         self._layouts.clear()
         self._captured_work.clear()
+        self._stores.clear()
 
     # -- entry --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -225,7 +229,21 @@ class MicroBatchWrapper:
         with compile_stance_kept():
             if fctx.mode is CUDAGraphMode.FULL and self._graphs is not None and desc is not None:
                 return self._graphed(desc, fctx, plan, args, kwargs, call)
-            return self._launch(fctx, plan, args, kwargs, call).finish()
+            return self._eager(fctx, plan, args, kwargs, call)
+
+    def _eager(self, fctx: ForwardContext, plan: MicroBatchPlan, args: tuple[Any, ...],
+               kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
+        """The micro-batches run without a graph, forward's stores then made as the whole
+        batch's one call makes them (:class:`SplitStores`)."""
+        module = self.runnable if isinstance(self.runnable, nn.Module) else None
+        before = SplitStores.snapshot(module) if module is not None else None
+        run = self._launch(fctx, plan, args, kwargs, call)
+        out = run.finish()
+        if before is not None:
+            stores = SplitStores.of(before, run.results)
+            if stores is not None:
+                stores.make(out)
+        return out
 
     def _run_unsplit(self, fctx: ForwardContext | None, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
@@ -254,9 +272,13 @@ class MicroBatchWrapper:
             self.stats.inc("micro_batch_fallbacks")
             logger.debug("split step at %s cut as %s, but its graph was captured cut as %s: "
                          "running the micro-batches eagerly", desc, plan.padded_slices, layout)
-            return self._launch(fctx, plan, args, kwargs, call).finish()
+            return self._eager(fctx, plan, args, kwargs, call)
         if layout is not None:
-            return graphs(*args, **kwargs)
+            out = graphs(*args, **kwargs)
+            stores = self._stores.get(desc)
+            if stores is not None:  # a replay runs no Python: forward's stores are made here
+                stores.make(out)
+            return out
         if not graphs.window.is_open_for(fctx.owner) and self._captured_unsplit(desc, fctx):
             # captured unsplit (the capture's step of this size was not split: under FULL a
             # uniform-decode step shares its key with a mixed one, which splits at another
@@ -268,6 +290,8 @@ class MicroBatchWrapper:
                 return call(*args, **kwargs)
         # Threads start, and create their CUDA events and handles, before the capture begins
         # (creating them inside one is not allowed); inside it they only run.
+        module = self.runnable if isinstance(self.runnable, nn.Module) else None
+        before = SplitStores.snapshot(module) if module is not None else None
         run = self._pending = self._launch(fctx, plan, args, kwargs, call)
         try:
             out = graphs(*args, **kwargs)
@@ -275,6 +299,11 @@ class MicroBatchWrapper:
             pending, self._pending = self._pending, None
             if pending is not None:  # the capture was refused before it ran the step
                 pending.abort()
+        if before is not None:
+            stores = SplitStores.of(before, run.results)
+            if stores is not None:
+                self._stores[desc] = stores
+                stores.make(out)
         self._layouts[desc] = plan.padded_slices
         self._captured_work[desc] = tuple(run.work)
         return out
