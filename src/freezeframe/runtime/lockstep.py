@@ -301,6 +301,16 @@ class LockstepCapture:
         keys = [f"{name}/{r}" for r in range(self.size)]
         if not self._store.check([keys[self.rank]]):
             self._store.set(keys[self.rank], "")
+        try:
+            self._wait_for(keys, stage, graph, quiet, patience)
+        except _StoreLost as lost:
+            if not stage:
+                raise
+            raise CaptureError(f"{lost} This rank ({self.rank}) was waiting for {stage}.") \
+                from lost
+
+    def _wait_for(self, keys: list[str], stage: str, graph: tuple[int, str] | None,
+                  quiet: bool, patience: float) -> None:
         deadline = time.monotonic() + patience * self.lockstep.timeout_s
         pause = _POLL_S
         while not self._store.check(keys):
@@ -359,6 +369,10 @@ def lockstep_session(lockstep: Lockstep | None, config: CompilationConfig,
         sync.close()
 
 
+class _StoreLost(CaptureError):
+    """The protocol's store cannot be reached any more (its host rank stopped)."""
+
+
 class _Reachable:
     """The store of the protocol, whose every operation raises a CaptureError (never torch's
     raw ``DistNetworkError: Broken pipe``) once the store cannot be reached: its host rank
@@ -373,7 +387,7 @@ class _Reachable:
         except Exception as exc:
             if not _unreachable(exc):
                 raise
-            raise CaptureError(
+            raise _StoreLost(
                 f"lockstep capture: the process group's store cannot be reached from rank "
                 f"{self._rank} ({type(exc).__name__}: {exc}): the rank hosting it (rank 0 of "
                 "a default group) has stopped, so no rank can report to the others. Restart "
