@@ -12,7 +12,7 @@
 #
 # Knobs: PYTHON=python3.12 (the interpreter that creates the venv), VENV=path,
 # TESTS='tests/unit/test_cli.py' PYTEST_ARGS='-q -x' (what pytest runs), BENCH_ARGS='--preset tiny',
-# FUZZ_SEEDS=400 (how many seeds make fuzz runs; FF_MATRIX_START=N starts elsewhere).
+# FUZZ_SEEDS=400 (how many seeds make fuzz runs; FF_MATRIX_START=N starts elsewhere), FUZZ_ARGS.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,6 +21,8 @@ TESTS ?=
 PYTEST_ARGS ?= -q -n auto --dist loadfile
 BENCH_ARGS ?= --preset tiny
 FUZZ_SEEDS ?= 400
+# the full tier's seeds are independent (its floor test is the fast slice's): any worker takes any
+FUZZ_ARGS ?= -q -n auto --dist load
 
 VENV_BIN := $(abspath $(VENV))/bin
 VPY := $(VENV_BIN)/python
@@ -51,7 +53,7 @@ test: $(STAMP)
 # The differential matrix's full tier (tests/matrix/test_matrix.py): the fast slice runs in
 # make test; this adds Inductor, the Hugging Face models and warm starts in a fresh process.
 fuzz: $(STAMP)
-	$(IN_VENV) FF_MATRIX=full FF_MATRIX_SEEDS=$(FUZZ_SEEDS) $(VPY) -m pytest $(PYTEST_ARGS) \
+	$(IN_VENV) FF_MATRIX=full FF_MATRIX_SEEDS=$(FUZZ_SEEDS) $(VPY) -m pytest $(FUZZ_ARGS) \
 	    tests/matrix
 
 # Uses the venv's interpreter to build and as the base of the clean venv it installs into.
