@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ambient_settings",
+    "autocast_settings",
     "base_factors",
     "distributed_factors",
     "graph_hash",
@@ -436,16 +437,22 @@ def graph_hash(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                  ambient_settings()])[:32]
 
 
+def autocast_settings() -> dict[str, str]:
+    """Autocast per device type, as compiled code depends on it: ``{"autocast on cpu": "off"
+    or "on (torch.bfloat16)", ...}`` (the compile key's and the per-call module check's one
+    reading of it)."""
+    import torch
+
+    return {f"autocast on {device}": (f"on ({torch.get_autocast_dtype(device)})"
+                                      if torch.is_autocast_enabled(device) else "off")
+            for device in ("cpu", "cuda")}
+
+
 def ambient_settings() -> list[Any]:
     """The process-wide settings, outside a graph's nodes, that a compiler reads when it
     compiles the graph: autocast per device type (on or off, and its dtype), the default
     dtype (of a tensor a node makes without naming one) and deterministic algorithms."""
     import torch
 
-    settings: list[Any] = []
-    for device in ("cpu", "cuda"):
-        on = torch.is_autocast_enabled(device)
-        settings.append([device, str(torch.get_autocast_dtype(device)) if on else None])
-    settings.append(str(torch.get_default_dtype()))
-    settings.append(torch.are_deterministic_algorithms_enabled())
-    return settings
+    return [sorted(autocast_settings().items()), str(torch.get_default_dtype()),
+            torch.are_deterministic_algorithms_enabled()]

@@ -59,6 +59,7 @@ from torch.nn.modules import module as _torch_module
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.hooks import RemovableHandle as _hook_handles
 
+from freezeframe.cache.key import autocast_settings
 from freezeframe.compilation.every_call_check import every_call_source
 from freezeframe.compilation.outside_reads import OutsideReads
 from freezeframe.compilation.values import Same, describe, token
@@ -113,13 +114,8 @@ def _global_state() -> dict[str, Any]:
     its dtype, per device type) and the default dtype and device (the dtype and device of a
     tensor ``forward`` makes without naming them). Grad mode is part of a call's key instead,
     and calls run in inference mode."""
-    state: dict[str, Any] = {"the default dtype": torch.get_default_dtype(),
-                             "the default device": str(torch.get_default_device())}
-    for device in ("cpu", "cuda"):
-        on = torch.is_autocast_enabled(device)
-        state[f"autocast on {device}"] = (
-            f"on ({torch.get_autocast_dtype(device)})" if on else "off")
-    return state
+    return {"the default dtype": torch.get_default_dtype(),
+            "the default device": str(torch.get_default_device()), **autocast_settings()}
 
 
 def _global_hook_ids() -> tuple[tuple[int, ...], tuple[int, ...]]:
